@@ -1,0 +1,35 @@
+"""fastpersist: PyTorch checkpoints at the speed of the storage.
+
+Public API::
+
+    fastpersist.save(obj, path)          # drop-in for torch.save (file loads with stock torch.load)
+    fastpersist.load(path)               # drop-in for torch.load, parallel O_DIRECT reads
+    fastpersist.verify(path)             # checksum every payload byte
+    fastpersist.patch_torch_save()       # route torch.save/torch.load through fastpersist
+    fastpersist.Config                   # engine, buffers, queue depth, threads, O_DIRECT, fsync, checksum
+    fastpersist.io                       # low-level I/O handle, pinned tensors, byte views
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from fastpersist import io  # noqa: E402
+from fastpersist.api import load, save, verify  # noqa: E402
+from fastpersist.config import Config  # noqa: E402
+from fastpersist.patch import patch_torch_save, unpatch_torch_save  # noqa: E402
+
+__all__ = [
+    "Config",
+    "__version__",
+    "io",
+    "load",
+    "patch_torch_save",
+    "save",
+    "unpatch_torch_save",
+    "verify",
+]
+
+from fastpersist.patch import _apply_env_patch  # noqa: E402
+
+_apply_env_patch()

@@ -1,0 +1,164 @@
+"""Typed stub of the private native module ``fastpersist._native`` (C++ core, nanobind).
+
+The public, documented API lives in the pure-Python modules (``fastpersist.io``,
+``fastpersist.api``); this module is the engine room they call.
+
+Errors: every I/O failure raises an ``OSError`` subclass chosen from errno
+(``FileNotFoundError``, ``PermissionError``, ``IsADirectoryError``, plain
+``OSError`` for EIO/ENOSPC/...), with ``.errno`` set, ``.filename`` the path, and a
+message naming the operation, file offset and length, e.g.
+``[Errno 28] No space left on device: pwrite 'ckpt.pt' at offset 8388608, length 8388608``.
+A read that hits end of file before the requested bytes raises ``EOFError`` with
+path and offset in the message. Bad arguments raise ``ValueError``.
+
+Extents
+-------
+A write or read is described by *extents*, tuples ``(file_offset, ptr, length, crc_slot)``:
+
+* ``file_offset``: absolute byte offset in the file.
+* ``ptr``: host address (int) of ``length`` bytes (``tensor.data_ptr()``,
+  ``PinnedBuffer.ptr``, ...). For reads, ``ptr == 0`` means "read and discard"
+  (useful with a crc slot to checksum a file range without keeping it).
+* ``crc_slot``: ``-1`` for none, else an index ``0 <= slot < nslots``; the CRC-32
+  (zlib/zip polynomial, same value as ``zlib.crc32``) of all extents that share
+  a slot, concatenated in file order, is returned in the result list.
+
+Write extents must be sorted by offset, must not overlap, and must cover the
+byte range ``[extents[0].file_offset, last.file_offset + last.length)``
+without gaps. Read extents must be sorted and must not overlap; gaps are allowed
+(they are read and skipped when cheaper than a separate I/O).
+
+Patches (writes only): tuples ``(file_offset, crc_slot, kind)``: the CRC-32 of
+``crc_slot`` is stored at ``file_offset`` as ``kind`` 0: 4 bytes little-endian
+(zip fields), or ``kind`` 1: 8 lowercase hex ASCII characters (JSON headers).
+The bytes land in the staging buffer; the caller's memory is never modified.
+A chunk holding a patch whose slot is not yet complete (e.g. a header placed
+before the data it checksums) is held back, keeping its staging buffer, and
+written as soon as the slot completes; ``ValueError`` if more than
+``queue_depth - 1`` chunks would have to be held. This is how zip CRC fields
+(data descriptor, central directory) are filled in one pass at disk speed.
+
+The caller keeps the memory behind every ``ptr`` alive and unchanged until the
+call returns (sync) or ``wait()`` returns (async).
+"""
+
+from typing import Sequence, Union
+
+Extent = tuple[int, int, int, int]  # (file_offset, ptr, length, crc_slot)
+Patch = tuple[int, int, int]  # (file_offset, crc_slot, kind)
+Target = Union[str, int]  # path, or an open file descriptor (not closed by us)
+
+__version__: str
+ENGINES: tuple[str, ...]  # engines compiled in: ("aio", "psync", "cufile")
+
+def available_engines() -> list[str]:
+    """Engines usable on this machine right now (cufile only when libcufile loads)."""
+
+def cufile_status() -> str:
+    """'available', or the reason cuFile is not usable (library missing, driver open failed, ...)."""
+
+def alignment_of(path: str) -> int:
+    """O_DIRECT alignment (bytes) for files at ``path`` (a file or a directory):
+    the device's logical block size / statx DIO alignment, never below 4096."""
+
+def direct_io_supported(path: str) -> bool:
+    """Whether the filesystem holding ``path`` (file or directory) accepts O_DIRECT."""
+
+def crc32(ptr: int, length: int, crc: int = 0) -> int:
+    """CRC-32 (zlib-compatible) of ``length`` bytes at host address ``ptr``, continuing ``crc``. GIL released."""
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine)."""
+
+class Handle:
+    """An I/O engine instance with its settings. Thread-safe for submit/wait."""
+
+    def __init__(
+        self,
+        engine: str = "auto",        # "auto" | "aio" | "psync" | "cufile"
+        chunk_size: int = 8 << 20,   # bytes per I/O (multiple of 4096)
+        queue_depth: int = 8,        # I/Os in flight per op (also: staging buffers in the ring)
+        threads: int = 2,            # fill/copy worker threads (and psync I/O threads)
+        direct: bool = True,         # use O_DIRECT when the filesystem allows it
+        max_async: int = 2,          # async ops executed concurrently; others queue
+    ) -> None: ...
+    @property
+    def engine(self) -> str: ...        # as requested ("auto" stays "auto")
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def direct(self) -> bool: ...
+    @property
+    def last_engine(self) -> str: ...   # engine actually used by the last completed op ("aio", "psync", "psync-buffered")
+
+    def write(
+        self,
+        target: Target,
+        extents: Sequence[Extent],
+        patches: Sequence[Patch] = (),
+        nslots: int = 0,
+        truncate: bool = True,   # path targets: open with O_CREAT|O_TRUNC (False: O_CREAT, keep contents)
+        fsync: bool = False,     # fsync the file before returning
+    ) -> list[int]:
+        """Gather-write; returns the ``nslots`` CRCs. GIL released throughout."""
+    def read(
+        self,
+        target: Target,
+        extents: Sequence[Extent],
+        nslots: int = 0,
+    ) -> list[int]:
+        """Scatter-read; returns the ``nslots`` CRCs. GIL released throughout."""
+    def submit_write(
+        self,
+        target: Target,
+        extents: Sequence[Extent],
+        patches: Sequence[Patch] = (),
+        nslots: int = 0,
+        truncate: bool = True,
+        fsync: bool = False,
+    ) -> int:
+        """Asynchronous ``write``; returns an op id at once."""
+    def submit_read(self, target: Target, extents: Sequence[Extent], nslots: int = 0) -> int:
+        """Asynchronous ``read``; returns an op id at once."""
+    def wait(self) -> list[tuple[int, list[int]]]:
+        """Block until every submitted op has finished. Returns ``(op_id, crcs)`` of
+        the ops completed since the last wait, in submission order. If any failed,
+        raises the first failure (after all have finished) and forgets the rest."""
+    def pending(self) -> int:
+        """Number of submitted ops not yet collected by ``wait``."""
+
+class PinnedBuffer:
+    """Page-aligned host memory, mlock'ed when possible (page-locked on CPU-only
+    machines), registered with CUDA when requested. Exposes the buffer protocol
+    (writable, 1-D bytes), so ``torch.frombuffer(buf, dtype=torch.uint8)`` wraps
+    it without a copy and keeps it alive. Freed (unregistered, munlock'ed) when
+    the last reference dies."""
+
+    def __init__(self, nbytes: int, alignment: int = 4096, lock: bool = True) -> None: ...
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def locked(self) -> bool: ...        # mlock succeeded
+    @property
+    def cuda_registered(self) -> bool: ...
+    def cuda_register(self) -> bool:
+        """cudaHostRegister via the already-loaded CUDA runtime (dlopen RTLD_NOLOAD). False if no runtime."""
+
+# ---- fault injection (tests) ----------------------------------------------
+# Also read once at import from FASTPERSIST_FAULT="op:nth:action[:count]", e.g.
+# "write:3:EIO", "write:2:short", "read:1:eintr:5", "fsync:1:ENOSPC".
+# op: write | read | fsync | open | any. nth: 1-based index of the matching
+# syscall (or AIO completion) counted from when the fault was set. action: an
+# errno name (EIO, ENOSPC, ...), "short" (transfer returns half the bytes) or
+# "eintr" (call fails with EINTR, which the engine must retry). count: how many
+# consecutive matching calls are hit (default 1).
+def set_fault(op: str, nth: int, action: str, count: int = 1) -> None: ...
+def clear_faults() -> None: ...
+def fault_hits() -> int:
+    """How many calls the current fault has hit so far."""
