@@ -1,0 +1,241 @@
+// fastpersist._native: the only file that knows about Python. Converts
+// arguments, releases the GIL around all I/O, and turns native errors into
+// Python exceptions (OSError subclass from errno, EOFError, ValueError).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "fastpersist/crc32.hpp"
+#include "fastpersist/cuda_rt.hpp"
+#include "fastpersist/engine.hpp"
+#include "fastpersist/error.hpp"
+#include "fastpersist/file.hpp"
+#include "fastpersist/handle.hpp"
+#include "fastpersist/sys.hpp"
+
+namespace nb = nanobind;
+using namespace fastpersist;
+
+namespace {
+
+uint64_t as_u64(PyObject* o, const char* what) {
+  unsigned long long v = PyLong_AsUnsignedLongLong(o);
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw ArgError(std::string(what) + " must be a non-negative int");
+  }
+  return v;
+}
+
+long long as_i64(PyObject* o, const char* what) {
+  long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw ArgError(std::string(what) + " must be an int");
+  }
+  return v;
+}
+
+struct FastSeq {
+  PyObject* seq;
+  explicit FastSeq(nb::handle h, const char* what) {
+    seq = PySequence_Fast(h.ptr(), what);
+    if (!seq) {
+      PyErr_Clear();
+      throw ArgError(std::string(what));
+    }
+  }
+  ~FastSeq() { Py_XDECREF(seq); }
+  Py_ssize_t size() const { return PySequence_Fast_GET_SIZE(seq); }
+  PyObject* operator[](Py_ssize_t i) const { return PySequence_Fast_GET_ITEM(seq, i); }
+};
+
+std::vector<Extent> to_extents(nb::handle h) {
+  FastSeq s(h, "extents must be a sequence of (file_offset, ptr, length, crc_slot) tuples");
+  std::vector<Extent> out(static_cast<size_t>(s.size()));
+  for (Py_ssize_t i = 0; i < s.size(); ++i) {
+    FastSeq t(s[i], "each extent must be a (file_offset, ptr, length, crc_slot) tuple");
+    if (t.size() != 4) throw ArgError("each extent must have 4 items (file_offset, ptr, length, crc_slot)");
+    Extent& e = out[static_cast<size_t>(i)];
+    e.off = as_u64(t[0], "extent file_offset");
+    e.ptr = as_u64(t[1], "extent ptr");
+    e.len = as_u64(t[2], "extent length");
+    e.slot = static_cast<int32_t>(as_i64(t[3], "extent crc_slot"));
+  }
+  return out;
+}
+
+std::vector<Patch> to_patches(nb::handle h) {
+  FastSeq s(h, "patches must be a sequence of (file_offset, crc_slot[, kind]) tuples");
+  std::vector<Patch> out(static_cast<size_t>(s.size()));
+  for (Py_ssize_t i = 0; i < s.size(); ++i) {
+    FastSeq t(s[i], "each patch must be a (file_offset, crc_slot[, kind]) tuple");
+    if (t.size() != 2 && t.size() != 3) throw ArgError("each patch must have 2 or 3 items");
+    Patch& p = out[static_cast<size_t>(i)];
+    p.off = as_u64(t[0], "patch file_offset");
+    p.slot = static_cast<int32_t>(as_i64(t[1], "patch crc_slot"));
+    p.kind = t.size() == 3 ? static_cast<int32_t>(as_i64(t[2], "patch kind")) : 0;
+  }
+  return out;
+}
+
+Target to_target(nb::handle h) {
+  Target t;
+  if (PyLong_Check(h.ptr()) && !PyBool_Check(h.ptr())) {
+    t.fd = static_cast<int>(as_i64(h.ptr(), "fd"));
+    if (t.fd < 0) throw ArgError("file descriptor must be >= 0");
+    return t;
+  }
+  PyObject* p = PyOS_FSPath(h.ptr());
+  if (!p) {
+    PyErr_Clear();
+    throw ArgError("target must be a path (str or os.PathLike) or an open file descriptor (int)");
+  }
+  nb::object path = nb::steal(p);
+  if (PyBytes_Check(p)) {
+    t.path = std::string(PyBytes_AS_STRING(p), static_cast<size_t>(PyBytes_GET_SIZE(p)));
+  } else {
+    t.path = nb::cast<std::string>(path);
+  }
+  return t;
+}
+
+OpSpec make_spec(bool write, nb::handle target, nb::handle extents, nb::handle patches, int nslots,
+                 bool truncate, bool fsync) {
+  OpSpec op;
+  op.write = write;
+  op.target = to_target(target);
+  op.extents = to_extents(extents);
+  if (write && patches.ptr() != Py_None) op.patches = to_patches(patches);
+  op.nslots = nslots;
+  op.truncate = truncate;
+  op.fsync = fsync;
+  return op;
+}
+
+int pinned_getbuffer(PyObject* self, Py_buffer* view, int flags) {
+  PinnedBuffer* b = nb::inst_ptr<PinnedBuffer>(self);
+  return PyBuffer_FillInfo(view, self, b->data(), static_cast<Py_ssize_t>(b->size()), 0, flags);
+}
+
+PyType_Slot pinned_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(pinned_getbuffer)},
+                              {0, nullptr}};
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "fastpersist native core (engines, executor, pinned memory). See _native.pyi.";
+  m.attr("__version__") = "0.1.0";
+  m.attr("ENGINES") = nb::make_tuple("aio", "psync", "cufile");
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      std::string msg = e.detail();
+      PyObject* exc = PyObject_CallFunction(PyExc_OSError, "iss", e.err(), msg.c_str(), e.path().c_str());
+      if (!exc) return;
+      PyObject* v = PyLong_FromUnsignedLongLong(e.offset());
+      PyObject_SetAttrString(exc, "offset", v);
+      Py_XDECREF(v);
+      v = PyLong_FromUnsignedLongLong(e.length());
+      PyObject_SetAttrString(exc, "length", v);
+      Py_XDECREF(v);
+      v = PyUnicode_FromString(e.op().c_str());
+      PyObject_SetAttrString(exc, "operation", v);
+      Py_XDECREF(v);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
+      Py_DECREF(exc);
+    } catch (const EofError& e) {
+      PyErr_SetString(PyExc_EOFError, e.what());
+    }
+  });
+
+  // A bad FASTPERSIST_FAULT is an error at import, not silently ignored.
+  if (const char* spec = std::getenv("FASTPERSIST_FAULT"); spec && *spec) {
+    sys::set_fault_from_spec(spec);
+  }
+
+  m.def("available_engines", [] {
+    std::vector<std::string> out;
+    if (aio_available()) out.push_back("aio");
+    out.push_back("psync");
+    if (cufile_available()) out.push_back("cufile");
+    return out;
+  });
+  m.def("cufile_status", [] { return cufile_status(); });
+  m.def("alignment_of", [](nb::handle path) { return alignment_of(to_target(path).path); }, nb::arg("path"));
+  m.def("direct_io_supported", [](nb::handle path) { return direct_io_supported(to_target(path).path); },
+        nb::arg("path"));
+  m.def(
+      "crc32",
+      [](uint64_t ptr, uint64_t len, uint32_t crc) {
+        nb::gil_scoped_release r;
+        return crc32(crc, reinterpret_cast<const void*>(ptr), len);
+      },
+      nb::arg("ptr"), nb::arg("length"), nb::arg("crc") = 0);
+  m.def("crc32_combine", [](uint32_t a, uint32_t b, uint64_t len2) { return crc32_combine(a, b, len2); },
+        nb::arg("crc1"), nb::arg("crc2"), nb::arg("len2"));
+
+  m.def("set_fault", &sys::set_fault, nb::arg("op"), nb::arg("nth"), nb::arg("action"), nb::arg("count") = 1);
+  m.def("clear_faults", &sys::clear_faults);
+  m.def("fault_hits", &sys::fault_hits);
+
+  nb::class_<Handle>(m, "Handle")
+      .def(nb::init<std::string, size_t, unsigned, unsigned, bool, unsigned>(), nb::arg("engine") = "auto",
+           nb::arg("chunk_size") = size_t(8) << 20, nb::arg("queue_depth") = 8, nb::arg("threads") = 2,
+           nb::arg("direct") = true, nb::arg("max_async") = 2)
+      .def_prop_ro("engine", &Handle::engine)
+      .def_prop_ro("chunk_size", &Handle::chunk_size)
+      .def_prop_ro("queue_depth", &Handle::queue_depth)
+      .def_prop_ro("threads", &Handle::threads)
+      .def_prop_ro("direct", &Handle::direct)
+      .def_prop_ro("last_engine", &Handle::last_engine)
+      .def(
+          "write",
+          [](Handle& h, nb::handle target, nb::handle extents, nb::handle patches, int nslots, bool truncate,
+             bool fsync) {
+            OpSpec op = make_spec(true, target, extents, patches, nslots, truncate, fsync);
+            nb::gil_scoped_release r;
+            return h.run(op);
+          },
+          nb::arg("target"), nb::arg("extents"), nb::arg("patches") = nb::tuple(), nb::arg("nslots") = 0,
+          nb::arg("truncate") = true, nb::arg("fsync") = false)
+      .def(
+          "read",
+          [](Handle& h, nb::handle target, nb::handle extents, int nslots) {
+            OpSpec op = make_spec(false, target, extents, nb::none(), nslots, false, false);
+            nb::gil_scoped_release r;
+            return h.run(op);
+          },
+          nb::arg("target"), nb::arg("extents"), nb::arg("nslots") = 0)
+      .def(
+          "submit_write",
+          [](Handle& h, nb::handle target, nb::handle extents, nb::handle patches, int nslots, bool truncate,
+             bool fsync) { return h.submit(make_spec(true, target, extents, patches, nslots, truncate, fsync)); },
+          nb::arg("target"), nb::arg("extents"), nb::arg("patches") = nb::tuple(), nb::arg("nslots") = 0,
+          nb::arg("truncate") = true, nb::arg("fsync") = false)
+      .def(
+          "submit_read",
+          [](Handle& h, nb::handle target, nb::handle extents, int nslots) {
+            return h.submit(make_spec(false, target, extents, nb::none(), nslots, false, false));
+          },
+          nb::arg("target"), nb::arg("extents"), nb::arg("nslots") = 0)
+      .def(
+          "wait",
+          [](Handle& h) {
+            nb::gil_scoped_release r;
+            return h.wait();
+          })
+      .def("pending", &Handle::pending);
+
+  nb::class_<PinnedBuffer>(m, "PinnedBuffer", nb::type_slots(pinned_slots))
+      .def(nb::init<size_t, size_t, bool>(), nb::arg("nbytes"), nb::arg("alignment") = 4096,
+           nb::arg("lock") = true)
+      .def_prop_ro("ptr", [](const PinnedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
+      .def_prop_ro("nbytes", &PinnedBuffer::size)
+      .def_prop_ro("locked", &PinnedBuffer::locked)
+      .def_prop_ro("cuda_registered", &PinnedBuffer::cuda_registered)
+      .def("cuda_register", &PinnedBuffer::cuda_register);
+}

@@ -1,0 +1,26 @@
+// Run-time access to CUDA pieces without linking them: the CUDA runtime that
+// torch has already loaded (for cudaHostRegister) and cuFile (GPUDirect
+// Storage), both through dlopen. Absent libraries simply make these
+// unavailable; nothing here is needed on CPU-only machines.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fastpersist {
+
+// cudaHostRegister / cudaHostUnregister through an already-loaded libcudart.
+bool cuda_host_register(void* p, size_t n);
+void cuda_host_unregister(void* p);
+
+// cuFile: "available" or why not. Tries FASTPERSIST_CUFILE_LIB, then libcufile.so.0.
+std::string cufile_status();
+bool cufile_available();
+
+// Transfer `len` bytes between device memory `dev` and file `fd` (opened with
+// O_DIRECT) at `off`, registering the file handle once for the call. Throws IoError.
+void cufile_transfer(int fd, const std::string& path, bool write, void* dev, size_t len,
+                     uint64_t off, size_t chunk);
+
+}  // namespace fastpersist

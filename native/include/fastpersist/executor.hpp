@@ -1,0 +1,71 @@
+// The gather-write / scatter-read executor: streams a list of memory extents
+// to or from a byte range of a file through a ring of aligned staging
+// buffers, with several I/Os in flight and the fills/copies spread over a
+// thread pool. Aligned chunks go through O_DIRECT; only an unaligned head or
+// tail goes through the page cache. See _native.pyi for the contract.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fastpersist/file.hpp"
+#include "fastpersist/thread_pool.hpp"
+
+namespace fastpersist {
+
+struct Extent {
+  uint64_t off = 0;
+  uint64_t ptr = 0;  // host address; 0 = discard (reads only)
+  uint64_t len = 0;
+  int32_t slot = -1;
+};
+
+struct Patch {
+  uint64_t off = 0;
+  int32_t slot = 0;
+  int32_t kind = 0;  // 0: u32 little-endian, 1: 8 lowercase hex chars
+};
+
+struct ExecOptions {
+  std::string engine = "auto";  // auto | aio | psync
+  size_t chunk_size = 8u << 20;
+  unsigned queue_depth = 8;
+  unsigned threads = 2;
+  bool direct = true;
+  bool fsync = false;
+};
+
+struct ExecResult {
+  std::vector<uint32_t> crcs;
+  std::string engine;  // what actually ran: aio | psync | psync-buffered
+};
+
+// Aligned staging buffers of one size, reused across operations.
+class BufferCache {
+ public:
+  explicit BufferCache(size_t size) : size_(size) {}
+  ~BufferCache();
+  BufferCache(const BufferCache&) = delete;
+  BufferCache& operator=(const BufferCache&) = delete;
+  char* acquire();
+  void release(char* p);
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_;
+  std::mutex mu_;
+  std::vector<char*> free_;
+};
+
+ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
+                         const std::vector<Patch>& patches, int nslots, const ExecOptions& opt,
+                         ThreadPool& pool, BufferCache& cache);
+
+ExecResult execute_read(const File& f, const std::vector<Extent>& extents, int nslots,
+                        const ExecOptions& opt, ThreadPool& pool, BufferCache& cache);
+
+}  // namespace fastpersist

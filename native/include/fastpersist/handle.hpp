@@ -1,0 +1,100 @@
+// An I/O handle: engine settings, a worker pool, reusable staging buffers,
+// and a queue of asynchronous operations.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "fastpersist/executor.hpp"
+
+namespace fastpersist {
+
+struct Target {
+  std::string path;  // used when fd < 0
+  int fd = -1;
+};
+
+struct OpSpec {
+  bool write = true;
+  Target target;
+  std::vector<Extent> extents;
+  std::vector<Patch> patches;
+  int nslots = 0;
+  bool truncate = true;
+  bool fsync = false;
+};
+
+class Handle {
+ public:
+  Handle(std::string engine, size_t chunk_size, unsigned queue_depth, unsigned threads,
+         bool direct, unsigned max_async);
+  ~Handle();
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  std::vector<uint32_t> run(const OpSpec& op);  // synchronous
+  uint64_t submit(OpSpec op);                   // asynchronous
+  std::vector<std::pair<uint64_t, std::vector<uint32_t>>> wait();
+  size_t pending();
+
+  const std::string& engine() const { return opt_.engine; }
+  size_t chunk_size() const { return opt_.chunk_size; }
+  unsigned queue_depth() const { return opt_.queue_depth; }
+  unsigned threads() const { return opt_.threads; }
+  bool direct() const { return opt_.direct; }
+  std::string last_engine();
+
+ private:
+  struct AsyncOp {
+    uint64_t id = 0;
+    OpSpec spec;
+    std::vector<uint32_t> crcs;
+    std::exception_ptr err;
+    bool done = false;
+  };
+  void worker();
+  std::vector<uint32_t> run_cufile(const OpSpec& op);
+
+  ExecOptions opt_;
+  ThreadPool pool_;
+  BufferCache cache_;
+  std::mutex mu_;
+  std::condition_variable cv_work_, cv_done_;
+  std::deque<std::shared_ptr<AsyncOp>> queue_;   // not started
+  std::vector<std::shared_ptr<AsyncOp>> ops_;    // submitted, not collected
+  uint64_t next_id_ = 1;
+  bool stop_ = false;
+  std::string last_engine_ = "none";
+  std::vector<std::thread> workers_;
+};
+
+// Page-aligned host memory, mlock'ed when possible, optionally CUDA-registered.
+class PinnedBuffer {
+ public:
+  PinnedBuffer(size_t nbytes, size_t alignment, bool lock);
+  ~PinnedBuffer();
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  char* data() const { return ptr_; }
+  size_t size() const { return n_; }
+  bool locked() const { return locked_; }
+  bool cuda_registered() const { return cuda_; }
+  bool cuda_register();
+
+ private:
+  char* ptr_ = nullptr;
+  size_t n_ = 0;
+  size_t cap_ = 0;
+  bool locked_ = false;
+  bool cuda_ = false;
+};
+
+}  // namespace fastpersist

@@ -1,0 +1,48 @@
+// The syscall layer. Every read, write, fsync and open of the engines goes
+// through here so that tests can inject faults (EIO, ENOSPC, short transfers,
+// EINTR) at the Nth call. Functions return the byte count or -errno, like
+// liburing; the transfer loops (full_pwrite/full_pread) retry EINTR and
+// continue after short transfers.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fastpersist::sys {
+
+enum class Op { Write, Read, Fsync, Open };
+
+// What an injected fault does to one call.
+struct Fault {
+  enum Kind { None, Errno, Short, Eintr } kind = None;
+  int err = 0;
+};
+
+// Configure / clear the global fault; parse "op:nth:action[:count]".
+void set_fault(const std::string& op, long nth, const std::string& action, long count);
+void set_fault_from_spec(const std::string& spec);
+void clear_faults();
+long fault_hits();
+// Count one call of `op` and return the fault to apply to it (usually None).
+Fault check_fault(Op op);
+
+ssize_t pwrite(int fd, const void* buf, size_t n, uint64_t off);
+ssize_t pread(int fd, void* buf, size_t n, uint64_t off);
+int fsync(int fd);
+int open(const char* path, int flags, unsigned mode);
+
+// Write all `n` bytes at `off`. Uses `dfd` (O_DIRECT, may be -1) while the
+// remaining piece is aligned to `align`, else the buffered `fd`. Returns 0 or
+// -errno; *done receives the bytes written before a failure.
+int full_pwrite(int fd, int dfd, size_t align, const char* buf, size_t n, uint64_t off,
+                size_t* done);
+// Read up to `n` bytes at `off`, stopping early only at end of file.
+// Returns 0 or -errno; *done receives the bytes read.
+int full_pread(int fd, int dfd, size_t align, char* buf, size_t n, uint64_t off, size_t* done);
+
+inline bool aligned(uint64_t v, size_t a) { return a <= 1 || v % a == 0; }
+
+}  // namespace fastpersist::sys

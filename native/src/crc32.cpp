@@ -1,0 +1,188 @@
+// CRC-32 (reflected polynomial 0xEDB88320, zlib-compatible).
+// Portable path: slicing-by-8 tables. x86-64 path: carry-less multiplication
+// folding (PCLMULQDQ), 4x128 bits per step, then a Barrett reduction; chosen
+// at run time when the CPU has it. crc32_combine works in GF(2) by computing
+// x^(8*len2) mod P.
+#include "fastpersist/crc32.hpp"
+
+#include <array>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define FP_HAVE_CLMUL 1
+#endif
+
+namespace fastpersist {
+
+namespace {
+
+constexpr uint32_t kPoly = 0xEDB88320u;
+
+struct Tables {
+  std::array<std::array<uint32_t, 256>, 8> t{};
+  Tables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kPoly : c >> 1;
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i) {
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
+    }
+  }
+};
+
+const Tables& tables() {
+  static const Tables tb;
+  return tb;
+}
+
+// Raw CRC register update (no pre/post inversion).
+uint32_t crc_slice8(uint32_t c, const unsigned char* p, size_t n) {
+  const auto& t = tables().t;
+  while (n >= 8) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    lo ^= c;
+    c = t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF] ^ t[4][lo >> 24] ^
+        t[3][hi & 0xFF] ^ t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
+    p += 8;
+    n -= 8;
+  }
+  while (n--) c = (c >> 8) ^ t[0][(c ^ *p++) & 0xFF];
+  return c;
+}
+
+#ifdef FP_HAVE_CLMUL
+// Folding constants for the reflected CRC-32 polynomial: x^(k) mod P for the
+// fold distances (512+64, 512, 128+64, 128 bits), the 64->32 fold, and the
+// Barrett pair (P', u').
+__attribute__((target("pclmul,sse4.1"))) inline __m128i fold128(__m128i acc, __m128i next,
+                                                               __m128i k3k4) {
+  __m128i hi = _mm_clmulepi64_si128(acc, k3k4, 0x11);
+  __m128i lo = _mm_clmulepi64_si128(acc, k3k4, 0x00);
+  return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
+}
+
+__attribute__((target("pclmul,sse4.1"))) uint32_t crc_clmul(uint32_t c, const unsigned char* p,
+                                                             size_t n) {
+  // n >= 64 and n % 16 == 0 here.
+  const __m128i k1k2 = _mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL);
+  const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+  const __m128i k5 = _mm_set_epi64x(0, 0x163cd6124LL);
+  const __m128i poly = _mm_set_epi64x(0x1F7011641LL, 0x1DB710641LL);
+  const __m128i mask32 = _mm_set_epi32(0, 0, 0, -1);
+
+  __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m128i x2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  __m128i x3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32));
+  __m128i x4 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 48));
+  x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128(static_cast<int>(c)));
+  p += 64;
+  n -= 64;
+  while (n >= 64) {
+    __m128i y1 = _mm_clmulepi64_si128(x1, k1k2, 0x11);
+    __m128i y2 = _mm_clmulepi64_si128(x2, k1k2, 0x11);
+    __m128i y3 = _mm_clmulepi64_si128(x3, k1k2, 0x11);
+    __m128i y4 = _mm_clmulepi64_si128(x4, k1k2, 0x11);
+    x1 = _mm_xor_si128(_mm_clmulepi64_si128(x1, k1k2, 0x00), y1);
+    x2 = _mm_xor_si128(_mm_clmulepi64_si128(x2, k1k2, 0x00), y2);
+    x3 = _mm_xor_si128(_mm_clmulepi64_si128(x3, k1k2, 0x00), y3);
+    x4 = _mm_xor_si128(_mm_clmulepi64_si128(x4, k1k2, 0x00), y4);
+    x1 = _mm_xor_si128(x1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    x2 = _mm_xor_si128(x2, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+    x3 = _mm_xor_si128(x3, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32)));
+    x4 = _mm_xor_si128(x4, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 48)));
+    p += 64;
+    n -= 64;
+  }
+  x1 = fold128(x1, x2, k3k4);
+  x1 = fold128(x1, x3, k3k4);
+  x1 = fold128(x1, x4, k3k4);
+  while (n >= 16) {
+    x1 = fold128(x1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), k3k4);
+    p += 16;
+    n -= 16;
+  }
+  // 128 -> 64 bits.
+  __m128i t = _mm_clmulepi64_si128(k3k4, x1, 0x01);
+  x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), t);
+  // 64 -> 32 bits.
+  __m128i x2b = _mm_srli_si128(x1, 4);
+  x1 = _mm_and_si128(x1, mask32);
+  x1 = _mm_clmulepi64_si128(x1, k5, 0x00);
+  x1 = _mm_xor_si128(x1, x2b);
+  // Barrett reduction.
+  x2b = x1;
+  x1 = _mm_and_si128(x1, mask32);
+  x1 = _mm_clmulepi64_si128(x1, poly, 0x10);
+  x1 = _mm_and_si128(x1, mask32);
+  x1 = _mm_clmulepi64_si128(x1, poly, 0x00);
+  x1 = _mm_xor_si128(x1, x2b);
+  return static_cast<uint32_t>(_mm_extract_epi32(x1, 1));
+}
+
+bool have_clmul() {
+  static const bool yes = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+  return yes;
+}
+#endif
+
+uint32_t multmodp(uint32_t a, uint32_t b) {
+  uint32_t m = 1u << 31, prod = 0;
+  for (;;) {
+    if (a & m) {
+      prod ^= b;
+      if ((a & (m - 1)) == 0) break;
+    }
+    m >>= 1;
+    b = (b & 1) ? (b >> 1) ^ kPoly : b >> 1;
+  }
+  return prod;
+}
+
+// x^(2^k) mod P, k = 0..31.
+struct PowTable {
+  std::array<uint32_t, 32> t{};
+  PowTable() {
+    uint32_t p = 1u << 30;  // x^1
+    t[0] = p;
+    for (int k = 1; k < 32; ++k) t[k] = p = multmodp(p, p);
+  }
+};
+
+uint32_t x2nmodp(uint64_t n, unsigned k) {
+  static const PowTable pt;
+  uint32_t p = 1u << 31;  // x^0
+  while (n) {
+    if (n & 1) p = multmodp(pt.t[k & 31], p);
+    n >>= 1;
+    ++k;
+  }
+  return p;
+}
+
+}  // namespace
+
+uint32_t crc32(uint32_t crc, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint32_t c = ~crc;
+#ifdef FP_HAVE_CLMUL
+  if (n >= 128 && have_clmul()) {
+    size_t body = n & ~static_cast<size_t>(15);
+    c = crc_clmul(c, p, body);
+    p += body;
+    n -= body;
+  }
+#endif
+  c = crc_slice8(c, p, n);
+  return ~c;
+}
+
+uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+  return multmodp(x2nmodp(len2, 3), crc1) ^ crc2;
+}
+
+}  // namespace fastpersist
