@@ -1,0 +1,309 @@
+"""Public entry points: :func:`save`, :func:`load`, :func:`verify`.
+
+``save`` writes a torch zip file (or a ``.safetensors`` file) with aligned
+O_DIRECT writes, atomically: the bytes go to a temporary file in the target
+directory, which is fsync'ed and renamed over the target, and the directory is
+fsync'ed. ``load`` reads the whole file with one parallel native read and hands
+it to torch's own unpickling, with ``torch.load``'s semantics (``map_location``,
+``weights_only``, ``mmap``). ``verify`` checksums every byte of a file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from fastpersist.commit import atomic_write, fsync_path, resolve_target
+from fastpersist.errors import UnsupportedLayoutError
+from fastpersist.formats import torchzip
+
+log = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+MapLocation = Union[None, str, torch.device, dict, Callable[..., Any]]
+
+FORMATS = ("torch", "safetensors")
+_TRUE = ("1", "y", "yes", "true")
+
+_handles: dict[tuple, Any] = {}
+_handles_lock = threading.Lock()
+
+
+def _config(config: Any) -> Any:
+    if config is not None:
+        return config
+    from fastpersist.config import get_default
+
+    return get_default()
+
+
+def _handle(config: Any) -> Any:
+    """A native Handle for ``config``'s I/O settings (one per distinct setting, reused)."""
+    from fastpersist import _native
+
+    kwargs = config.handle_kwargs()
+    key = tuple(sorted(kwargs.items()))
+    with _handles_lock:
+        h = _handles.get(key)
+        if h is None:
+            h = _handles[key] = _native.Handle(**kwargs)
+        return h
+
+
+def _alignment(directory: str) -> int:
+    from fastpersist import _native
+
+    return max(4096, int(_native.alignment_of(directory)))
+
+
+def _format_of(path: str, format: Optional[str]) -> str:
+    if format is not None:
+        if format not in FORMATS:
+            raise ValueError(f"unknown format {format!r}; expected one of {FORMATS}")
+        return format
+    return "safetensors" if path.endswith(".safetensors") else "torch"
+
+
+def _is_path(f: Any) -> bool:
+    return isinstance(f, (str, os.PathLike))
+
+
+def _native_write(handle: Any, plan: Any, final: str, fsync: bool) -> Callable[[str], list[int]]:
+    def write(tmp: str) -> list[int]:
+        try:
+            return handle.write(tmp, plan.extents, plan.patches, plan.nslots, truncate=True, fsync=fsync)
+        except OSError as e:
+            # Name the file the user asked for; the message keeps the temporary
+            # name, offset and length from the native layer.
+            raise type(e)(e.errno, f"{e.strerror or e} (saving {final!r} via temporary file {tmp!r}; "
+                          f"the previous file at this path is untouched)", final) from e
+
+    return write
+
+
+def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] = None) -> None:
+    """Save ``obj`` to ``path`` like ``torch.save``, at the speed of the storage.
+
+    Args:
+        obj: anything ``torch.save`` accepts. For ``.safetensors`` (or
+            ``format="safetensors"``) a ``dict[str, Tensor]``.
+        path: the destination file (str or os.PathLike). File-like objects are not
+            supported: use ``torch.save`` for those.
+        config: a :class:`fastpersist.Config`; default: ``fastpersist.config.get_default()``.
+        format: ``"torch"`` or ``"safetensors"``; default: by extension.
+
+    The file appears under ``path`` only when complete and durable (temporary file,
+    fsync, rename, fsync of the directory). On any error the temporary file is
+    removed, the previous file at ``path`` is left untouched, and the error
+    (``OSError`` with errno, path and offset for I/O failures) is raised.
+    Tensor payloads start at multiples of the directory's O_DIRECT alignment; the
+    result loads with stock ``torch.load`` (or ``safetensors``).
+    """
+    if not _is_path(path):
+        raise TypeError(
+            f"fastpersist.save writes to a file path (str or os.PathLike), got {type(path).__name__}; "
+            "for file-like objects such as io.BytesIO use torch.save"
+        )
+    cfg = _config(config)
+    final = resolve_target(path)
+    fmt = _format_of(final, format)
+    align = _alignment(os.path.dirname(final))
+    if fmt == "safetensors":
+        from fastpersist.formats.safetensors import plan_safetensors
+
+        if not isinstance(obj, dict):
+            raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
+        plan = plan_safetensors(obj, None, align, checksum=cfg.checksum)
+    else:
+        try:
+            plan = torchzip.plan_torch(obj, align)
+        except UnsupportedLayoutError as e:
+            log.debug("fast torch layout not possible for %s (%s); writing with torch's writer", final, e)
+            _save_with_torch(obj, final, align, cfg)
+            return
+    atomic_write(final, _native_write(_handle(cfg), plan, final, cfg.fsync), fsync=cfg.fsync)
+    del plan
+
+
+def _save_with_torch(obj: Any, final: str, alignment: int, cfg: Any) -> None:
+    """Fallback: torch's own writer (still aligned, atomic and durable)."""
+    from torch.utils.serialization import config as tconfig
+
+    def write(tmp: str) -> None:
+        with torchzip._CONFIG_LOCK, tconfig.patch({"save.storage_alignment": alignment}):
+            torch.serialization.save(obj, tmp)
+        if cfg.fsync:
+            fsync_path(tmp)
+
+    atomic_write(final, write, fsync=cfg.fsync)
+
+
+def _resolve_weights_only(weights_only: Optional[bool], pickle_module: Any) -> Optional[bool]:
+    """``torch.load``'s resolution of ``weights_only`` (None: let torch decide and raise)."""
+    not_set = weights_only is None
+    if not_set:
+        default = getattr(torch.serialization, "_default_to_weights_only", None)
+        weights_only = default(pickle_module) if default else pickle_module is None
+    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    force_no = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    if force and force_no:
+        return None
+    if force:
+        return True
+    if force_no and not_set:
+        warnings.warn(
+            "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set and weights_only was not passed: loading with weights_only=False.",
+            UserWarning,
+            stacklevel=3,
+        )
+        return False
+    return bool(weights_only)
+
+
+def _safetensors_device(map_location: MapLocation) -> str:
+    if map_location is None:
+        return "cpu"
+    if isinstance(map_location, (str, bytes, torch.device)):
+        return map_location.decode() if isinstance(map_location, bytes) else str(map_location)
+    raise RuntimeError(
+        "loading a safetensors file needs map_location as a device string or torch.device "
+        f"(dict and callable map_location are not supported), got {type(map_location).__name__}"
+    )
+
+
+def load(
+    path: Any,
+    map_location: MapLocation = None,
+    pickle_module: Any = None,
+    *,
+    weights_only: Optional[bool] = None,
+    mmap: Optional[bool] = None,
+    config: Any = None,
+    **pickle_load_args: Any,
+) -> Any:
+    """Load a checkpoint like ``torch.load``, reading it with parallel O_DIRECT I/O.
+
+    Same arguments and semantics as ``torch.load`` (``map_location``,
+    ``pickle_module``, ``weights_only`` with its default and the
+    ``TORCH_FORCE_[NO_]WEIGHTS_ONLY_LOAD`` variables, ``mmap``, ``encoding`` ...).
+    ``.safetensors`` files return a ``dict[str, Tensor]``.
+
+    The whole file is read into one host buffer; loaded CPU tensors are views
+    into it (as with ``mmap=True`` they share one allocation, freed when the last
+    of them dies). With ``config.checksum`` every record's CRC-32 is checked
+    during the read and a mismatch raises :class:`fastpersist.errors.ChecksumError`.
+    ``mmap=True``, file-like objects, legacy (non-zip) files and TorchScript
+    archives go to ``torch.serialization.load`` unchanged.
+    """
+    original = dict(pickle_load_args)
+
+    def torch_load() -> Any:
+        return torch.serialization.load(
+            path, map_location, pickle_module, weights_only=weights_only, mmap=mmap, **original
+        )
+
+    if not _is_path(path):
+        return torch_load()
+    fspath = os.fsdecode(os.fspath(path))
+    cfg = _config(config)
+    if fspath.endswith(".safetensors"):
+        from fastpersist.formats.safetensors import load_safetensors
+
+        return load_safetensors(fspath, _handle(cfg), _safetensors_device(map_location), checksum=cfg.checksum)
+
+    wo = _resolve_weights_only(weights_only, pickle_module)
+    if wo is None or (wo and pickle_module is not None):
+        return torch_load()  # torch raises its own error for these combinations
+    if mmap is None:
+        from torch.utils.serialization import config as tconfig
+
+        mmap = bool(tconfig.load.mmap)
+    if mmap:
+        return torch_load()
+    if not os.path.isfile(fspath) or not _starts_with_zip_magic(fspath) or not torchzip.fast_load_supported():
+        return torch_load()  # missing file, legacy format, ...: torch's behaviour and errors
+    module = torch._weights_only_unpickler if wo else (pickle_module or pickle)
+    if not wo:
+        check_dill = getattr(torch.serialization, "_check_dill_version", None)
+        if check_dill is not None:
+            check_dill(module)
+    elif pickle_load_args:
+        warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
+    pickle_load_args.setdefault("encoding", "utf-8")
+    try:
+        return torchzip.load_torch(
+            fspath, _handle(cfg), map_location, module, weights_only=wo, checksum=cfg.checksum, **pickle_load_args
+        )
+    except UnsupportedLayoutError as e:
+        log.debug("fast load not possible for %s (%s); using torch.serialization.load", fspath, e)
+        return torch_load()
+    except pickle.UnpicklingError:
+        if not wo:
+            raise
+        # torch.load explains weights-only refusals (which globals, how to allow them):
+        # let it produce that message.
+        return torch_load()
+
+
+def _starts_with_zip_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of :func:`verify`. ``ok`` is true when no problem was found."""
+
+    ok: bool
+    path: str
+    format: str
+    records: int = 0  #: zip records or safetensors tensors checked
+    bytes: int = 0  #: payload bytes checksummed
+    problems: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
+    """Checksum every record of the checkpoint at ``path`` against the CRCs stored in it.
+
+    Torch zip files: every record (tensor payloads, the pickle, small records) is
+    read natively and its CRC-32 compared with the central directory; data
+    descriptors must agree. ``.safetensors`` files written by fastpersist carry
+    per-tensor CRCs in their metadata (see ``fastpersist.formats.safetensors``).
+
+    Raises:
+        FileNotFoundError / OSError: the file cannot be read.
+    """
+    fspath = os.fsdecode(os.fspath(path))
+    if not os.path.exists(fspath):
+        raise FileNotFoundError(2, "No such file to verify", fspath)
+    handle = _handle(_config(config))
+    if fspath.endswith(".safetensors"):
+        from fastpersist.formats.safetensors import SafetensorsFormatError, read_header, verify_safetensors
+
+        problems = verify_safetensors(fspath, handle)
+        try:
+            header = read_header(fspath)
+            records, nbytes = len(header.tensors), sum(t.nbytes for t in header.tensors)
+        except SafetensorsFormatError:
+            records, nbytes = 0, 0
+        return VerifyResult(ok=not problems, path=fspath, format="safetensors", records=records, bytes=nbytes,
+                            problems=list(problems))
+    check = torchzip.check_torch(fspath, handle)
+    return VerifyResult(
+        ok=not check.problems,
+        path=fspath,
+        format="torch",
+        records=check.records,
+        bytes=check.nbytes,
+        problems=check.problems,
+    )

@@ -1,0 +1,266 @@
+"""Presenting benchmark results: tables (rich when installed, else plain text), JSON, PNG charts."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any, Optional, Sequence, TextIO
+
+from fastpersist.bench.io_bench import IOBenchResult
+from fastpersist.bench.save_bench import SaveBenchResult
+from fastpersist.bench.units import format_block, format_bytes
+
+
+def _num(value: Optional[float], digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _runs(values: Sequence[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values) if values else "-"
+
+
+def render_table(
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], out: Optional[TextIO] = None
+) -> None:
+    """Print a table: with rich when it is installed and ``out`` is the terminal, else plain text."""
+    out = out if out is not None else sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None  # type: ignore[assignment,misc]
+    if Console is not None:
+        table = Table(title=title, title_justify="left")
+        for i, h in enumerate(headers):
+            table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        for row in rows:
+            table.add_row(*row)
+        Console(file=out, width=max(100, _plain_width(headers, rows))).print(table)
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    print(title, file=out)
+    print("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths))), file=out)
+    print("  ".join("-" * w for w in widths), file=out)
+    for row in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))), file=out)
+
+
+def _plain_width(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> int:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    return sum(widths) + 3 * len(widths) + 4
+
+
+def print_header(lines: Sequence[str], out: Optional[TextIO] = None) -> None:
+    """Print the machine header (one line per fact)."""
+    out = out if out is not None else sys.stdout
+    for line in lines:
+        print(line, file=out)
+    print(file=out)
+
+
+def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None) -> None:
+    """Machine header, workload, results table, fio ceiling, verification and notes of a save benchmark."""
+    out = out if out is not None else sys.stdout
+    print_header(result.machine.summary_lines() + [f"fastpersist: {result.engine}"], out)
+    w = result.workload
+    if w["kind"] == "small-tensors":
+        desc = f"{w['small_tensors']} small tensors (1 KB - 1 MB)"
+    else:
+        m = w["model"]
+        desc = (f"GPT training state: hidden {m['hidden']}, {m['layers']} layers, vocab {m['vocab']}, "
+                f"{m['params'] / 1e6:.1f}M params (bf16 weights, fp32 master + Adam moments)")
+    print(f"Workload   : {desc}; {w['tensors']} tensors, {format_bytes(w['tensor_bytes'])} of tensor data, "
+          f"{w['non_tensor_leaves']} non-tensor leaves; dtypes {', '.join(w['dtypes'])}", file=out)
+    print(f"Runs       : {result.repeat} per method (interleaved)", file=out)
+    print(file=out)
+    d = result.to_dict()
+    rows = []
+    for m in d["methods"]:
+        if m["error"] and not m["save_seconds"]:
+            rows.append([m["name"], "-", "-", "-", "-", "-", "-", "-", "-", "failed"])
+            continue
+        rows.append([
+            m["name"],
+            _runs(m["save_gbps"]),
+            _num(m["save_median_gbps"]),
+            _ratio(m["save_vs_torch"]),
+            _ratio(m["save_vs_fio"]),
+            _runs(m["load_gbps"]),
+            _num(m["load_median_gbps"]),
+            _ratio(m["load_vs_torch"]),
+            _ratio(m["load_vs_fio"]),
+            format_bytes(m["file_bytes"]) if m["file_bytes"] is not None else "-",
+        ])
+    if result.fio is not None and (result.fio.write_gbps or result.fio.read_gbps):
+        f = result.fio
+        rows.append([
+            "fio (ceiling)", "", _num(f.write_gbps), "", "1.00x" if f.write_gbps else "-",
+            "", _num(f.read_gbps), "", "1.00x" if f.read_gbps else "-", "",
+        ])
+    headers = ["method", "save GB/s (runs)", "save median", "vs torch", "vs fio",
+               "load GB/s (runs)", "load median", "vs torch", "vs fio", "file size"]
+    render_table("Durable save / cold load", headers, rows, out)
+    _print_fio(result.fio, out)
+    v = result.verification
+    if v.get("checked"):
+        if v.get("ok"):
+            print(f"Verified   : {v['method']} load equals the original state "
+                  f"({v['tensors_compared']} tensors, torch.equal each; non-tensors ==)", file=out)
+        else:
+            print(f"Verified   : MISMATCH after {v['method']} load:", file=out)
+            for p in v.get("problems", []):
+                print(f"  - {p}", file=out)
+    else:
+        print("Verified   : not checked (fastpersist did not run)", file=out)
+    for m in result.methods:
+        if m.error:
+            print(f"Error      : {m.name}: {m.error}", file=out)
+    for note in result.notes:
+        print(f"Note       : {note}", file=out)
+
+
+def _print_fio(ceiling: Any, out: TextIO) -> None:
+    if ceiling is None:
+        return
+    if ceiling.best_write is not None and ceiling.best_read is not None:
+        bw, br = ceiling.best_write, ceiling.best_read
+        print(f"fio        : write {bw.gbps:.2f} GB/s (bs {format_block(bw.block_size)}, iodepth {bw.iodepth}), "
+              f"read {br.gbps:.2f} GB/s (bs {format_block(br.block_size)}, iodepth {br.iodepth}), "
+              f"libaio, direct={'1' if bw.direct else '0'}", file=out)
+    elif ceiling.error:
+        print(f"fio        : not measured ({ceiling.error})", file=out)
+
+
+def print_io_report(result: IOBenchResult, out: Optional[TextIO] = None) -> None:
+    """Machine header, one row per configuration, fio ceiling and notes of an I/O benchmark."""
+    out = out if out is not None else sys.stdout
+    print_header(result.machine.summary_lines(), out)
+    print(f"File       : {format_bytes(result.size)} per configuration, {result.repeat} run(s) each", file=out)
+    print(file=out)
+    d = result.to_dict()
+    rows = []
+    for r in d["runs"]:
+        name = r["engine"] if r["engine_used"] in (None, r["engine"]) else f"{r['engine']} ({r['engine_used']})"
+        cfg = [name, format_block(r["block_size"]), str(r["queue_depth"]), str(r["threads"]),
+               "on" if r["direct"] else "off"]
+        if r["error"] and not r["write_seconds"]:
+            rows.append(cfg + ["-", "-", "-", "-", "-", "-", "failed"])
+            continue
+        rows.append(cfg + [
+            _runs(r["write_gbps"]), _num(r["write_median_gbps"]), _ratio(r["write_vs_fio"]),
+            _runs(r["read_gbps"]), _num(r["read_median_gbps"]), _ratio(r["read_vs_fio"]),
+            "ok" if r["verified"] else ("-" if r["verified"] is None else "MISMATCH"),
+        ])
+    if result.fio is not None and (result.fio.write_gbps or result.fio.read_gbps):
+        f = result.fio
+        rows.append(["fio (ceiling)", "", "", "", "on" if (f.best_write and f.best_write.direct) else "",
+                     "", _num(f.write_gbps), "1.00x" if f.write_gbps else "-",
+                     "", _num(f.read_gbps), "1.00x" if f.read_gbps else "-", ""])
+    headers = ["engine", "block", "qd", "threads", "O_DIRECT", "write GB/s (runs)", "write median",
+               "vs fio", "read GB/s (runs)", "read median", "vs fio", "data"]
+    render_table("Write (incl. fsync) / cold read of one file", headers, rows, out)
+    _print_fio(result.fio, out)
+    for r in result.runs:
+        if r.error:
+            c = r.config
+            print(f"Error      : {c.engine} block {format_block(c.block_size)} qd {c.queue_depth} "
+                  f"threads {c.threads} direct {'on' if c.direct else 'off'}: {r.error}", file=out)
+    best_w, best_r = result.best()
+    if best_w is not None and best_r is not None:
+        c, e = best_w.config, best_r.config
+        print(f"Best write : {best_w.write_median_gbps:.2f} GB/s with {c.engine}, block {format_block(c.block_size)}, "
+              f"qd {c.queue_depth}, threads {c.threads}", file=out)
+        print(f"Best read  : {best_r.read_median_gbps:.2f} GB/s with {e.engine}, block {format_block(e.block_size)}, "
+              f"qd {e.queue_depth}, threads {e.threads}", file=out)
+    for note in result.notes:
+        print(f"Note       : {note}", file=out)
+
+
+def write_json(data: dict[str, Any], path: str) -> None:
+    """Write ``data`` as indented JSON to ``path`` (``-`` for standard output)."""
+    text = json.dumps(data, indent=2, sort_keys=False, default=str)
+    if path == "-":
+        sys.stdout.write(text + "\n")
+        return
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+
+
+def plot_save(result: SaveBenchResult, path: str) -> None:
+    """Bar chart of median save and load GB/s per method, fio's ceiling as horizontal lines (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [m for m in result.methods if m.save_s]
+    names = [m.name for m in methods]
+    saves = [m.save_median_gbps or 0.0 for m in methods]
+    loads = [m.load_median_gbps or 0.0 for m in methods]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(names) + 3), 4.5))
+    xs = list(range(len(names)))
+    width = 0.38
+    ax.bar([x - width / 2 for x in xs], saves, width, label="durable save (median)", color="#3b75af")
+    ax.bar([x + width / 2 for x in xs], loads, width, label="cold load (median)", color="#ef8636")
+    if result.fio is not None and result.fio.write_gbps:
+        ax.axhline(result.fio.write_gbps, color="#3b75af", linestyle="--", linewidth=1.2,
+                   label=f"fio write ceiling {result.fio.write_gbps:.2f} GB/s")
+    if result.fio is not None and result.fio.read_gbps:
+        ax.axhline(result.fio.read_gbps, color="#ef8636", linestyle=":", linewidth=1.2,
+                   label=f"fio read ceiling {result.fio.read_gbps:.2f} GB/s")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(names)
+    ax.set_ylabel("GB/s")
+    w = result.workload
+    ax.set_title(f"Checkpoint save/load, {format_bytes(w['tensor_bytes'])}, {w['tensors']} tensors "
+                 f"({result.machine.filesystem} on {result.machine.block_device or result.machine.mount_source})")
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+    plt.close(fig)
+
+
+def plot_io(result: IOBenchResult, path: str) -> None:
+    """Bar chart of median write and read GB/s per configuration, fio's ceiling as lines (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result.runs if r.write_s]
+    labels = [
+        f"{r.config.engine}\n{format_block(r.config.block_size)} qd{r.config.queue_depth} "
+        f"t{r.config.threads}{'' if r.config.direct else ' buf'}"
+        for r in runs
+    ]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(runs) + 3), 4.8))
+    xs = list(range(len(runs)))
+    width = 0.38
+    ax.bar([x - width / 2 for x in xs], [r.write_median_gbps or 0.0 for r in runs], width,
+           label="write (median)", color="#3b75af")
+    ax.bar([x + width / 2 for x in xs], [r.read_median_gbps or 0.0 for r in runs], width,
+           label="cold read (median)", color="#ef8636")
+    if result.fio is not None and result.fio.write_gbps:
+        ax.axhline(result.fio.write_gbps, color="#3b75af", linestyle="--", linewidth=1.2,
+                   label=f"fio write {result.fio.write_gbps:.2f} GB/s")
+    if result.fio is not None and result.fio.read_gbps:
+        ax.axhline(result.fio.read_gbps, color="#ef8636", linestyle=":", linewidth=1.2,
+                   label=f"fio read {result.fio.read_gbps:.2f} GB/s")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"fastpersist I/O, {format_bytes(result.size)} file "
+                 f"({result.machine.filesystem} on {result.machine.block_device or result.machine.mount_source})")
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,304 @@
+"""The ``fastpersist`` command: ``info``, ``verify``, ``bench io``, ``bench save``.
+
+Exit status: 0 success; 1 the command ran and found a problem (a checkpoint
+that fails verification, data read back that differs from what was written,
+fastpersist failing in a benchmark); 2 usage or I/O errors (bad arguments, a
+missing file, an unwritable directory). Errors print one line; ``--debug``
+prints the traceback too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import traceback
+from typing import Any, Optional, Sequence
+
+from fastpersist.bench.units import parse_int_list, parse_size, parse_size_list
+
+PROG = "fastpersist"
+
+
+class UsageError(Exception):
+    """A command-line value that is wrong (exit status 2)."""
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        values = parse_size_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    for v in values:
+        if v <= 0 or v % 4096:
+            raise argparse.ArgumentTypeError(f"block size {v} is not a positive multiple of 4096")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return parse_int_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _names(text: str) -> list[str]:
+    return [] if text.strip().lower() in ("", "none") else [n.strip() for n in text.split(",") if n.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``fastpersist`` command."""
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="print tracebacks of errors")
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, parents=[debug],
+        description="fastpersist: PyTorch checkpoints at the speed of the storage.",
+    )
+    parser.set_defaults(debug=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("info", parents=[debug], help="version, engines, O_DIRECT and storage of a directory")
+    p.add_argument("--dir", default=".", help="directory whose filesystem to describe (default: .)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("verify", parents=[debug], help="checksum every byte of a checkpoint")
+    p.add_argument("path", help="checkpoint file (.pt/.pth/.ckpt/.bin or .safetensors)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=cmd_verify)
+
+    bench = sub.add_parser("bench", parents=[debug], help="benchmarks on your disk")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    bsub.required = True
+
+    p = bsub.add_parser(
+        "io", parents=[debug],
+        help="raw write / cold-read GB/s of the I/O engines (like DeepSpeed's ds_io), beside fio",
+        description="Write then cold-read one large file per configuration through fastpersist.io.IOHandle "
+        "from a pinned tensor; fio's O_DIRECT ceiling in the same run.",
+    )
+    p.add_argument("--dir", required=True, help="directory on the disk to measure")
+    p.add_argument("--size", type=_size, default=parse_size("1GiB"), help="file size (default: 1GiB)")
+    p.add_argument("--engines", type=_names, default=["aio", "psync"],
+                   help="comma-separated engines: aio, psync, cufile, auto (default: aio,psync)")
+    p.add_argument("--block-sizes", type=_sizes, default=[1 << 20, 8 << 20],
+                   help="bytes per I/O, comma-separated (default: 1M,8M)")
+    p.add_argument("--queue-depths", type=_ints, default=[4, 8, 16], help="I/Os in flight (default: 4,8,16)")
+    p.add_argument("--threads", type=_ints, default=[1, 2], help="worker threads (default: 1,2)")
+    p.add_argument("--direct", choices=("on", "off", "both"), default="on", help="O_DIRECT (default: on)")
+    p.add_argument("--repeat", type=_positive, default=3, help="runs per configuration (default: 3)")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
+    p.add_argument("--no-fio", action="store_true", help="do not measure fio's ceiling")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (PNG)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench_io)
+
+    p = bsub.add_parser(
+        "save", parents=[debug],
+        help="durable save / cold load of a training state vs torch.save, safetensors, DCP, fio",
+        description="Checkpoint a GPT-style training state (or many small tensors) with fastpersist and "
+        "its peers on the same disk, in the same run.",
+    )
+    p.add_argument("--dir", required=True, help="directory on the disk to measure")
+    p.add_argument("--size", type=_size, default=parse_size("2GiB"),
+                   help="checkpoint size (tensor bytes) of the training state (default: 2GiB)")
+    p.add_argument("--small-tensors", type=_positive, metavar="N",
+                   help="instead of the training state, N tensors of random sizes 1 KB - 1 MB")
+    p.add_argument("--peers", type=_names, default=["torch", "safetensors", "dcp", "fio"],
+                   help="comma-separated peers: torch, safetensors, dcp, fio, or none "
+                   "(default: torch,safetensors,dcp,fio)")
+    p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (PNG)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint files of the last run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench_save)
+    return parser
+
+
+# ---- commands ---------------------------------------------------------------------
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """``fastpersist info``: what this installation and the storage of ``--dir`` can do."""
+    from fastpersist.bench.machine import collect_machine_info
+
+    info = collect_machine_info(args.dir)
+    compiled: Optional[list[str]] = None
+    native_version: Optional[str] = None
+    try:
+        from fastpersist import _native
+
+        compiled = list(_native.ENGINES)
+        native_version = str(getattr(_native, "__version__", "")) or None
+    except ImportError:
+        pass
+    if args.json:
+        data = info.to_dict()
+        data.update({"engines_compiled": compiled, "native_version": native_version})
+        print(json.dumps(data, indent=2))
+        return 0
+    print(f"fastpersist {info.fastpersist_version}" + (f" (native {native_version})" if native_version else ""))
+    if compiled is not None:
+        print(f"Compiled   : {', '.join(compiled)}")
+    for line in info.summary_lines():
+        print(line)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``fastpersist verify PATH``: 0 intact, 1 problems found, 2 cannot read."""
+    import fastpersist
+    from fastpersist.errors import FastPersistError
+
+    path = args.path
+    if not os.path.exists(path):
+        raise FileNotFoundError(2, "No such file", path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(21, "Is a directory (verify takes a checkpoint file)", path)
+    try:
+        result = fastpersist.verify(path)
+    except FastPersistError as exc:  # not a checkpoint at all, truncated zip, ...
+        data = {"ok": False, "path": path, "format": "unknown", "records": 0, "bytes": 0, "problems": [str(exc)]}
+    else:
+        data = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else {
+            "ok": bool(result), "path": path, "problems": list(getattr(result, "problems", [])),
+        }
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif data["ok"]:
+        print(f"OK: {path}: {data.get('records', 0)} records, {data.get('bytes', 0)} payload bytes checked "
+              f"({data.get('format', '?')} format)")
+    else:
+        print(f"CORRUPT: {path}: {len(data['problems'])} problem(s)")
+        for problem in data["problems"]:
+            print(f"  - {problem}")
+    return 0 if data["ok"] else 1
+
+
+def _json_to_stdout(args: argparse.Namespace) -> bool:
+    return getattr(args, "json", None) == "-"
+
+
+def _check_dir(path: str) -> str:
+    if not os.path.isdir(path):
+        raise UsageError(f"--dir {path!r} is not a directory (create it first)")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--dir {path!r} is not writable")
+    return path
+
+
+def cmd_bench_io(args: argparse.Namespace) -> int:
+    """``fastpersist bench io``: see :mod:`fastpersist.bench.io_bench`."""
+    from fastpersist.bench import report
+    from fastpersist.bench.io_bench import run_io_bench
+
+    _check_dir(args.dir)
+    if not args.engines:
+        raise UsageError("--engines: give at least one engine")
+    bad = sorted(set(args.engines) - {"auto", "aio", "psync", "cufile"})
+    if bad:
+        raise UsageError(f"--engines: unknown engine(s) {', '.join(bad)} (use aio, psync, cufile, auto)")
+    direct = {"on": [True], "off": [False], "both": [True, False]}[args.direct]
+    result = run_io_bench(
+        args.dir, size=args.size, engines=args.engines, block_sizes=args.block_sizes,
+        queue_depths=args.queue_depths, threads=args.threads, direct_modes=direct, repeat=args.repeat,
+        fio=not args.no_fio, progress=not args.no_progress,
+    )
+    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    report.print_io_report(result, out)
+    if args.json:
+        report.write_json(result.to_dict(), args.json)
+    if args.plot:
+        report.plot_io(result, args.plot)
+        print(f"Plot       : {args.plot}", file=out)
+    mismatched = [r for r in result.runs if r.verified is False]
+    return 1 if mismatched else 0
+
+
+def cmd_bench_save(args: argparse.Namespace) -> int:
+    """``fastpersist bench save``: see :mod:`fastpersist.bench.save_bench`."""
+    from fastpersist.bench import report
+    from fastpersist.bench.save_bench import PEERS, run_save_bench
+
+    _check_dir(args.dir)
+    bad = sorted(set(args.peers) - set(PEERS))
+    if bad:
+        raise UsageError(f"--peers: unknown peer(s) {', '.join(bad)} (use {', '.join(PEERS)} or none)")
+    result = run_save_bench(
+        args.dir, size=args.size, small_tensors=args.small_tensors, peers=args.peers, repeat=args.repeat,
+        keep=args.keep, progress=not args.no_progress,
+    )
+    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    report.print_save_report(result, out)
+    if args.json:
+        report.write_json(result.to_dict(), args.json)
+    if args.plot:
+        report.plot_save(result, args.plot)
+        print(f"Plot       : {args.plot}", file=out)
+    fp = result.method("fastpersist")
+    failed = fp is None or fp.error is not None or not result.verification.get("ok", False)
+    return 1 if failed else 0
+
+
+# ---- entry point ------------------------------------------------------------------
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the ``fastpersist`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code) if isinstance(exc.code, int) else 2
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        if args.debug:
+            traceback.print_exc()
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, EOFError, ValueError, ImportError) as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"{PROG}: error: {_describe(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+        return f"{exc.strerror}: {exc.filename!r}"
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) else str(exc)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

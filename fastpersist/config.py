@@ -1,0 +1,393 @@
+"""Settings of fastpersist: the :class:`Config` dataclass and the ``FASTPERSIST_*`` variables.
+
+Every environment variable is defined once, in :data:`ENV_VARS` below (name, field,
+type, default, meaning); the parsers, :meth:`Config.from_env` and the documentation
+page ``docs/config.md`` (``python -m fastpersist.config --markdown``) are all driven
+by that table.
+
+Example::
+
+    cfg = fastpersist.Config(chunk_size=16 << 20, threads=4)
+    fastpersist.save(state, "ckpt.pt", config=cfg)
+
+    with fastpersist.config.override(fsync=False):   # temporary process-wide default
+        ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+__all__ = [
+    "ENGINES",
+    "ENV_VARS",
+    "Config",
+    "EnvVar",
+    "get_default",
+    "markdown",
+    "override",
+    "parse_bool",
+    "parse_size",
+    "reset_default",
+]
+
+#: Values accepted for :attr:`Config.engine`.
+ENGINES = ("auto", "aio", "psync", "cufile")
+
+_PAGE = 4096
+
+
+@dataclass(frozen=True)
+class Config:
+    """How fastpersist moves bytes. Immutable; derive variants with :meth:`replace`.
+
+    Attributes:
+        engine: I/O engine: ``"auto"`` (best available: AIO, else threaded pread/pwrite),
+            ``"aio"`` (Linux AIO), ``"psync"`` (thread pool of pread/pwrite) or
+            ``"cufile"`` (GPUDirect Storage; fails loudly when unavailable).
+        chunk_size: Bytes per I/O request and per staging buffer; a positive multiple of 4096.
+        queue_depth: I/O requests in flight per operation (also the number of staging
+            buffers in the ring); at least 2.
+        threads: Worker threads that fill staging buffers (and do the I/O for ``psync``); >= 1.
+        direct: Use ``O_DIRECT`` where the filesystem accepts it (bypasses the page cache).
+        fsync: ``fsync`` the file and its directory before a save is reported complete.
+        checksum: Record CRC-32s of every payload when saving, and check them when loading.
+        max_async: Asynchronous saves executed concurrently; later ones queue; >= 1.
+    """
+
+    engine: str = "auto"
+    chunk_size: int = 8 << 20
+    queue_depth: int = 8
+    threads: int = 2
+    direct: bool = True
+    fsync: bool = True
+    checksum: bool = True
+    max_async: int = 2
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _validate_field(f.name, getattr(self, f.name))
+
+    def replace(self, **changes: Any) -> "Config":
+        """Return a copy with ``changes`` applied (validated like the constructor).
+
+        Raises:
+            TypeError: a name in ``changes`` is not a field of :class:`Config`.
+            ValueError: a value is out of range.
+        """
+        unknown = sorted(set(changes) - _FIELD_NAMES)
+        if unknown:
+            raise TypeError(
+                f"Config has no field(s) {', '.join(unknown)}; fields are {', '.join(sorted(_FIELD_NAMES))}"
+            )
+        return dataclasses.replace(self, **changes)
+
+    def handle_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``fastpersist._native.Handle(**kwargs)``."""
+        return {
+            "engine": self.engine,
+            "chunk_size": self.chunk_size,
+            "queue_depth": self.queue_depth,
+            "threads": self.threads,
+            "direct": self.direct,
+            "max_async": self.max_async,
+        }
+
+    @classmethod
+    def from_env(cls, base: Optional["Config"] = None, environ: Optional[Mapping[str, str]] = None) -> "Config":
+        """Return ``base`` (default: ``Config()``) with every ``FASTPERSIST_*`` variable applied.
+
+        Variables are read and parsed now, at each call. Unset or empty variables leave
+        the field of ``base`` unchanged.
+
+        Args:
+            base: The configuration to start from.
+            environ: Mapping to read instead of ``os.environ`` (tests).
+
+        Raises:
+            ValueError: a variable holds an invalid value; the message names the
+                variable, the value and what is accepted.
+        """
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for var in ENV_VARS:
+            if var.field is None:
+                continue
+            raw = env.get(var.name)
+            if raw is None or raw.strip() == "":
+                continue
+            value = var.parse(var.name, raw)
+            try:
+                _validate_field(var.field, value)
+            except ValueError as exc:
+                raise ValueError(f"{var.name}={raw!r}: {exc}") from None
+            changes[var.field] = value
+        return (base if base is not None else cls()).replace(**changes)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
+
+
+def _validate_field(name: str, value: Any) -> None:
+    """Raise ``ValueError``/``TypeError`` if ``value`` is not acceptable for field ``name``."""
+    if name == "engine":
+        if value not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {value!r}")
+    elif name in ("direct", "fsync", "checksum"):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+    else:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if name == "chunk_size":
+            if value <= 0 or value % _PAGE:
+                raise ValueError(f"chunk_size must be a positive multiple of {_PAGE} bytes, not {value}")
+        elif name == "queue_depth":
+            if value < 2:
+                raise ValueError(f"queue_depth must be at least 2, not {value}")
+        elif name in ("threads", "max_async"):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, not {value}")
+
+
+# ---------------------------------------------------------------------------
+# Typed parsers: (variable name, raw text) -> value, ValueError naming both.
+
+_TRUE = frozenset({"1", "true", "on", "yes"})
+_FALSE = frozenset({"0", "false", "off", "no"})
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """Parse 1/0/true/false/on/off/yes/no (any case, surrounding spaces ignored)."""
+    text = raw.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, on/off, yes/no")
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw.strip(), 10)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
+
+
+def parse_size(name: str, raw: str) -> int:
+    """Parse a byte count: ``8388608``, ``8M``, ``8MiB``, ``8MB``, ``1G``, ``512K``.
+
+    Suffixes K, M, G, T (optionally followed by ``B`` or ``iB``, any case) are binary
+    multiples: ``1K == 1024``.
+    """
+    m = _SIZE_RE.match(raw)
+    if m is None or (m.group(3) and not m.group(2) and m.group(3).lower() == "ib"):
+        raise ValueError(f"{name}={raw!r} is not a size; use bytes or a number with K, M, G or T (e.g. 8M, 8MiB)")
+    return int(m.group(1)) << _SIZE_SHIFT[m.group(2).lower()]
+
+
+def _parse_engine(name: str, raw: str) -> str:
+    text = raw.strip().lower()
+    if text not in ENGINES:
+        raise ValueError(f"{name}={raw!r} is not an engine; use one of {', '.join(ENGINES)}")
+    return text
+
+
+def _parse_fault(name: str, raw: str) -> str:
+    """Syntax check only; the native module applies the fault."""
+    parts = raw.strip().split(":")
+    if len(parts) not in (3, 4) or not parts[1].isdigit() or (len(parts) == 4 and not parts[3].isdigit()):
+        raise ValueError(f"{name}={raw!r} is not a fault spec; use op:nth:action[:count], e.g. write:3:EIO")
+    return raw.strip()
+
+
+# ---------------------------------------------------------------------------
+# The one table of environment variables.
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One ``FASTPERSIST_*`` variable.
+
+    ``field`` is the :class:`Config` field it sets, or ``None`` for variables read
+    elsewhere (documented here so the documentation stays complete).
+    """
+
+    name: str
+    field: Optional[str]
+    parse: Callable[[str, str], Any]
+    type: str
+    meaning: str
+    default: Optional[str] = None  # display text; None: taken from Config's default
+
+
+def _bool_text(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def _size_text(value: int) -> str:
+    for suffix, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if value >= 1 << shift and value % (1 << shift) == 0:
+            return f"{value >> shift}{suffix}"
+    return str(value)
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(
+        "FASTPERSIST_ENGINE", "engine", _parse_engine, "one of auto, aio, psync, cufile",
+        "I/O engine. `auto` uses Linux AIO when available, else a thread pool of "
+        "pread/pwrite; `cufile` (GPUDirect Storage) fails loudly when unavailable.",
+    ),
+    EnvVar(
+        "FASTPERSIST_CHUNK_SIZE", "chunk_size", parse_size, "size (8388608, 8M, 8MiB, 1G)",
+        "Bytes per I/O request and per pinned staging buffer; a multiple of 4096. "
+        "Suffixes K, M, G, T are binary (1K = 1024).",
+    ),
+    EnvVar(
+        "FASTPERSIST_QUEUE_DEPTH", "queue_depth", _parse_int, "integer >= 2",
+        "I/O requests in flight per operation; also the number of staging buffers in the ring.",
+    ),
+    EnvVar(
+        "FASTPERSIST_THREADS", "threads", _parse_int, "integer >= 1",
+        "Worker threads that fill staging buffers (and perform the I/O for `psync`).",
+    ),
+    EnvVar(
+        "FASTPERSIST_DIRECT", "direct", parse_bool, "boolean",
+        "Use O_DIRECT where the filesystem accepts it (bypasses the page cache).",
+    ),
+    EnvVar(
+        "FASTPERSIST_FSYNC", "fsync", parse_bool, "boolean",
+        "fsync the file and its directory before a save is reported complete.",
+    ),
+    EnvVar(
+        "FASTPERSIST_CHECKSUM", "checksum", parse_bool, "boolean",
+        "Record a CRC-32 of every payload when saving and check it when loading.",
+    ),
+    EnvVar(
+        "FASTPERSIST_MAX_ASYNC", "max_async", _parse_int, "integer >= 1",
+        "Asynchronous saves executed concurrently; later ones queue behind them.",
+    ),
+    EnvVar(
+        "FASTPERSIST_PATCH_TORCH_SAVE", None, parse_bool, "boolean",
+        "When true, `import fastpersist` calls `fastpersist.patch_torch_save()`, routing "
+        "`torch.save`/`torch.load` on paths through fastpersist. Read once, at import.",
+        default="off",
+    ),
+    EnvVar(
+        "FASTPERSIST_FAULT", None, _parse_fault, "op:nth:action[:count]",
+        "Tests only: inject a fault into the native I/O layer, e.g. `write:3:EIO`, "
+        "`write:2:short`, `read:1:eintr:5`, `fsync:1:ENOSPC`. Read once, when the native "
+        "module is imported.",
+        default="unset",
+    ),
+)
+
+
+def _default_text(var: EnvVar) -> str:
+    if var.default is not None:
+        return var.default
+    assert var.field is not None
+    value = getattr(Config(), var.field)
+    if isinstance(value, bool):
+        return _bool_text(value)
+    if var.field == "chunk_size":
+        return f"{_size_text(value)} ({value})"
+    return str(value)
+
+
+def markdown() -> str:
+    """The documentation page of every ``FASTPERSIST_*`` variable (``docs/config.md``)."""
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated by `python -m fastpersist.config --markdown`; do not edit. -->",
+        "",
+        "fastpersist reads these environment variables. The `Config` fields are applied by",
+        "`fastpersist.Config.from_env()`, which parses them each time it is called;",
+        "`fastpersist.config.get_default()` calls it once and caches the result. An",
+        "invalid value raises `ValueError` naming the variable and the value. Booleans",
+        "accept `1/0`, `true/false`, `on/off`, `yes/no` in any case. An unset or empty",
+        "variable keeps the default.",
+        "",
+        "In code, pass a `fastpersist.Config(...)` or change the default temporarily with",
+        "`with fastpersist.config.override(threads=4): ...`.",
+        "",
+        "| Variable | Meaning | Default | Values | `Config` field |",
+        "|---|---|---|---|---|",
+    ]
+    for var in ENV_VARS:
+        field = f"`{var.field}`" if var.field else "(none)"
+        lines.append(f"| `{var.name}` | {var.meaning} | {_default_text(var)} | {var.type} | {field} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# The process-wide default.
+
+_lock = threading.RLock()
+_default: Optional[Config] = None
+
+
+def get_default() -> Config:
+    """The default :class:`Config`: ``Config.from_env()`` on first use, then cached
+    (or the value set by an enclosing :func:`override`)."""
+    global _default
+    with _lock:
+        if _default is None:
+            _default = Config.from_env()
+        return _default
+
+
+def reset_default() -> None:
+    """Forget the cached default; the next :func:`get_default` reads the environment again."""
+    global _default
+    with _lock:
+        _default = None
+
+
+@contextlib.contextmanager
+def override(**changes: Any) -> Iterator[Config]:
+    """Temporarily replace the default configuration (process-wide, not per thread).
+
+    ``with override(fsync=False) as cfg: ...`` makes :func:`get_default` return
+    ``cfg`` inside the block and restores the previous default on exit. Nests.
+    """
+    global _default
+    with _lock:
+        previous = _default
+        new = get_default().replace(**changes)
+        _default = new
+    try:
+        yield new
+    finally:
+        with _lock:
+            _default = previous
+
+
+def _main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastpersist.config", description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="print the documentation page of every variable")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(markdown())
+    else:
+        cfg = Config.from_env()
+        for f in dataclasses.fields(cfg):
+            print(f"{f.name} = {getattr(cfg, f.name)!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

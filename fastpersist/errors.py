@@ -1,0 +1,40 @@
+"""Exceptions raised by fastpersist beyond the ``OSError`` family of the native layer."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class FastPersistError(Exception):
+    """Base class of fastpersist's own errors."""
+
+
+class ZipFormatError(FastPersistError, ValueError):
+    """A file is not a consistent zip archive (truncated, corrupt, or not a zip at all).
+
+    ``path`` and ``offset`` name where the inconsistency was found.
+    """
+
+    def __init__(self, message: str, path: Optional[str] = None, offset: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+
+
+class ChecksumError(FastPersistError, ValueError):
+    """Bytes read back do not match the CRC-32 recorded when the file was written.
+
+    ``path`` is the file and ``records`` the names of the records (zip entries or
+    tensors) whose checksum did not match.
+    """
+
+    def __init__(self, message: str, path: Optional[str] = None, records: Optional[list[str]] = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.records = list(records or [])
+
+
+class UnsupportedLayoutError(FastPersistError, RuntimeError):
+    """The fast planner cannot lay out this object (for example quantized or nested
+    tensors, which ``torch.serialization.skip_data`` refuses); callers fall back to
+    torch's own writer."""

@@ -1,0 +1,613 @@
+"""The safetensors format: planner, loader and verifier.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of
+JSON (``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets"}}``,
+which may end in spaces), then the tensors' bytes back to back, without holes,
+``data_offsets`` being relative to the end of the header.
+
+What fastpersist adds, within the format:
+
+* the header is padded with spaces so that the data section starts at a multiple
+  of the O_DIRECT alignment (4096 or the device's block size). The tensors stay
+  back to back, as the format requires, so only the first tensor is aligned;
+* when checksums are on, ``__metadata__["fastpersist.crc32"]`` holds one CRC-32
+  (8 lowercase hex digits, comma-separated) per tensor, in data order. The native
+  writer fills them in while it streams the data (``PATCH_HEX8`` patches), so the
+  file is written in one pass. The key is reserved: a user metadata entry of that
+  name is dropped.
+
+Tensors are written in the order ``safetensors.torch.save_file`` uses (wider dtypes
+first, then by name), so without metadata, checksums and extra alignment the bytes
+are identical to safetensors' own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Protocol, Sequence, Union
+
+import torch
+
+from fastpersist.errors import ChecksumError, FastPersistError
+from fastpersist.formats.base import PATCH_HEX8, WritePlan
+
+__all__ = [
+    "CRC_METADATA_KEY",
+    "DTYPE_CODES",
+    "SafetensorsFormatError",
+    "SafetensorsHeader",
+    "TensorEntry",
+    "load_safetensors",
+    "plan_safetensors",
+    "read_header",
+    "verify_safetensors",
+]
+
+#: ``__metadata__`` key holding the per-tensor CRC-32s written by fastpersist.
+CRC_METADATA_KEY = "fastpersist.crc32"
+
+#: Largest header safetensors accepts (bytes of JSON).
+MAX_HEADER_SIZE = 100_000_000
+
+_LEN = struct.Struct("<Q")
+
+# (code, torch dtype attribute, bits per element); the order is the order in which
+# safetensors writes tensors of different dtypes (its dtype enum, descending).
+_DTYPE_TABLE: tuple[tuple[str, str, int], ...] = (
+    ("U64", "uint64", 64),
+    ("I64", "int64", 64),
+    ("F64", "float64", 64),
+    ("C64", "complex64", 64),
+    ("F32", "float32", 32),
+    ("U32", "uint32", 32),
+    ("I32", "int32", 32),
+    ("BF16", "bfloat16", 16),
+    ("F16", "float16", 16),
+    ("U16", "uint16", 16),
+    ("I16", "int16", 16),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz", 8),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz", 8),
+    ("F8_E8M0", "float8_e8m0fnu", 8),
+    ("F8_E4M3", "float8_e4m3fn", 8),
+    ("F8_E5M2", "float8_e5m2", 8),
+    ("I8", "int8", 8),
+    ("U8", "uint8", 8),
+    ("F4", "float4_e2m1fn_x2", 4),  # torch packs two values per element; header counts values
+    ("BOOL", "bool", 8),
+)
+
+#: torch dtype -> safetensors dtype code, for the dtypes this torch build has.
+DTYPE_CODES: dict[torch.dtype, str] = {}
+_CODE_TO_DTYPE: dict[str, torch.dtype] = {}
+_CODE_BITS: dict[str, int] = {}
+_CODE_RANK: dict[str, int] = {}
+for _rank, (_code, _attr, _bits) in enumerate(_DTYPE_TABLE):
+    _dt = getattr(torch, _attr, None)
+    if isinstance(_dt, torch.dtype):
+        DTYPE_CODES[_dt] = _code
+        _CODE_TO_DTYPE[_code] = _dt
+        _CODE_BITS[_code] = _bits
+        _CODE_RANK[_code] = _rank
+del _rank, _code, _attr, _bits, _dt
+
+_PACKED = "F4"  # the one sub-byte dtype: header shape's last dim is twice torch's
+
+
+class SafetensorsFormatError(FastPersistError, ValueError):
+    """A file is not a valid safetensors file; ``path`` names it."""
+
+    def __init__(self, message: str, path: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class _Reader(Protocol):
+    def read(self, target: Union[str, int], extents: Sequence[tuple[int, int, int, int]], nslots: int = 0) -> list[int]:
+        ...
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors header. ``begin``/``end`` are relative to the data start."""
+
+    name: str
+    dtype: str  # safetensors code, e.g. "F32"
+    shape: tuple[int, ...]  # as in the header (F4: number of 4-bit values)
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _CODE_TO_DTYPE[self.dtype]
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """The shape of the torch tensor (F4: last dim halved, two values per element)."""
+        if self.dtype == _PACKED and self.shape:
+            return self.shape[:-1] + (self.shape[-1] // 2,)
+        return self.shape
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed and validated safetensors header."""
+
+    path: str
+    tensors: tuple[TensorEntry, ...]  # in data order (by ``begin``)
+    metadata: Optional[dict[str, str]]
+    data_start: int  # file offset of the first data byte: 8 + header length
+    file_size: int
+
+    @property
+    def crcs(self) -> Optional[list[Optional[int]]]:
+        """CRC-32 per tensor (data order) recorded by fastpersist, ``None`` if absent.
+
+        An entry is ``None`` if it cannot be parsed; the list may have the wrong
+        length in a damaged file (see :func:`verify_safetensors`).
+        """
+        if self.metadata is None or CRC_METADATA_KEY not in self.metadata:
+            return None
+        text = self.metadata[CRC_METADATA_KEY]
+        if text == "":
+            return []
+        out: list[Optional[int]] = []
+        for item in text.split(","):
+            ok = len(item) == 8 and all(c in "0123456789abcdef" for c in item)
+            out.append(int(item, 16) if ok else None)
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Planning a write.
+
+
+def _check_inputs(tensors: Any, metadata: Any) -> None:
+    if not isinstance(tensors, dict):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    for name, value in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"safetensors tensor names must be str, got {type(name).__name__} {name!r}")
+        if name == "__metadata__":
+            raise ValueError("'__metadata__' is reserved by the safetensors format and cannot name a tensor")
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received {type(value)}")
+    sparse = [name for name, value in tensors.items() if value.layout != torch.strided]
+    if sparse:
+        raise ValueError(
+            f"You are trying to save sparse tensors: {sparse}, which safetensors does not support. "
+            "Make them dense with `.to_dense()` first (the file may be much larger)."
+        )
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict of str to str or None, not {type(metadata).__name__}")
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"metadata must map str to str; got {key!r}: {value!r}")
+
+
+def _find_shared(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
+    """Groups of >= 2 names whose bytes overlap in the same storage."""
+    by_storage: dict[tuple[Any, int], list[tuple[int, int, str]]] = {}
+    for name, t in tensors.items():
+        if t.device.type == "meta":
+            continue
+        nbytes = t.numel() * t.element_size()
+        storage = t.untyped_storage()
+        if nbytes == 0 or storage.data_ptr() == 0:
+            continue
+        by_storage.setdefault((t.device, storage.data_ptr()), []).append((t.data_ptr(), t.data_ptr() + nbytes, name))
+    groups: list[list[str]] = []
+    for spans in by_storage.values():
+        spans.sort()
+        current: list[str] = []
+        stop = -1
+        for begin, end, name in spans:
+            if current and begin < stop:
+                current.append(name)
+            else:
+                if len(current) > 1:
+                    groups.append(sorted(current))
+                current = [name]
+            stop = max(stop, end)
+        if len(current) > 1:
+            groups.append(sorted(current))
+    return groups
+
+
+def _prepare(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Validate one tensor and return a CPU tensor whose memory holds exactly its bytes."""
+    if t.dtype not in DTYPE_CODES:
+        supported = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
+        raise ValueError(f"Tensor `{name}` has dtype {t.dtype}, which safetensors cannot store (supported: {supported})")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"You are trying to save a non contiguous tensor: `{name}`, which safetensors does not allow. "
+            "If it is a view of another tensor, save the full tensor and slice it after loading; "
+            "otherwise call `.contiguous()` on it before saving."
+        )
+    if t.device.type == "meta":
+        raise ValueError(f"Tensor `{name}` is on the meta device and has no data to save")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")  # staged; the native writer reads host memory
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
+
+
+def _header_shape(code: str, t: torch.Tensor) -> list[int]:
+    shape = list(t.shape)
+    if code == _PACKED:
+        if not shape:
+            raise ValueError("a 0-d float4_e2m1fn_x2 tensor cannot be stored in safetensors (two values per byte)")
+        shape[-1] *= 2
+    return shape
+
+
+def plan_safetensors(
+    tensors: dict[str, torch.Tensor],
+    metadata: Optional[dict[str, str]] = None,
+    alignment: int = 4096,
+    *,
+    checksum: bool = True,
+) -> WritePlan:
+    """Lay out a safetensors file for the native writer, copying no tensor bytes.
+
+    Validation matches ``safetensors.torch.save_file``: a dict of str to dense,
+    contiguous tensors; tensors that share memory are refused (save one of them, or
+    use ``safetensors.torch.save_model``); ``metadata`` maps str to str. Non-CPU
+    tensors are copied to CPU first.
+
+    Args:
+        tensors: name -> tensor.
+        metadata: free-form ``__metadata__`` (preserved, except the reserved
+            :data:`CRC_METADATA_KEY`).
+        alignment: the data section starts at a multiple of ``lcm(alignment, 8)``.
+        checksum: record a CRC-32 per tensor in ``__metadata__[CRC_METADATA_KEY]``.
+
+    Returns:
+        A :class:`~fastpersist.formats.base.WritePlan` whose crc slots are the
+        non-empty tensors in data order (``slot_names``).
+
+    Raises:
+        ValueError, TypeError: invalid input (as safetensors raises them).
+        RuntimeError: tensors share memory.
+    """
+    if not isinstance(alignment, int) or alignment <= 0:
+        raise ValueError(f"alignment must be a positive int, not {alignment!r}")
+    _check_inputs(tensors, metadata)
+    shared = _find_shared(tensors)
+    if shared:
+        raise RuntimeError(
+            f"Some tensors share memory, this would duplicate them on disk and they would no longer share after "
+            f"loading: {shared}. Save only one of each group (and rebuild the others after loading), or use "
+            "`safetensors.torch.save_model`, which drops the duplicates. "
+            "More information at https://huggingface.co/docs/safetensors/torch_shared_tensors"
+        )
+
+    prepared = {name: _prepare(name, t) for name, t in tensors.items()}
+    order = sorted(prepared, key=lambda n: (_CODE_RANK[DTYPE_CODES[prepared[n].dtype]], n))
+
+    entries: dict[str, Any] = {}
+    layout: list[tuple[str, torch.Tensor, int, int]] = []  # name, tensor, begin, nbytes
+    offset = 0
+    for name in order:
+        t = prepared[name]
+        code = DTYPE_CODES[t.dtype]
+        nbytes = t.numel() * t.element_size()
+        entries[name] = {"dtype": code, "shape": _header_shape(code, t), "data_offsets": [offset, offset + nbytes]}
+        layout.append((name, t, offset, nbytes))
+        offset += nbytes
+    data_size = offset
+
+    head: dict[str, Any] = {}
+    if checksum or metadata is not None:
+        meta: dict[str, str] = {}
+        if checksum:
+            meta[CRC_METADATA_KEY] = ",".join("0" * 8 for _ in layout)
+        for key, value in (metadata or {}).items():
+            if key != CRC_METADATA_KEY:
+                meta[key] = value
+        head["__metadata__"] = meta
+    head.update(entries)
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+    unit = alignment * 8 // math.gcd(alignment, 8)
+    data_start = -(-(_LEN.size + len(text)) // unit) * unit
+    header_len = data_start - _LEN.size
+    header = bytearray(_LEN.pack(header_len) + text + b" " * (header_len - len(text)))
+    header_t = torch.frombuffer(header, dtype=torch.uint8)
+
+    extents: list[tuple[int, int, int, int]] = [(0, header_t.data_ptr(), data_start, -1)]
+    patches: list[tuple[int, int, int]] = []
+    slot_names: list[str] = []
+    crc_at = 0
+    if checksum:
+        prefix = json.dumps({"__metadata__": {CRC_METADATA_KEY: ""}}, separators=(",", ":")).encode()[:-3]
+        assert text.startswith(prefix)
+        crc_at = _LEN.size + len(prefix)
+    for index, (name, t, begin, nbytes) in enumerate(layout):
+        if nbytes == 0:
+            continue  # its CRC is 0: the placeholder already says 00000000
+        slot = len(slot_names) if checksum else -1
+        extents.append((data_start + begin, t.data_ptr(), nbytes, slot))
+        if checksum:
+            patches.append((crc_at + 9 * index, slot, PATCH_HEX8))
+            slot_names.append(name)
+
+    return WritePlan(
+        extents=extents,
+        patches=patches,
+        nslots=len(slot_names),
+        file_size=data_start + data_size,
+        keepalive=[header, header_t, prepared],
+        slot_names=slot_names,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Reading a header.
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_header(path: str, header_json: bytes, file_size: int) -> SafetensorsHeader:
+    """Validate the JSON header of a safetensors file of ``file_size`` bytes.
+
+    Raises:
+        SafetensorsFormatError: naming ``path`` and what is wrong.
+    """
+
+    def bad(what: str) -> SafetensorsFormatError:
+        return SafetensorsFormatError(f"{path}: not a valid safetensors file: {what}", path)
+
+    data_start = _LEN.size + len(header_json)
+    try:
+        head = json.loads(header_json.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"the header is not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(head, dict):
+        raise bad("the header is not a JSON object")
+
+    metadata = head.pop("__metadata__", None)
+    if metadata is not None and (
+        not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise bad("__metadata__ is not an object of strings")
+
+    entries: list[TensorEntry] = []
+    for name, info in head.items():
+        if not isinstance(info, dict):
+            raise bad(f"the entry of tensor {name!r} is not an object")
+        code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if code not in _CODE_TO_DTYPE:
+            raise bad(f"tensor {name!r} has an unknown or unsupported dtype {code!r}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise bad(f"tensor {name!r} has an invalid shape {shape!r}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+            raise bad(f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        if end < begin:
+            raise bad(f"tensor {name!r} has data_offsets {offsets} that end before they begin")
+        bits = math.prod(shape) * _CODE_BITS[code]
+        if bits % 8 or bits // 8 != end - begin or (code == _PACKED and (not shape or shape[-1] % 2)):
+            raise bad(f"tensor {name!r}: {code} of shape {shape} does not fill data_offsets {offsets}")
+        entries.append(TensorEntry(name, code, tuple(shape), begin, end))
+
+    entries.sort(key=lambda e: (e.begin, e.end))
+    expected = 0
+    for entry in entries:
+        if entry.begin != expected:
+            kind = "a hole" if entry.begin > expected else "an overlap"
+            raise bad(f"tensor {entry.name!r} starts at data offset {entry.begin}, leaving {kind} after offset {expected}")
+        expected = entry.end
+    if data_start + expected != file_size:
+        raise bad(
+            f"the tensors end at byte {data_start + expected} but the file has {file_size} bytes "
+            "(truncated, or trailing bytes)"
+        )
+    return SafetensorsHeader(path, tuple(entries), metadata, data_start, file_size)
+
+
+def read_header(path: Union[str, os.PathLike]) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file at ``path`` (buffered I/O).
+
+    Raises:
+        SafetensorsFormatError: not a valid safetensors file (message names the path).
+        OSError: the file cannot be opened or read.
+    """
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        file_size = os.fstat(f.fileno()).st_size
+        if file_size < _LEN.size:
+            raise SafetensorsFormatError(
+                f"{path}: not a valid safetensors file: {file_size} bytes, shorter than the 8-byte header length", path
+            )
+        (length,) = _LEN.unpack(f.read(_LEN.size))
+        if length > MAX_HEADER_SIZE or _LEN.size + length > file_size:
+            raise SafetensorsFormatError(
+                f"{path}: not a valid safetensors file: header length {length} is larger than "
+                f"{'the file' if length <= MAX_HEADER_SIZE else 'the 100 MB limit'} ({file_size} bytes)",
+                path,
+            )
+        header_json = f.read(length)
+    if len(header_json) != length:
+        raise SafetensorsFormatError(f"{path}: the file shrank while its header was read", path)
+    return parse_header(path, header_json, file_size)
+
+
+# ---------------------------------------------------------------------------
+# Loading and verifying.
+
+
+def _data_extents(header: SafetensorsHeader, ptr_of: Any) -> tuple[list[tuple[int, int, int, int]], list[TensorEntry]]:
+    extents = []
+    slots = []
+    for entry in header.tensors:
+        if entry.nbytes:
+            start = header.data_start + entry.begin
+            extents.append((start, ptr_of(start), entry.nbytes, len(slots)))
+            slots.append(entry)
+    return extents, slots
+
+
+def _crc_problems(header: SafetensorsHeader, slots: list[TensorEntry], crcs: Sequence[int]) -> list[tuple[str, str]]:
+    """``(record, message)`` for every recorded CRC-32 that does not match (record: tensor name)."""
+    recorded = header.crcs
+    assert recorded is not None
+    if len(recorded) != len(header.tensors):
+        return [
+            (
+                CRC_METADATA_KEY,
+                f"{header.path}: {CRC_METADATA_KEY} lists {len(recorded)} checksums for {len(header.tensors)} "
+                "tensors; the header was altered after fastpersist wrote it",
+            )
+        ]
+    expected = {e.name: r for e, r in zip(header.tensors, recorded)}
+    problems = []
+    for entry in header.tensors:
+        if expected[entry.name] is None:
+            problems.append((entry.name, f"{header.path}: tensor {entry.name!r}: recorded checksum is not 8 hex digits"))
+        elif entry.nbytes == 0 and expected[entry.name] != 0:
+            problems.append(
+                (entry.name, f"{header.path}: tensor {entry.name!r} is empty but its recorded CRC-32 is not 00000000")
+            )
+    for entry, actual in zip(slots, crcs):
+        want = expected[entry.name]
+        if want is not None and actual != want:
+            problems.append(
+                (
+                    entry.name,
+                    f"{header.path}: tensor {entry.name!r}: CRC-32 of its bytes is {actual:08x}, recorded {want:08x} "
+                    f"(file bytes {header.data_start + entry.begin}..{header.data_start + entry.end})",
+                )
+            )
+    return problems
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A page-aligned uint8 tensor of at least ``nbytes`` (rounded up to 4096) bytes."""
+    size = max(4096, -(-nbytes // 4096) * 4096)
+    if pinned:
+        from fastpersist.io import pinned_empty
+
+        return pinned_empty(size)
+    from fastpersist import _native
+
+    return torch.frombuffer(_native.PinnedBuffer(size, 4096, lock=False), dtype=torch.uint8)
+
+
+def load_safetensors(
+    path: Union[str, os.PathLike],
+    handle: _Reader,
+    device: Union[str, int, torch.device] = "cpu",
+    *,
+    checksum: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file, like ``safetensors.torch.load_file``.
+
+    The file is read with one native read into one page-aligned host buffer; on CPU
+    each returned tensor is a separate storage over its bytes in that buffer (the
+    buffer lives as long as any of them). Other devices get copies (``.to(device)``).
+
+    Args:
+        path: the file.
+        handle: a ``fastpersist._native.Handle`` (or anything with its ``read``).
+        device: where the tensors go.
+        checksum: if the file carries fastpersist CRC-32s, check them while reading.
+
+    Raises:
+        SafetensorsFormatError: the file is not valid safetensors (names the path).
+        ChecksumError: a tensor's bytes do not match the CRC-32 recorded at save time.
+        OSError, EOFError: reading failed.
+    """
+    path = os.fspath(path)
+    header = read_header(path)
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    base = _host_buffer(header.file_size, pinned=device.type != "cpu")
+    base_ptr = base.data_ptr()
+
+    check = checksum and header.crcs is not None
+    extents, slots = _data_extents(header, lambda off: base_ptr + off)
+    if check:
+        read_extents = [(0, base_ptr, header.data_start, -1)] + extents
+        crcs = handle.read(path, read_extents, len(slots))
+        problems = _crc_problems(header, slots, crcs)
+        if problems:
+            raise ChecksumError(
+                f"{path}: checksum mismatch, the file is corrupt (restore it from a good copy, or pass "
+                "checksum=False to read the bytes anyway):\n" + "\n".join(msg for _, msg in problems),
+                path,
+                [name for name, _ in problems],
+            )
+    else:
+        handle.read(path, [(0, base_ptr, header.file_size, -1)], 0)
+
+    out: dict[str, torch.Tensor] = {}
+    buffer = base.numpy()
+    for entry in header.tensors:
+        dtype = entry.torch_dtype
+        start = header.data_start + entry.begin
+        if entry.nbytes == 0:
+            tensor = torch.empty(entry.torch_shape, dtype=dtype)
+        elif device.type == "cpu" and start % dtype.itemsize == 0:
+            # its own storage over its bytes: saving one loaded tensor saves only its bytes
+            tensor = torch.frombuffer(buffer, dtype=dtype, count=entry.nbytes // dtype.itemsize, offset=start)
+        else:
+            raw = base[start : start + entry.nbytes]
+            if start % dtype.itemsize:
+                raw = raw.clone()  # misaligned for its dtype (possible in files from other writers)
+            tensor = raw.view(dtype)
+        tensor = tensor.view(entry.torch_shape)
+        out[entry.name] = tensor if device.type == "cpu" else tensor.to(device)
+    return out
+
+
+def verify_safetensors(path: Union[str, os.PathLike], handle: _Reader) -> list[str]:
+    """Check a safetensors file; return the problems found (empty: none).
+
+    Always checks the structure (header length, JSON, dtypes, shapes, offsets, no
+    holes or overlaps, file size). If fastpersist recorded CRC-32s, every tensor's
+    bytes are read (one native read, discarded after checksumming) and compared,
+    naming each tensor that differs. Files written by other tools carry no
+    checksums: only their structure can be checked (see :func:`has_checksums`).
+
+    Raises:
+        OSError, EOFError: the file cannot be read.
+    """
+    path = os.fspath(path)
+    try:
+        header = read_header(path)
+    except SafetensorsFormatError as exc:
+        return [str(exc)]
+    if header.crcs is None:
+        return []
+    extents, slots = _data_extents(header, lambda off: 0)
+    crcs = handle.read(path, extents, len(slots)) if extents else []
+    return [msg for _, msg in _crc_problems(header, slots, crcs)]
+
+
+def has_checksums(path: Union[str, os.PathLike]) -> bool:
+    """Whether the file's header carries fastpersist CRC-32s (else verify checks structure only)."""
+    return read_header(path).crcs is not None

@@ -1,0 +1,304 @@
+"""A small, strict reader of zip *indexes* (no decompression).
+
+It finds every record of a zip archive (the end-of-central-directory record, its
+zip64 variant, the central directory and each local header) and reports where
+the record's bytes and CRC fields lie in the file. It is used three ways:
+
+* by the torch planner, over the bytes recorded from ``torch.save`` run with
+  ``skip_data`` (payload ranges are holes there, read as zeros);
+* by ``load``, to checksum each record while the file is read;
+* by ``verify``, to checksum each record and compare it with the central directory.
+
+Only what torch's writer (miniz) and Python's :mod:`zipfile` produce is needed,
+but the parser follows the zip specification (APPNOTE 6.3) for the fields it reads.
+Every inconsistency raises :class:`~fastpersist.errors.ZipFormatError` naming the
+path and the offset.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from fastpersist.errors import ZipFormatError
+
+#: ``read_at(offset, length) -> bytes``: exactly ``length`` bytes unless the range
+#: passes the end of the file (then fewer).
+ReadAt = Callable[[int, int], bytes]
+
+_EOCD_SIG = b"PK\x05\x06"
+_ZIP64_LOCATOR_SIG = b"PK\x06\x07"
+_ZIP64_EOCD_SIG = b"PK\x06\x06"
+_CD_SIG = b"PK\x01\x02"
+_LOCAL_SIG = b"PK\x03\x04"
+_DESCRIPTOR_SIG = b"PK\x07\x08"
+
+_EOCD = struct.Struct("<4s4H2LH")  # 22 bytes
+_ZIP64_LOCATOR = struct.Struct("<4sLQL")  # 20 bytes
+_ZIP64_EOCD = struct.Struct("<4sQ2H2L4Q")  # 56 bytes
+_CD = struct.Struct("<4s6H3L5H2L")  # 46 bytes
+_LOCAL = struct.Struct("<4s5H3L2H")  # 30 bytes
+
+_U32_MAX = 0xFFFFFFFF
+_U16_MAX = 0xFFFF
+_FLAG_DESCRIPTOR = 0x0008
+_ZIP64_EXTRA_ID = 0x0001
+#: offset of the crc32 field inside a central directory entry / a local header
+CD_CRC_FIELD = 16
+LOCAL_CRC_FIELD = 14
+
+
+@dataclass(frozen=True)
+class ZipEntry:
+    """One record of a zip archive and the location of its bytes and CRC fields."""
+
+    name: str
+    header_offset: int  #: local file header
+    data_offset: int  #: first byte of the (stored) data
+    compressed_size: int
+    uncompressed_size: int
+    crc32: int  #: from the central directory
+    method: int  #: 0 = stored
+    flags: int
+    cd_offset: int  #: this entry's central directory record
+    #: the data descriptor after the data (flag bit 3), else ``None``
+    descriptor_offset: Optional[int] = None
+    descriptor_size: int = 0
+    #: where the record's CRC-32 is stored in the file: central directory, and
+    #: the data descriptor or (without one) the local header
+    crc_field_offsets: tuple[int, ...] = ()
+
+    @property
+    def cd_crc_offset(self) -> int:
+        """File offset of this entry's CRC field in the central directory."""
+        return self.cd_offset + CD_CRC_FIELD
+
+    @property
+    def descriptor_crc_offset(self) -> Optional[int]:
+        """File offset of the CRC field of the data descriptor, if there is one."""
+        return self.crc_field_offsets[1] if self.descriptor_offset is not None else None
+
+    @property
+    def data_end(self) -> int:
+        """One past the last byte of the stored data."""
+        return self.data_offset + self.compressed_size
+
+
+@dataclass
+class ZipIndex:
+    """All records of an archive, in central directory order."""
+
+    path: str
+    file_size: int
+    entries: list[ZipEntry]
+    cd_offset: int
+    cd_size: int
+    eocd_offset: int
+    zip64: bool
+    by_name: dict[str, ZipEntry] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.by_name:
+            self.by_name = {e.name: e for e in self.entries}
+
+    def find(self, suffix: str) -> Optional[ZipEntry]:
+        """The entry named ``<archive>/<suffix>`` (torch prefixes every record with a folder)."""
+        for e in self.entries:
+            if e.name == suffix or e.name.endswith("/" + suffix):
+                return e
+        return None
+
+
+def _fail(path: str, offset: int, what: str) -> ZipFormatError:
+    return ZipFormatError(f"{path}: not a valid zip archive at offset {offset}: {what}", path=path, offset=offset)
+
+
+def _read_exact(read_at: ReadAt, path: str, offset: int, length: int, what: str) -> bytes:
+    data = read_at(offset, length)
+    if len(data) != length:
+        raise _fail(path, offset, f"file truncated while reading {what} ({len(data)} of {length} bytes)")
+    return data
+
+
+def _zip64_extra(extra: bytes, need: list[str], path: str, offset: int) -> dict[str, int]:
+    """Values of the zip64 extended information extra field (id 0x0001) for ``need``."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        hid, size = struct.unpack_from("<HH", extra, pos)
+        body = extra[pos + 4 : pos + 4 + size]
+        if hid == _ZIP64_EXTRA_ID:
+            out: dict[str, int] = {}
+            p = 0
+            for key in need:
+                width = 4 if key == "disk" else 8
+                if p + width > len(body):
+                    raise _fail(path, offset, f"zip64 extra field too short for {key}")
+                out[key] = struct.unpack_from("<L" if width == 4 else "<Q", body, p)[0]
+                p += width
+            return out
+        pos += 4 + size
+    if need:
+        raise _fail(path, offset, f"zip64 extra field missing (needed for {', '.join(need)})")
+    return {}
+
+
+def _find_eocd(read_at: ReadAt, size: int, path: str) -> tuple[int, bytes]:
+    if size < _EOCD.size:
+        raise _fail(path, 0, f"file is {size} bytes, too small for a zip archive")
+    tail_len = min(size, _EOCD.size + _U16_MAX)
+    tail_start = size - tail_len
+    tail = _read_exact(read_at, path, tail_start, tail_len, "end of central directory")
+    pos = tail.rfind(_EOCD_SIG)
+    while pos >= 0:
+        comment_len = struct.unpack_from("<H", tail, pos + 20)[0] if pos + 22 <= len(tail) else -1
+        if pos + _EOCD.size + comment_len == len(tail):
+            return tail_start + pos, tail
+        pos = tail.rfind(_EOCD_SIG, 0, pos)
+    raise _fail(path, size, "end of central directory record not found (truncated or not a zip file)")
+
+
+def _descriptor(
+    read_at: ReadAt, path: str, at: int, csize: int, usize: int, prefer64: bool
+) -> tuple[int, int]:
+    """Size of the data descriptor at ``at`` and the offset of its CRC field."""
+    raw = read_at(at, 24)
+    sig = raw[:4] == _DESCRIPTOR_SIG
+    crc_at = at + 4 if sig else at
+    body = raw[4:] if sig else raw
+    base = 4 if sig else 0
+    fits32 = len(body) >= 12 and struct.unpack_from("<2L", body, 4) == (csize, usize)
+    fits64 = len(body) >= 20 and struct.unpack_from("<2Q", body, 4) == (csize, usize)
+    if fits64 and (prefer64 or not fits32):
+        return base + 20, crc_at
+    if fits32:
+        return base + 12, crc_at
+    raise _fail(path, at, "data descriptor does not match the sizes in the central directory")
+
+
+def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIndex:
+    """Parse the index of a zip archive of ``size`` bytes readable through ``read_at``.
+
+    Raises:
+        ZipFormatError: the bytes are not a consistent zip archive (names the path and offset).
+    """
+    eocd_off, tail = _find_eocd(read_at, size, path)
+    tail_start = size - len(tail)
+    (_, disk, cd_disk, n_disk, n_total, cd_size, cd_off, _clen) = _EOCD.unpack_from(tail, eocd_off - tail_start)
+    zip64 = False
+    loc_off = eocd_off - _ZIP64_LOCATOR.size
+    if loc_off >= 0:
+        loc = read_at(loc_off, _ZIP64_LOCATOR.size)
+        if len(loc) == _ZIP64_LOCATOR.size and loc[:4] == _ZIP64_LOCATOR_SIG:
+            zip64 = True
+            _, _, z64_off, _ = _ZIP64_LOCATOR.unpack(loc)
+            if z64_off + _ZIP64_EOCD.size > loc_off:
+                raise _fail(path, loc_off, f"zip64 locator points past itself ({z64_off})")
+            rec = _read_exact(read_at, path, z64_off, _ZIP64_EOCD.size, "zip64 end of central directory")
+            if rec[:4] != _ZIP64_EOCD_SIG:
+                raise _fail(path, z64_off, "bad zip64 end of central directory signature")
+            (_, _, _, _, disk, cd_disk, n_disk, n_total, cd_size, cd_off) = _ZIP64_EOCD.unpack(rec)
+    if disk != 0 or cd_disk != 0 or n_disk != n_total:
+        raise _fail(path, eocd_off, "multi-disk archives are not supported")
+    if cd_off + cd_size > size:
+        raise _fail(path, eocd_off, f"central directory [{cd_off}, {cd_off + cd_size}) lies past the end of file ({size} bytes)")
+    cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
+
+    entries: list[ZipEntry] = []
+    pos = 0
+    for _ in range(n_total):
+        here = cd_off + pos
+        if pos + _CD.size > len(cd) or cd[pos : pos + 4] != _CD_SIG:
+            raise _fail(path, here, "bad central directory entry signature")
+        (_, _vm, _vn, flags, method, _t, _d, crc, csize, usize, nlen, xlen, clen, dstart, _ia, _ea, hoff) = _CD.unpack_from(cd, pos)
+        name_b = cd[pos + 46 : pos + 46 + nlen]
+        extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
+        if len(name_b) != nlen or len(extra) != xlen:
+            raise _fail(path, here, "central directory entry runs past the directory")
+        need = [k for k, v in (("usize", usize), ("csize", csize), ("hoff", hoff)) if v == _U32_MAX]
+        if dstart == _U16_MAX:
+            need.append("disk")
+        big = _zip64_extra(extra, need, path, here)
+        usize, csize, hoff = big.get("usize", usize), big.get("csize", csize), big.get("hoff", hoff)
+        name = name_b.decode("utf-8" if flags & 0x0800 else "cp437")
+        if hoff + _LOCAL.size > cd_off:
+            raise _fail(path, here, f"local header of {name!r} at {hoff} lies past the central directory")
+        local = _read_exact(read_at, path, hoff, _LOCAL.size, f"local header of {name!r}")
+        (sig, _lv, lflags, _lm, _lt, _ld, _lcrc, _lcs, _lus, lnlen, lxlen) = _LOCAL.unpack(local)
+        if sig != _LOCAL_SIG:
+            raise _fail(path, hoff, f"bad local header signature for {name!r}")
+        data_off = hoff + _LOCAL.size + lnlen + lxlen
+        if data_off + csize > cd_off:
+            raise _fail(path, data_off, f"data of {name!r} ({csize} bytes) runs past the central directory at {cd_off}")
+        crc_fields: tuple[int, ...]
+        desc_off: Optional[int] = None
+        desc_size = 0
+        if lflags & _FLAG_DESCRIPTOR:
+            desc_off = data_off + csize
+            prefer64 = csize >= _U32_MAX or usize >= _U32_MAX or hoff >= _U32_MAX
+            desc_size, desc_crc = _descriptor(read_at, path, desc_off, csize, usize, prefer64)
+            crc_fields = (cd_off + pos + CD_CRC_FIELD, desc_crc)
+        else:
+            crc_fields = (cd_off + pos + CD_CRC_FIELD, hoff + LOCAL_CRC_FIELD)
+        entries.append(
+            ZipEntry(
+                name=name,
+                header_offset=hoff,
+                data_offset=data_off,
+                compressed_size=csize,
+                uncompressed_size=usize,
+                crc32=crc,
+                method=method,
+                flags=lflags,
+                cd_offset=cd_off + pos,
+                descriptor_offset=desc_off,
+                descriptor_size=desc_size,
+                crc_field_offsets=crc_fields,
+            )
+        )
+        pos += 46 + nlen + xlen + clen
+    return ZipIndex(path=path, file_size=size, entries=entries, cd_offset=cd_off, cd_size=cd_size, eocd_offset=eocd_off, zip64=zip64)
+
+
+def buffer_reader(buf: "bytes | bytearray | memoryview") -> ReadAt:
+    """A ``read_at`` over an in-memory buffer."""
+    mv = memoryview(buf).cast("B")
+
+    def read_at(offset: int, length: int) -> bytes:
+        return bytes(mv[offset : offset + length])
+
+    return read_at
+
+
+def fd_reader(fd: int) -> ReadAt:
+    """A ``read_at`` over an open file descriptor (``os.pread``, page cache)."""
+
+    def read_at(offset: int, length: int) -> bytes:
+        chunks = []
+        while length > 0:
+            b = os.pread(fd, length, offset)
+            if not b:
+                break
+            chunks.append(b)
+            offset += len(b)
+            length -= len(b)
+        return b"".join(chunks)
+
+    return read_at
+
+
+def read_zip_index(path: "str | os.PathLike[str]") -> ZipIndex:
+    """Parse the index of the zip file at ``path`` (a few small ``pread`` calls)."""
+    p = os.fspath(path)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        return parse_zip_index(fd_reader(fd), os.fstat(fd).st_size, p)
+    finally:
+        os.close(fd)
+
+
+def is_zip_file(path: "str | os.PathLike[str]") -> bool:
+    """Whether the file starts with a zip local header (what ``torch.load`` checks too)."""
+    with open(path, "rb") as f:
+        return f.read(4) == _LOCAL_SIG

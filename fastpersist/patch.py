@@ -1,0 +1,174 @@
+"""Route ``torch.save`` / ``torch.load`` through fastpersist.
+
+Code you do not control (a trainer, a framework) calls ``torch.save(obj, path)``;
+:func:`patch_torch_save` makes those calls write with fastpersist::
+
+    fastpersist.patch_torch_save()          # from now on, process-wide
+    with fastpersist.patch_torch_save():    # only inside the block (nests)
+        trainer.fit(model)
+
+Only the attributes ``torch.save`` and ``torch.load`` are replaced
+(``torch.serialization.save``/``load`` stay torch's own). Calls with a path (``str``
+or ``os.PathLike``) and torch's default arguments go to :func:`fastpersist.save` /
+:func:`fastpersist.load`; file-like objects (``io.BytesIO``, fsspec files) and
+arguments the fast path does not implement (a custom ``pickle_module``, a
+``pickle_protocol`` other than torch's default, ``_use_new_zipfile_serialization=False``,
+``_disable_byteorder_record=True``) go to the original functions unchanged.
+``torch.save`` always writes torch's zip format, whatever the file name; ``torch.load``
+of a ``.safetensors`` name is left to the original (whose handling depends on the
+torch version). Setting ``FASTPERSIST_PATCH_TORCH_SAVE=1`` patches at
+``import fastpersist``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["is_patched", "patch_torch_save", "unpatch_torch_save"]
+
+_ENV_VAR = "FASTPERSIST_PATCH_TORCH_SAVE"
+_MARK = "_fastpersist_original"  # attribute of our wrappers: the function they replaced
+
+_lock = threading.RLock()
+
+# torch's own signatures and defaults: callers of torch.save use torch's API, whatever
+# the attribute held before we replaced it.
+_SAVE_SIG = inspect.signature(torch.serialization.save)
+_SAVE_DEFAULTS = {
+    name: p.default for name, p in _SAVE_SIG.parameters.items() if p.default is not inspect.Parameter.empty
+}
+
+
+def _is_path(f: Any) -> bool:
+    return isinstance(f, (str, os.PathLike)) and isinstance(os.fspath(f), str)
+
+
+def _is_safetensors_name(f: Any) -> bool:
+    return os.fspath(f).endswith(".safetensors")
+
+
+def _save_fast_path(args: tuple, kwargs: dict) -> Optional[inspect.BoundArguments]:
+    """The bound arguments if this ``torch.save`` call can go to fastpersist, else None."""
+    try:
+        bound = _SAVE_SIG.bind(*args, **kwargs)
+    except TypeError:
+        return None  # let the original raise its own error
+    if not _is_path(bound.arguments.get("f")):
+        return None
+    for name, value in bound.arguments.items():
+        if name in ("obj", "f"):
+            continue
+        default = _SAVE_DEFAULTS.get(name, inspect.Parameter.empty)
+        if value is not default and value != default:
+            return None  # non-default pickle_module / protocol / legacy format / byteorder flag
+    return bound
+
+
+def _make_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        bound = _save_fast_path(args, kwargs)
+        if bound is None:
+            return original(*args, **kwargs)
+        from fastpersist.api import save as fast_save
+
+        return fast_save(bound.arguments["obj"], bound.arguments["f"], format="torch")
+
+    setattr(save, _MARK, original)
+    return save
+
+
+def _make_load(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _is_path(f) or _is_safetensors_name(f):
+            return original(f, *args, **kwargs)
+        # fastpersist.load takes torch.load's arguments and hands what it cannot do
+        # itself (mmap, legacy files, ...) to torch.serialization.load.
+        from fastpersist.api import load as fast_load
+
+        return fast_load(f, *args, **kwargs)
+
+    setattr(load, _MARK, original)
+    return load
+
+
+def _is_ours(fn: Any) -> bool:
+    return callable(fn) and hasattr(fn, _MARK)
+
+
+class TorchSavePatch:
+    """Returned by :func:`patch_torch_save`; as a context manager it restores, on exit,
+    the ``torch.save``/``torch.load`` that were in place before the call."""
+
+    def __init__(self, previous_save: Callable[..., Any], previous_load: Callable[..., Any]) -> None:
+        self._previous: Optional[tuple[Callable[..., Any], Callable[..., Any]]] = (previous_save, previous_load)
+
+    def __enter__(self) -> "TorchSavePatch":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Put back the functions replaced by this patch (idempotent)."""
+        with _lock:
+            if self._previous is not None:
+                torch.save, torch.load = self._previous
+                self._previous = None
+
+
+def patch_torch_save() -> TorchSavePatch:
+    """Replace ``torch.save`` and ``torch.load`` with fastpersist-backed wrappers.
+
+    Call it once to switch process-wide, or use it as a context manager to switch
+    for a block (the previous functions come back on exit; blocks nest). Patching
+    an already patched torch changes nothing. The wrappers keep torch's signatures
+    (``inspect.signature(torch.save)`` is unchanged) and fall back to the original
+    functions for file-like objects and non-default arguments.
+
+    Returns:
+        A :class:`TorchSavePatch`, usable with ``with``.
+    """
+    with _lock:
+        previous = TorchSavePatch(torch.save, torch.load)
+        if not _is_ours(torch.save):
+            torch.save = _make_save(torch.save)
+        if not _is_ours(torch.load):
+            torch.load = _make_load(torch.load)
+        return previous
+
+
+def unpatch_torch_save() -> None:
+    """Restore the original ``torch.save`` / ``torch.load`` (no-op if not patched)."""
+    with _lock:
+        while _is_ours(torch.save):
+            torch.save = getattr(torch.save, _MARK)
+        while _is_ours(torch.load):
+            torch.load = getattr(torch.load, _MARK)
+
+
+def is_patched() -> bool:
+    """Whether ``torch.save`` currently goes through fastpersist."""
+    return _is_ours(torch.save)
+
+
+def _apply_env_patch() -> None:
+    """Patch at import if ``FASTPERSIST_PATCH_TORCH_SAVE`` is true (called by ``fastpersist/__init__``).
+
+    Raises:
+        ValueError: the variable is set to something that is not a boolean.
+    """
+    raw = os.environ.get(_ENV_VAR, "")
+    if raw.strip() == "":
+        return
+    from fastpersist.config import parse_bool
+
+    if parse_bool(_ENV_VAR, raw):
+        patch_torch_save()

@@ -1,0 +1,193 @@
+"""Atomic commit under injected I/O faults and SIGKILL: the previous checkpoint always survives."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import _native
+from fastpersist.commit import TMP_MARKER, atomic_write
+
+ENGINES = [e for e in _native.available_engines() if e in ("aio", "psync")]
+CHUNK = 64 << 10
+
+
+def _config(engine: str) -> fastpersist.Config:
+    # small chunks: the ~1 MiB state below takes a few dozen write calls
+    return fastpersist.Config(engine=engine, chunk_size=CHUNK, queue_depth=4, threads=2)
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 1000, generator=g), "b": torch.randn(1000, generator=g), "step": seed}
+
+
+def _leftovers(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if TMP_MARKER in p.name)
+
+
+@pytest.fixture
+def previous(tmp_path):
+    """A good checkpoint already at the target path; checks it is untouched afterwards."""
+    path = tmp_path / "ckpt.pt"
+    old = _state(1)
+    fastpersist.save(old, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    yield path
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, "previous checkpoint modified"
+    with zipfile.ZipFile(path) as zf:
+        assert zf.testzip() is None
+    got = fastpersist.load(path)
+    assert torch.equal(got["w"], old["w"]) and got["step"] == 1
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("action,code", [("EIO", errno.EIO), ("ENOSPC", errno.ENOSPC)])
+@pytest.mark.parametrize("nth", [1, 3, 9])
+def test_write_errors_keep_previous(previous, engine, action, code, nth):
+    _native.set_fault("write", nth, action)
+    with pytest.raises(OSError) as info:
+        fastpersist.save(_state(2), previous, config=_config(engine))
+    assert _native.fault_hits() >= 1
+    assert info.value.errno == code
+    assert info.value.filename == str(previous)
+    assert TMP_MARKER in str(info.value)  # the message also names the temporary file
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("action,code", [("EIO", errno.EIO), ("ENOSPC", errno.ENOSPC)])
+def test_fsync_error_keeps_previous(previous, engine, action, code):
+    _native.set_fault("fsync", 1, action)
+    with pytest.raises(OSError) as info:
+        fastpersist.save(_state(2), previous, config=_config(engine))
+    assert _native.fault_hits() == 1
+    assert info.value.errno == code and info.value.filename == str(previous)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_open_error(previous, engine):
+    _native.set_fault("open", 1, "EACCES")
+    with pytest.raises(PermissionError):
+        fastpersist.save(_state(2), previous, config=_config(engine))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("action,count", [("short", 1), ("short", 4), ("eintr", 1), ("eintr", 5)])
+@pytest.mark.parametrize("nth", [1, 5])
+def test_short_and_eintr_writes_recover(tmp_path, engine, action, count, nth, assert_same):
+    path = tmp_path / "ckpt.pt"
+    new = _state(3)
+    _native.set_fault("write", nth, action, count)
+    fastpersist.save(new, path, config=_config(engine))
+    assert _native.fault_hits() >= 1
+    _native.clear_faults()
+    assert fastpersist.verify(path).ok
+    assert_same(torch.load(path), new)
+    assert torch.equal(torch.load(path)["w"], new["w"])
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("action", ["short", "eintr"])
+def test_short_and_eintr_reads_recover(tmp_path, engine, action):
+    path = tmp_path / "ckpt.pt"
+    new = _state(4)
+    fastpersist.save(new, path)
+    _native.set_fault("read", 1, action, 3)
+    got = fastpersist.load(path, config=_config(engine))
+    assert _native.fault_hits() >= 1
+    assert torch.equal(got["w"], new["w"])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_read_error_raises(tmp_path, engine):
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save(_state(5), path)
+    _native.set_fault("read", 2, "EIO")
+    with pytest.raises(OSError) as info:
+        fastpersist.load(path, config=_config(engine))
+    assert info.value.errno == errno.EIO
+    _native.set_fault("read", 1, "EIO")
+    with pytest.raises(OSError):
+        fastpersist.verify(path, config=_config(engine))
+
+
+def test_failure_in_writer_callback_removes_temp(tmp_path):
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"old")
+    seen = []
+
+    def writer(tmp: str) -> None:
+        seen.append(tmp)
+        with open(tmp, "wb") as f:
+            f.write(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, writer)
+    assert path.read_bytes() == b"old"
+    assert os.path.dirname(seen[0]) == str(tmp_path) and not os.path.exists(seen[0])
+
+
+def test_atomic_write_result_and_durability(tmp_path):
+    path = tmp_path / "y.bin"
+    assert atomic_write(path, lambda tmp: open(tmp, "wb").write(b"abc")) == 3
+    assert path.read_bytes() == b"abc"
+    assert _leftovers(tmp_path) == []
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, torch, fastpersist
+    state = {"big": torch.full((50 * 1024 * 1024,), 7.0), "step": 2}   # 200 MiB
+    cfg = fastpersist.Config(chunk_size=256 << 10, queue_depth=2, threads=1, fsync=True)
+    print("ready", flush=True)
+    fastpersist.save(state, sys.argv[1], config=cfg)
+    print("saved", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_keeps_previous(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save({"old": torch.arange(1000), "step": 1}, path)
+    before = path.read_bytes()
+    stat_before = os.stat(path)
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 120
+        temp = None
+        while temp is None and time.monotonic() < deadline and child.poll() is None:
+            names = _leftovers(tmp_path)
+            if names and os.path.getsize(tmp_path / names[0]) > (8 << 20):
+                temp = names[0]
+            else:
+                time.sleep(0.0005)
+        assert temp is not None, f"no temporary file seen in time (child exit {child.poll()})"
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    st = os.stat(path)
+    assert (st.st_ino, st.st_mtime_ns, st.st_size) == (stat_before.st_ino, stat_before.st_mtime_ns, stat_before.st_size)
+    assert path.read_bytes() == before
+    got = torch.load(path)
+    assert torch.equal(got["old"], torch.arange(1000)) and got["step"] == 1
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(["ckpt.pt", temp]), names  # only the dead writer's temporary file beside it

@@ -1,0 +1,442 @@
+"""fastpersist.bench: workloads, helpers and the benchmark drivers, with tiny sizes.
+
+Numbers are checked for shape and sign only (no timed assertions); data is
+checked for equality wherever a benchmark moves it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import io
+import json
+import math
+import mmap
+import os
+import random
+import shutil
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from fastpersist.bench import fio as fio_mod
+from fastpersist.bench import state as S
+from fastpersist.bench.fsutil import drop_page_cache, files_under, total_size
+from fastpersist.bench.io_bench import run_io_bench
+from fastpersist.bench.machine import collect_machine_info, probe_direct_io
+from fastpersist.bench.report import plot_io, plot_save, print_io_report, print_save_report
+from fastpersist.bench.save_bench import (
+    DcpMethod,
+    Method,
+    MethodResult,
+    SafetensorsMethod,
+    TorchMethod,
+    _measure,
+    run_save_bench,
+)
+from fastpersist.bench.units import format_block, format_bytes, gbps, parse_int_list, parse_size, parse_size_list
+
+MiB = 1 << 20
+HAVE_FIO = fio_mod.fio_executable() is not None
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _cpu_engines() -> list[str]:
+    from fastpersist.io import available_engines
+
+    return [e for e in available_engines() if e != "cufile"]
+
+
+def _assert_png(path: str) -> None:
+    with open(path, "rb") as f:
+        head = f.read(8)
+    assert head == PNG_MAGIC, f"{path} is not a PNG"
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img = plt.imread(path)
+    assert img.shape[0] > 100 and img.shape[1] > 100
+
+
+# ---- units ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("4096", 4096), ("1M", MiB), ("8MiB", 8 * MiB), ("1GiB", 1 << 30), ("2GB", 2 * 10**9),
+     ("512k", 512 << 10), ("1.5K", 1536), ("3 MB", 3 * 10**6), ("1T", 1 << 40)],
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1XB", "-1M", "0.3"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_parse_lists_and_formats() -> None:
+    assert parse_size_list("1M,8M") == [MiB, 8 * MiB]
+    assert parse_int_list("4, 8,16") == [4, 8, 16]
+    with pytest.raises(ValueError):
+        parse_int_list("4,0")
+    with pytest.raises(ValueError):
+        parse_int_list("4,x")
+    assert format_bytes(3 << 30) == "3.00 GiB"
+    assert format_bytes(10) == "10 B"
+    assert format_block(8 * MiB) == "8M" and format_block(4096) == "4K" and format_block(4097) == "4097"
+    assert gbps(2 * 10**9, 2.0) == 1.0
+
+
+# ---- workloads --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [8 * MiB, 64 * MiB, 2 << 30, 64 << 30])
+def test_gpt_shape_matches_requested_size(size: int) -> None:
+    shape = S.gpt_shape_for_bytes(size)
+    assert shape.layers >= 1 and shape.hidden % 64 == 0
+    assert abs(shape.params * S.BYTES_PER_PARAM / size - 1) < 0.25
+
+
+def test_training_state_is_realistic_and_deterministic() -> None:
+    a = S.build_training_state(8 * MiB, seed=0)
+    b = S.build_training_state(8 * MiB, seed=0)
+    c = S.build_training_state(8 * MiB, seed=1)
+    assert S.compare_states(a, b) == []
+    assert S.compare_states(a, c) != []
+    assert abs(S.tensor_bytes(a) / (8 * MiB) - 1) < 0.25
+    shape = S.gpt_shape_for_bytes(8 * MiB)
+    n_params = len(a["model"])
+    assert n_params == 2 + 12 * shape.layers + 2
+    assert S.count_tensors(a) == 4 * n_params + n_params + 1  # model, master, 2 moments, steps; rng
+    assert {t.dtype for t in a["model"].values()} == {torch.bfloat16}
+    assert {t.dtype for t in a["master_weights"].values()} == {torch.float32}
+    name = "layers.0.mlp.fc1.weight"
+    assert a["model"][name].shape == (4 * shape.hidden, shape.hidden)
+    assert torch.equal(a["model"][name], a["master_weights"][name].to(torch.bfloat16))
+    assert all(bool((s["exp_avg_sq"] >= 0).all()) for s in a["optimizer"]["state"].values())
+    assert isinstance(a["iteration"], int) and isinstance(a["rng_state"]["python"], tuple)
+    # What a trainer saves must load with torch's safe loader.
+    buf = io.BytesIO()
+    torch.save(a, buf)
+    buf.seek(0)
+    assert S.compare_states(a, torch.load(buf, weights_only=True)) == []
+
+
+def test_small_tensors() -> None:
+    t = S.build_small_tensors(200, seed=3)
+    assert len(t) == 200
+    sizes = [x.numel() * x.element_size() for x in t.values()]
+    assert min(sizes) >= 1024 - 8 and max(sizes) <= 1 << 20
+    assert len(set(sizes)) > 150  # random sizes, not one size
+    assert {x.dtype for x in t.values()} >= {torch.float32, torch.bfloat16, torch.int64}
+    assert S.compare_states(t, S.build_small_tensors(200, seed=3)) == []
+    with pytest.raises(ValueError):
+        S.build_small_tensors(0)
+
+
+def test_flatten_tensors_keeps_tensors_and_lists_skipped_leaves() -> None:
+    state = S.build_training_state(1 * MiB)
+    flat, skipped = S.flatten_tensors(state)
+    assert len(flat) == S.count_tensors(state)
+    assert torch.equal(flat["optimizer.state.0.exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert flat["rng_state.torch"] is state["rng_state"]["torch"]
+    assert "iteration" in skipped and "rng_state.python" in skipped and "optimizer.param_groups.0.lr" in skipped
+    assert not set(skipped) & set(flat)
+
+
+def test_compare_states_finds_each_kind_of_difference() -> None:
+    base = {"a": torch.arange(10, dtype=torch.float32), "b": [1, (2, 3)], "c": OrderedDict(x=torch.zeros(2))}
+
+    def variant() -> dict:
+        return {"a": base["a"].clone(), "b": [1, (2, 3)], "c": OrderedDict(x=torch.zeros(2))}
+
+    assert S.compare_states(base, variant()) == []
+    v = variant()
+    v["a"][7] = -1
+    assert S.compare_states(base, v) == ["a: tensor values differ"]
+    v = variant()
+    v["a"] = v["a"].double()
+    assert "float64" in S.compare_states(base, v)[0]
+    v = variant()
+    v["b"][1] = (2, 4)
+    assert S.compare_states(base, v) == ["b.1.1: expected 3, got 4"]
+    v = variant()
+    del v["c"]
+    assert "keys differ" in S.compare_states(base, v)[0]
+    v = variant()
+    v["b"] = [1, [2, 3]]
+    assert "expected tuple" in S.compare_states(base, v)[0]
+
+
+def test_empty_like_state_keeps_structure() -> None:
+    state = S.build_training_state(1 * MiB)
+    tmpl = S.empty_like_state(state)
+    assert [(k, t.shape, t.dtype) for k, t in S.iter_tensors(tmpl)] == [
+        (k, t.shape, t.dtype) for k, t in S.iter_tensors(state)
+    ]
+    assert tmpl["model"]["embed.tokens.weight"].data_ptr() != state["model"]["embed.tokens.weight"].data_ptr()
+    assert tmpl["iteration"] == state["iteration"]
+
+
+# ---- file-system helpers ----------------------------------------------------------
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of ``path`` in the page cache, by mincore(2) on a private mapping."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        view = (ctypes.c_char * size).from_buffer(mm)
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec) != 0:
+                pytest.skip(f"mincore failed: errno {ctypes.get_errno()}")
+            return sum(v & 1 for v in vec)
+        finally:
+            del view
+    finally:
+        mm.close()
+
+
+def test_drop_page_cache_evicts_the_file(tmp_path) -> None:
+    if collect_machine_info(str(tmp_path)).filesystem in ("tmpfs", "ramfs"):
+        pytest.skip("a RAM filesystem has no page cache to drop")
+    path = str(tmp_path / "f.bin")
+    data = random.Random(0).randbytes(4 * MiB)
+    with open(path, "wb") as f:
+        f.write(data)
+    with open(path, "rb") as f:
+        assert f.read() == data
+    pages = 4 * MiB // mmap.PAGESIZE
+    assert _resident_pages(path) > pages // 2
+    drop_page_cache(path)
+    assert _resident_pages(path) < pages // 10
+    with open(path, "rb") as f:
+        assert f.read() == data  # dropping the cache never touches the data
+
+
+def test_files_under_and_total_size(tmp_path) -> None:
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "a").write_bytes(b"x" * 10)
+    (tmp_path / "d" / "e" / "b").write_bytes(b"y" * 5)
+    assert files_under(str(tmp_path / "d")) == [str(tmp_path / "d" / "a"), str(tmp_path / "d" / "e" / "b")]
+    assert total_size(str(tmp_path / "d")) == 15
+    assert total_size(str(tmp_path / "d" / "a")) == 10
+
+
+# ---- machine ----------------------------------------------------------------------
+
+
+def test_machine_info_describes_the_directory(tmp_path) -> None:
+    from fastpersist import _native
+
+    info = collect_machine_info(str(tmp_path))
+    assert info.cpu_count >= 1 and 1 <= info.cpus_usable <= info.cpu_count
+    assert info.memory_bytes > 0
+    assert info.filesystem and info.filesystem != "unknown"
+    assert info.torch_version == torch.__version__
+    assert info.engines == list(_native.available_engines()) and "psync" in info.engines
+    assert info.direct_io == _native.direct_io_supported(str(tmp_path))
+    assert info.direct_io_alignment == _native.alignment_of(str(tmp_path))
+    assert info.native_error is None
+    json.dumps(info.to_dict())
+    text = "\n".join(info.summary_lines())
+    for word in ("CPU", "Filesystem", "O_DIRECT", "torch", info.filesystem):
+        assert word in text
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        collect_machine_info(str(tmp_path / "missing"))
+
+
+def test_python_direct_io_probe_agrees_with_native(tmp_path) -> None:
+    from fastpersist import _native
+
+    supported, align = probe_direct_io(str(tmp_path))
+    assert supported == _native.direct_io_supported(str(tmp_path))
+    assert align >= 4096 and align % 4096 == 0
+    assert os.listdir(tmp_path) == []  # the probe file is gone
+
+
+# ---- fio --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAVE_FIO, reason="fio not on PATH")
+def test_fio_ceiling_measures_write_and_read(tmp_path) -> None:
+    direct = bool(collect_machine_info(str(tmp_path)).direct_io)
+    res = fio_mod.fio_ceiling(str(tmp_path), 2 * MiB, block_sizes=(MiB,), iodepths=(2, 4), direct=direct)
+    assert res.error is None
+    assert [(r.rw, r.iodepth) for r in res.runs] == [("write", 2), ("read", 2), ("write", 4), ("read", 4)]
+    assert all(r.gbps > 0 and r.nbytes == 2 * MiB for r in res.runs)
+    assert res.write_gbps == max(r.gbps for r in res.runs if r.rw == "write")
+    assert res.read_gbps == max(r.gbps for r in res.runs if r.rw == "read") > 0
+    json.dumps(res.to_dict())
+    assert os.listdir(tmp_path) == []
+
+
+def test_fio_missing_is_reported_not_raised(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    res = fio_mod.fio_ceiling(str(tmp_path), MiB)
+    assert res.write_gbps is None and "not found" in (res.error or "")
+    with pytest.raises(fio_mod.FioError, match="not on PATH"):
+        fio_mod.run_fio(str(tmp_path / "x"), "write", MiB, MiB, 1)
+
+
+@pytest.mark.skipif(not HAVE_FIO, reason="fio not on PATH")
+def test_fio_failure_is_reported(tmp_path) -> None:
+    res = fio_mod.fio_ceiling(str(tmp_path / "no-such-dir"), MiB, block_sizes=(MiB,), iodepths=(1,))
+    assert res.error and "fio" in res.error and res.write_gbps is None
+
+
+# ---- peers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method_cls", [TorchMethod, SafetensorsMethod, DcpMethod])
+def test_peer_methods_round_trip(tmp_path, method_cls) -> None:
+    state = S.build_training_state(1 * MiB, seed=5)
+    method = method_cls()
+    target = str(tmp_path / method.target_name)
+    method.save(state, target)
+    loaded = method.load(target, state)
+    if method.name == "safetensors":
+        flat, _ = S.flatten_tensors(state)
+        assert S.compare_states(flat, loaded) == []
+    else:
+        assert S.compare_states(state, loaded) == []
+    assert total_size(target) >= S.tensor_bytes(state)
+
+
+# ---- save benchmark ---------------------------------------------------------------
+
+
+def test_run_save_bench_with_every_peer(tmp_path) -> None:
+    peers = ("torch", "safetensors", "dcp") + (("fio",) if HAVE_FIO else ())
+    res = run_save_bench(str(tmp_path), size=4 * MiB, peers=peers, repeat=2, progress=False)
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["benchmark"] == "save" and d["repeat"] == 2
+    assert [m["name"] for m in d["methods"]] == ["fastpersist", "torch", "safetensors", "dcp"]
+    nbytes = d["workload"]["tensor_bytes"]
+    assert nbytes == S.tensor_bytes(S.build_training_state(4 * MiB))
+    for m in d["methods"]:
+        assert m["error"] is None, m
+        assert len(m["save_gbps"]) == 2 and len(m["load_gbps"]) == 2
+        assert all(v > 0 for v in m["save_gbps"] + m["load_gbps"] + m["save_seconds"] + m["load_seconds"])
+        assert m["save_median_gbps"] > 0 and m["load_median_gbps"] > 0
+        assert m["file_bytes"] >= nbytes
+        assert math.isclose(m["save_gbps"][0], nbytes / m["save_seconds"][0] / 1e9)
+    torch_row = d["methods"][1]
+    assert torch_row["save_vs_torch"] == 1.0 and torch_row["load_vs_torch"] == 1.0
+    assert d["verification"]["ok"] is True and d["verification"]["method"] == "fastpersist"
+    assert d["verification"]["tensors_compared"] == d["workload"]["tensors"]
+    assert d["machine"]["directory"] == str(tmp_path)
+    if HAVE_FIO:
+        assert d["fio"]["write_gbps"] > 0 and d["fio"]["read_gbps"] > 0
+        assert all(m["save_vs_fio"] > 0 and m["load_vs_fio"] > 0 for m in d["methods"])
+    else:
+        assert d["fio"] is None
+    assert any("posix_fadvise" in n for n in d["notes"])
+    assert any("safetensors" in n and "skipped" in n for n in d["notes"])
+    assert os.listdir(tmp_path) == []  # cleaned up
+    out = io.StringIO()
+    print_save_report(res, out)
+    text = out.getvalue()
+    for word in ("O_DIRECT", "fastpersist", "torch", "safetensors", "dcp", "Verified", "equals"):
+        assert word in text
+    png = str(tmp_path / "save.png")
+    plot_save(res, png)
+    _assert_png(png)
+
+
+def test_run_save_bench_small_tensors_keep(tmp_path) -> None:
+    res = run_save_bench(str(tmp_path), small_tensors=50, peers=("torch",), repeat=1, keep=True, progress=False)
+    assert res.workload["kind"] == "small-tensors" and res.workload["tensors"] == 50
+    assert res.verification["ok"] is True
+    (workdir,) = [p for p in tmp_path.iterdir() if p.name.startswith("fastpersist-bench-")]
+    assert sorted(os.listdir(workdir)) == ["fastpersist.pt", "torch.pt"]
+    expected = S.build_small_tensors(50)
+    # fastpersist's file is a torch.save file: stock torch.load reads it.
+    assert S.compare_states(expected, torch.load(workdir / "fastpersist.pt", weights_only=True)) == []
+    assert S.compare_states(expected, torch.load(workdir / "torch.pt", weights_only=True)) == []
+    shutil.rmtree(workdir)
+
+
+def test_run_save_bench_peers_only(tmp_path) -> None:
+    res = run_save_bench(str(tmp_path), size=MiB, peers=("torch",), repeat=1, progress=False, include_fastpersist=False)
+    assert [m.name for m in res.methods] == ["torch"] and res.fio is None
+    assert res.method("fastpersist") is None and res.verification == {"checked": False}
+    assert res.method("torch").save_s and res.method("torch").error is None
+    assert res.to_dict()["engine"] == "not measured"
+
+
+def test_a_failing_method_becomes_an_error_result(tmp_path) -> None:
+    class Full(Method):
+        name = "full"
+        target_name = "full.pt"
+
+        def save(self, obj, target):
+            with open(target, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device", target)
+
+    res = MethodResult(name="full", nbytes=1)
+    _measure(Full(), {}, str(tmp_path), res, verify=False, verification={}, keep=False)
+    assert res.error and res.error.startswith("OSError") and "No space" in res.error
+    assert res.save_s == [] and res.load_s == []
+    assert os.listdir(tmp_path) == []  # the partial file is removed
+
+
+def test_run_save_bench_rejects_bad_arguments(tmp_path) -> None:
+    with pytest.raises(ValueError, match="unknown peer"):
+        run_save_bench(str(tmp_path), size=MiB, peers=("pickle",))
+    with pytest.raises(ValueError, match="repeat"):
+        run_save_bench(str(tmp_path), size=MiB, repeat=0)
+    with pytest.raises(FileNotFoundError):
+        run_save_bench(str(tmp_path / "missing"), size=MiB)
+
+
+# ---- io benchmark -----------------------------------------------------------------
+
+
+def test_run_io_bench(tmp_path) -> None:
+    engines = _cpu_engines()
+    res = run_io_bench(
+        str(tmp_path), size=2 * MiB + 4096, engines=engines, block_sizes=(MiB,), queue_depths=(2, 4),
+        threads=(1, 2), direct_modes=(True, False), repeat=2, fio=HAVE_FIO,
+        fio_block_sizes=(MiB,), fio_iodepths=(4,), progress=False,
+    )
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["benchmark"] == "io" and d["size_bytes"] == 2 * MiB + 4096
+    assert len(d["runs"]) == len(engines) * 2 * 2 * 2
+    assert {(r["engine"], r["direct"], r["queue_depth"], r["threads"]) for r in d["runs"]} == {
+        (e, dio, q, t) for e in engines for dio in (True, False) for q in (2, 4) for t in (1, 2)
+    }
+    for r in d["runs"]:
+        assert r["error"] is None, r
+        assert r["verified"] is True
+        assert r["engine_used"]
+        assert len(r["write_gbps"]) == 2 and all(v > 0 for v in r["write_gbps"] + r["read_gbps"])
+        assert r["write_median_gbps"] > 0 and r["read_median_gbps"] > 0
+        if HAVE_FIO:
+            assert r["write_vs_fio"] > 0 and r["read_vs_fio"] > 0
+    assert any("posix_fadvise" in n for n in d["notes"])
+    assert [p.name for p in tmp_path.iterdir()] == []
+    out = io.StringIO()
+    print_io_report(res, out)
+    assert "Best write" in out.getvalue() and "O_DIRECT" in out.getvalue()
+    png = str(tmp_path / "io.png")
+    plot_io(res, png)
+    _assert_png(png)
+
+
+def test_run_io_bench_records_an_unusable_engine(tmp_path) -> None:
+    res = run_io_bench(str(tmp_path), size=MiB, engines=("bogus",), block_sizes=(MiB,), queue_depths=(2,),
+                       threads=(1,), repeat=1, fio=False, progress=False)
+    (run,) = res.runs
+    assert run.error and "bogus" in run.error and not run.write_s
+    assert res.best() == (None, None)

@@ -1,0 +1,385 @@
+"""The safetensors format: planner, loader and verifier, against the safetensors package."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+safetensors = pytest.importorskip("safetensors")
+import safetensors.torch as st  # noqa: E402
+
+from fastpersist.config import Config  # noqa: E402
+from fastpersist.errors import ChecksumError  # noqa: E402
+from fastpersist.formats import safetensors as fst  # noqa: E402
+from fastpersist.formats.base import PATCH_HEX8  # noqa: E402
+
+
+def _native() -> Any:
+    return pytest.importorskip("fastpersist._native", reason="native extension not built")
+
+
+@pytest.fixture
+def handle() -> Any:
+    return _native().Handle(**Config().handle_kwargs())
+
+
+def _write(handle: Any, path: Path, tensors: dict, metadata: Optional[dict] = None, **kw: Any) -> list[int]:
+    plan = fst.plan_safetensors(tensors, metadata, kw.pop("alignment", 4096), **kw)
+    return handle.write(str(path), plan.extents, plan.patches, plan.nslots)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    """The tensor's bytes (any dtype, any shape)."""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    assert _raw(a) == _raw(b)
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return n, json.loads(data[8 : 8 + n])
+
+
+# Every dtype the installed safetensors accepts that this torch has.
+DTYPES = sorted(fst.DTYPE_CODES, key=str)
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def _all_dtypes_dict() -> dict[str, torch.Tensor]:
+    out = {}
+    for i, dt in enumerate(DTYPES):
+        name = str(dt).replace("torch.", "")
+        out[f"{name}.matrix"] = _sample(dt, (3, 5), seed=i)
+        out[f"{name}.empty"] = _sample(dt, (0, 4), seed=i)
+        if fst.DTYPE_CODES[dt] != "F4":  # two values per byte: no 0-d tensor in safetensors
+            out[f"{name}.scalar"] = _sample(dt, (), seed=i + 100)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Planner (pure Python).
+
+
+def test_plan_covers_file_and_patches_header() -> None:
+    tensors = {"w": torch.arange(1000.0), "b": torch.zeros(3, dtype=torch.int64), "e": torch.zeros(0)}
+    plan = fst.plan_safetensors(tensors, {"note": "x"}, 4096)
+    pos = 0
+    for off, ptr, length, _slot in plan.extents:
+        assert off == pos and length > 0 and ptr != 0
+        pos += length
+    assert pos == plan.file_size
+    data_start = plan.extents[1][0]
+    assert data_start % 4096 == 0
+    assert plan.nslots == 2 == len(plan.patches) and plan.slot_names == ["b", "w"]  # I64 before F32
+    for off, slot, kind in plan.patches:
+        assert kind == PATCH_HEX8 and 8 <= off and off + 8 <= data_start
+        assert 0 <= slot < plan.nslots
+    assert [e[3] for e in plan.extents] == [-1, 0, 1]
+
+
+def test_plan_without_checksum_has_no_patches() -> None:
+    plan = fst.plan_safetensors({"w": torch.ones(4)}, None, 4096, checksum=False)
+    assert plan.patches == [] and plan.nslots == 0
+    assert all(e[3] == -1 for e in plan.extents)
+
+
+def test_plan_stages_conj_and_grad_tensors_without_touching_them() -> None:
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    w = torch.ones(3, requires_grad=True)
+    plan = fst.plan_safetensors({"c": c.conj(), "w": w}, None, 4096)
+    assert c.imag.tolist() == [2.0, -4.0]  # the caller's tensor is unchanged
+    assert plan.file_size > 0
+
+
+def _bad_inputs() -> list[tuple[str, Callable[[], tuple[Any, Any]]]]:
+    base = torch.zeros(10)
+    return [
+        ("not a dict", lambda: ([torch.zeros(1)], None)),
+        ("non-str key", lambda: ({1: torch.zeros(1)}, None)),
+        ("non-tensor value", lambda: ({"a": 1}, None)),
+        ("non-contiguous", lambda: ({"a": torch.zeros(3, 4).t()}, None)),
+        ("expanded", lambda: ({"a": torch.zeros(1).expand(4)}, None)),
+        ("sparse", lambda: ({"a": torch.zeros(3, 4).to_sparse()}, None)),
+        ("same tensor twice", lambda: ({"a": base, "b": base}, None)),
+        ("overlapping views", lambda: ({"a": base[:6], "b": base[4:]}, None)),
+        ("reshaped view", lambda: ({"a": base, "b": base.view(2, 5)}, None)),
+        ("metadata value not str", lambda: ({"a": torch.zeros(1)}, {"x": 1})),
+        ("metadata key not str", lambda: ({"a": torch.zeros(1)}, {1: "x"})),
+    ]
+
+
+@pytest.mark.parametrize("label,make", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
+def test_invalid_input_raises_like_safetensors(label: str, make: Callable[[], tuple[Any, Any]]) -> None:
+    tensors, metadata = make()
+    with pytest.raises(Exception) as theirs:
+        st.save(tensors, metadata=metadata)
+    with pytest.raises(Exception) as ours:
+        fst.plan_safetensors(tensors, metadata, 4096)
+    assert type(ours.value) is type(theirs.value), (ours.value, theirs.value)
+
+
+def test_shared_error_names_tensors_and_gives_advice() -> None:
+    base = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="save_model") as e:
+        fst.plan_safetensors({"a": base, "b": base, "c": torch.ones(2)}, None, 4096)
+    assert "'a'" in str(e.value) and "'b'" in str(e.value) and "'c'" not in str(e.value)
+
+
+def test_unsupported_dtype_and_reserved_name_are_refused() -> None:
+    with pytest.raises(ValueError, match="complex128"):
+        fst.plan_safetensors({"a": torch.zeros(2, dtype=torch.complex128)}, None, 4096)
+    with pytest.raises(ValueError, match="__metadata__"):
+        fst.plan_safetensors({"__metadata__": torch.zeros(2)}, None, 4096)
+    with pytest.raises(ValueError, match="meta device"):
+        fst.plan_safetensors({"a": torch.zeros(2, device="meta")}, None, 4096)
+
+
+# ---------------------------------------------------------------------------
+# Writing with the native executor, reading with safetensors and with ours.
+
+
+def test_bytes_identical_to_safetensors_without_extras(tmp_path: Path, handle: Any) -> None:
+    """Same order, same JSON, same 8-byte padding: the very same file."""
+    tensors = _all_dtypes_dict()
+    tensors["a.disjoint"], tensors["b.disjoint"] = torch.arange(10.0)[:4], torch.arange(10.0)[4:]
+    path = tmp_path / "x.safetensors"
+    _write(handle, path, tensors, None, alignment=8, checksum=False)
+    assert path.read_bytes() == st.save(tensors)
+
+
+def test_round_trip_every_dtype(tmp_path: Path, handle: Any) -> None:
+    tensors = _all_dtypes_dict()
+    path = tmp_path / "all.safetensors"
+    crcs = _write(handle, path, tensors, {"step": "7"})
+    theirs = st.load_file(str(path))
+    ours = fst.load_safetensors(path, handle)
+    assert set(theirs) == set(ours) == set(tensors)
+    for name, t in tensors.items():
+        _same(theirs[name], t)
+        _same(ours[name], t)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(tensors)
+        assert f.metadata()["step"] == "7"
+        for name in tensors:
+            _same(f.get_tensor(name), tensors[name])
+    # the CRCs the writer returned are in the header, in data order, for the non-empty tensors
+    header = fst.read_header(path)
+    recorded = header.crcs
+    assert recorded is not None and len(recorded) == len(tensors)
+    nonempty = [r for e, r in zip(header.tensors, recorded) if e.nbytes]
+    assert nonempty == crcs
+    for entry, crc in zip(header.tensors, recorded):
+        assert crc == zlib.crc32(_raw(tensors[entry.name]))
+
+
+@pytest.mark.parametrize("alignment", [4096, 512, 8192, 1])
+def test_data_section_starts_aligned(tmp_path: Path, handle: Any, alignment: int) -> None:
+    path = tmp_path / "a.safetensors"
+    _write(handle, path, {"w": torch.randn(100), "i": torch.arange(7, dtype=torch.int8)}, {"k": "v"}, alignment=alignment)
+    n, head = _header(path)
+    assert (8 + n) % max(alignment, 8) == 0
+    raw = path.read_bytes()[8 : 8 + n]
+    assert raw == raw.rstrip(b" ") + b" " * (len(raw) - len(raw.rstrip(b" ")))  # padding is spaces only
+    assert head["w"]["data_offsets"][0] == 0  # the first tensor starts exactly at the aligned data start
+    _same(fst.load_safetensors(path, handle)["w"], st.load_file(str(path))["w"])
+
+
+def test_metadata_preserved_and_crc_key_reserved(tmp_path: Path, handle: Any) -> None:
+    path = tmp_path / "m.safetensors"
+    meta = {"format": "pt", "ünïcode": "line\nbreak \"quoted\"", fst.CRC_METADATA_KEY: "stale"}
+    _write(handle, path, {"w": torch.ones(3)}, meta)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        got = f.metadata()
+    assert got["format"] == "pt" and got["ünïcode"] == meta["ünïcode"]
+    assert got[fst.CRC_METADATA_KEY] == f"{zlib.crc32(_raw(torch.ones(3))):08x}"
+
+    _write(handle, path, {"w": torch.ones(3)}, meta, checksum=False)
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "ünïcode": meta["ünïcode"]}
+    _write(handle, path, {"w": torch.ones(3)}, None, checksum=False)
+    assert "__metadata__" not in _header(path)[1]
+
+
+def test_empty_dict_and_only_empty_tensors(tmp_path: Path, handle: Any) -> None:
+    for tensors in ({}, {"e": torch.zeros(0), "f": torch.zeros(2, 0, dtype=torch.int64)}):
+        path = tmp_path / "e.safetensors"
+        _write(handle, path, tensors, None)
+        assert st.load_file(str(path)).keys() == tensors.keys()
+        ours = fst.load_safetensors(path, handle)
+        assert ours.keys() == tensors.keys()
+        for k in tensors:
+            _same(ours[k], tensors[k])
+        assert fst.verify_safetensors(path, handle) == []
+
+
+def test_large_tensor_spanning_many_chunks(tmp_path: Path) -> None:
+    h = _native().Handle(**Config(chunk_size=64 << 10, queue_depth=3).handle_kwargs())
+    tensors = {"big": torch.randn(3 << 18), "small": torch.arange(5, dtype=torch.int16)}  # 3 MiB
+    path = tmp_path / "big.safetensors"
+    _write(h, path, tensors, None)
+    for name, t in st.load_file(str(path)).items():
+        _same(t, tensors[name])
+    assert fst.verify_safetensors(path, h) == []
+
+
+def test_loads_files_written_by_safetensors(tmp_path: Path, handle: Any) -> None:
+    tensors = _all_dtypes_dict()
+    path = tmp_path / "theirs.safetensors"
+    st.save_file(tensors, str(path), metadata={"a": "b"})
+    ours = fst.load_safetensors(str(path), handle)
+    assert ours.keys() == tensors.keys()
+    for name, t in tensors.items():
+        _same(ours[name], t)
+    assert not fst.has_checksums(path)
+    assert fst.verify_safetensors(path, handle) == []  # structure only: no checksums to compare
+
+
+def test_loaded_tensors_own_separate_storages(tmp_path: Path, handle: Any) -> None:
+    path = tmp_path / "s.safetensors"
+    _write(handle, path, {"a": torch.randn(1000), "b": torch.randn(10)}, None)
+    ours = fst.load_safetensors(path, handle)
+    for t in ours.values():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    ours["b"].add_(1)  # writable
+    assert ours["b"].data_ptr() % 4 == 0
+
+
+def test_unaligned_tensor_in_foreign_file(tmp_path: Path, handle: Any) -> None:
+    """The format allows any order; an F32 at an odd offset still loads (copied)."""
+    head = b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"b":{"dtype":"F32","shape":[2],"data_offsets":[1,9]}}'
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(head)) + head + b"\x07" + struct.pack("<2f", 1.5, -2.0))
+    ours = fst.load_safetensors(path, handle)
+    assert ours["b"].tolist() == [1.5, -2.0] and ours["a"].tolist() == [7]
+    assert st.load_file(str(path))["b"].tolist() == [1.5, -2.0]
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_are_staged_and_loaded_to_device(tmp_path: Path, handle: Any) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    tensors = {"w": torch.randn(1000, device="cuda"), "b": torch.arange(5, device="cuda")}
+    path = tmp_path / "g.safetensors"
+    _write(handle, path, tensors, None)
+    ours = fst.load_safetensors(path, handle, device="cuda")
+    for name, t in tensors.items():
+        assert ours[name].device.type == "cuda"
+        assert torch.equal(ours[name], t)
+    assert torch.equal(st.load_file(str(path))["w"], tensors["w"].cpu())
+
+
+# ---------------------------------------------------------------------------
+# Malformed files and corruption.
+
+
+def _file(header: Any, data: bytes = b"", length: Optional[int] = None) -> bytes:
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(h) if length is None else length) + h + data
+
+
+def _u8(begin: int, end: int, n: Optional[int] = None) -> dict:
+    return {"dtype": "U8", "shape": [end - begin if n is None else n], "data_offsets": [begin, end]}
+
+
+MALFORMED: dict[str, tuple[bytes, str]] = {
+    "shorter than 8 bytes": (b"\x01\x00", "shorter than the 8-byte"),
+    "length past end": (_file({"a": _u8(0, 1)}, b"x", length=1000), "header length 1000"),
+    "huge length": (_file(b"{}", length=1 << 40), "100 MB"),
+    "not JSON": (_file(b"{not json}"), "not valid UTF-8 JSON"),
+    "not UTF-8": (_file(b'{"\xff":1}'), "not valid UTF-8 JSON"),
+    "not an object": (_file(b"[1, 2]"), "not a JSON object"),
+    "entry not an object": (_file({"a": 3}), "not an object"),
+    "unknown dtype": (_file({"a": {"dtype": "Q8", "shape": [1], "data_offsets": [0, 1]}}, b"x"), "dtype 'Q8'"),
+    "negative shape": (_file({"a": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}, b"x"), "invalid shape"),
+    "offsets reversed": (_file({"a": {"dtype": "U8", "shape": [0], "data_offsets": [1, 0]}}, b"x"), "end before"),
+    "shape does not fill": (_file({"a": _u8(0, 4, n=3)}, b"xxxx"), "does not fill"),
+    "offsets out of range": (_file({"a": _u8(0, 8)}, b"xxxx"), "file has"),
+    "hole": (_file({"a": _u8(0, 2), "b": _u8(4, 6)}, b"xxxxxx"), "hole"),
+    "overlap": (_file({"a": _u8(0, 4), "b": _u8(2, 6)}, b"xxxxxx"), "overlap"),
+    "trailing bytes": (_file({"a": _u8(0, 2)}, b"xxx"), "trailing"),
+    "bad metadata": (_file({"__metadata__": {"k": 1}, "a": _u8(0, 1)}, b"x"), "__metadata__"),
+    "duplicate key": (
+        _file(b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x"),
+        "duplicate key",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_file_errors_name_the_path(tmp_path: Path, case: str) -> None:
+    content, message = MALFORMED[case]
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(fst.SafetensorsFormatError, match=message) as e:
+        fst.read_header(path)
+    assert str(path) in str(e.value) and e.value.path == str(path)
+    assert isinstance(e.value, ValueError)
+    if case != "duplicate key":  # safetensors itself keeps one of the duplicates
+        with pytest.raises(Exception):
+            st.load_file(str(path))
+
+
+@pytest.mark.parametrize("case", ["hole", "not JSON", "offsets out of range"])
+def test_malformed_file_through_load_and_verify(tmp_path: Path, handle: Any, case: str) -> None:
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(MALFORMED[case][0])
+    with pytest.raises(fst.SafetensorsFormatError, match=MALFORMED[case][1]):
+        fst.load_safetensors(path, handle)
+    problems = fst.verify_safetensors(path, handle)
+    assert len(problems) == 1 and str(path) in problems[0]
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_data_byte_is_detected(tmp_path: Path, handle: Any) -> None:
+    tensors = {"alpha": torch.randn(64), "beta": torch.randn(300), "gamma": torch.arange(9, dtype=torch.int64)}
+    path = tmp_path / "c.safetensors"
+    _write(handle, path, tensors, None)
+    assert fst.verify_safetensors(path, handle) == []
+    header = fst.read_header(path)
+    beta = next(e for e in header.tensors if e.name == "beta")
+    _flip(path, header.data_start + beta.begin + 123)
+
+    problems = fst.verify_safetensors(path, handle)
+    assert len(problems) == 1 and "'beta'" in problems[0] and str(path) in problems[0]
+    with pytest.raises(ChecksumError) as e:
+        fst.load_safetensors(path, handle)
+    assert e.value.records == ["beta"] and e.value.path == str(path)
+    loaded = fst.load_safetensors(path, handle, checksum=False)  # opt out: the damaged bytes come back
+    assert not torch.equal(loaded["beta"], tensors["beta"]) and torch.equal(loaded["alpha"], tensors["alpha"])
+
+
+def test_damaged_checksum_field_is_reported(tmp_path: Path, handle: Any) -> None:
+    path = tmp_path / "d.safetensors"
+    _write(handle, path, {"w": torch.ones(4)}, None)
+    raw = path.read_bytes()
+    at = raw.index(fst.CRC_METADATA_KEY.encode()) + len(fst.CRC_METADATA_KEY) + 3
+    data = bytearray(raw)
+    data[at] = ord("g") if data[at] != ord("g") else ord("h")  # not a hex digit any more
+    path.write_bytes(bytes(data))
+    problems = fst.verify_safetensors(path, handle)
+    assert problems and "'w'" in problems[0] and "8 hex digits" in problems[0]
