@@ -123,7 +123,7 @@ def atomic_write(path: PathLike, write: Callable[[str], T], *, fsync: bool = Tru
         _keep_mode(final, tmp)
         os.rename(tmp, final)
     except BaseException:
-        pass
+        _remove_quietly(tmp)
         raise
     if fsync:
         fsync_dir(os.path.dirname(final))

@@ -28,6 +28,7 @@ the end of a file raises ``EOFError``; bad arguments raise ``ValueError``.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -39,8 +40,13 @@ from typing import Any, Optional, Union
 import torch
 
 try:
-    from fastpersist import _native
-except ImportError as _exc:  # the package is importable without a build; I/O is not
+    import fastpersist._native as _native
+except ModuleNotFoundError as _exc:
+    # Not built (e.g. a source checkout): as_bytes works, I/O raises ImportError.
+    # A build that is present but fails to load (or a bad FASTPERSIST_FAULT)
+    # raises right here instead.
+    if _exc.name != "fastpersist._native":
+        raise
     _native = None
     _NATIVE_IMPORT_ERROR: Optional[ImportError] = _exc
 else:
@@ -72,8 +78,8 @@ def _native_module() -> Any:
     """The compiled extension, or an ImportError that says how to get it."""
     if _native is None:
         raise ImportError(
-            "fastpersist's native extension (fastpersist._native) is not built or failed to "
-            f"load ({_NATIVE_IMPORT_ERROR}); reinstall with `pip install -e .` on a machine "
+            "fastpersist's native extension (fastpersist._native) is not built "
+            f"({_NATIVE_IMPORT_ERROR}); reinstall with `pip install -e .` on a machine "
             "with a C++17 compiler"
         ) from _NATIVE_IMPORT_ERROR
     return _native
@@ -292,12 +298,18 @@ def _check_offset(file_offset: int) -> int:
     return file_offset
 
 
+def _check_positive_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
 @dataclass
 class _Op:
     """What an in-flight async op needs until wait(): references and a finisher."""
 
     keepalive: tuple[Any, ...]
-    finish: Optional[Callable[[], None]] = None
+    finish: Optional[Callable[[], Any]] = None
 
 
 class IOHandle:
@@ -319,14 +331,15 @@ class IOHandle:
     Files: a path given to :meth:`pwrite` is opened with ``O_CREAT | O_TRUNC``,
     i.e. **truncated** first, unless ``truncate=False`` (then it is created if
     missing and otherwise kept, so several pwrites at different offsets build one
-    file). A file descriptor is used as is: never truncated, never closed.
+    file; the DeepNVMe-named :meth:`sync_pwrite` / :meth:`async_pwrite` never
+    truncate). A file descriptor is used as is: never truncated, never closed.
 
-    CPU tensors go straight to the engine (no copy when they are page-aligned
-    and the offset is aligned; otherwise through the engine's aligned staging
-    buffers). CUDA tensors go straight from device memory with the ``"cufile"``
-    engine; with any other engine they are staged through a pinned host tensor
-    (device-to-host copy, then write; read, then host-to-device copy in
-    :meth:`wait`).
+    CPU tensors go to the engine as they are (it stages through its aligned
+    buffers what O_DIRECT cannot take directly). CUDA tensors go straight from
+    device memory with the ``"cufile"`` engine (which takes CUDA tensors only);
+    with any other engine they are staged through a pinned host tensor
+    (device-to-host copy on the current stream, then write; read, then
+    host-to-device copy in :meth:`wait`, or at once for a synchronous read).
 
     The handle keeps every tensor of an async operation alive until
     :meth:`wait`; don't modify a tensor while its write is pending. It is safe to
@@ -343,11 +356,11 @@ class IOHandle:
         *,
         max_async: int = 2,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % PAGE_SIZE:
-            raise ValueError(f"block_size must be a positive multiple of 4096, got {block_size!r}")
-        for name, value in (("queue_depth", queue_depth), ("threads", threads), ("max_async", max_async)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        _check_positive_int("queue_depth", queue_depth)
+        _check_positive_int("threads", threads)
+        _check_positive_int("max_async", max_async)
+        if _check_positive_int("block_size", block_size) % PAGE_SIZE:
+            raise ValueError(f"block_size must be a multiple of 4096, got {block_size}")
         self._ops: dict[int, _Op] = {}
         self._lock = threading.Lock()
         self._locked_tensors: dict[int, torch.Tensor] = {}
@@ -380,7 +393,7 @@ class IOHandle:
 
     @property
     def last_engine(self) -> str:
-        """Engine that ran the last completed op: ``"aio"``, ``"psync"``, ``"psync-buffered"``, ..."""
+        """Engine that ran the last completed op: ``"aio"``, ``"psync"``, ``"psync-buffered"``..."""
         return str(self._h.last_engine)
 
     @property
@@ -419,8 +432,19 @@ class IOHandle:
 
     # -- I/O ---------------------------------------------------------------------
 
-    def _device_direct(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cuda" and self.engine == "cufile"
+    def _needs_staging(self, op: str, data: torch.Tensor) -> bool:
+        """Whether the byte view ``data`` must go through a pinned host copy."""
+        kind = data.device.type
+        if self.engine == "cufile":
+            if kind != "cuda":
+                raise ValueError(
+                    f"{op}: the cufile engine moves CUDA memory; use an IOHandle with another "
+                    f"engine for {kind} tensors"
+                )
+            return False
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"{op}: tensors on {data.device} are not supported")
+        return kind == "cuda"
 
     def _submit(self, submit: Callable[[], int], op: _Op) -> None:
         with self._lock:
@@ -450,13 +474,9 @@ class IOHandle:
         _check_offset(file_offset)
         data = as_bytes(tensor)
         keep: tuple[Any, ...] = (tensor, data)
-        if data.device.type == "cuda" and not self._device_direct(data):
-            staged = pinned_empty(data.numel())
-            staged.copy_(data)
-            data = staged
-            keep += (staged,)
-        elif data.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"pwrite: tensors on {data.device} are not supported")
+        if self._needs_staging("pwrite", data):
+            data = pinned_empty(data.numel()).copy_(data)  # device-to-host, synchronous
+            keep += (data,)
         nbytes = data.numel()
         extents = [(file_offset, data.data_ptr(), nbytes, -1)] if nbytes else []
         if async_:
@@ -485,18 +505,11 @@ class IOHandle:
         _check_offset(file_offset)
         dest = as_bytes(tensor)
         keep: tuple[Any, ...] = (tensor, dest)
-        finish: Optional[Callable[[], None]] = None
-        buf = dest
-        if dest.device.type == "cuda" and not self._device_direct(dest):
+        buf, finish = dest, None
+        if self._needs_staging("pread", dest):
             buf = pinned_empty(dest.numel())
             keep += (buf,)
-            staged = buf
-
-            def finish() -> None:
-                dest.copy_(staged)
-
-        elif dest.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"pread: tensors on {dest.device} are not supported")
+            finish = functools.partial(dest.copy_, buf)  # host-to-device once the read is done
         nbytes = dest.numel()
         extents = [(file_offset, buf.data_ptr(), nbytes, -1)] if nbytes else []
         if async_:

@@ -118,7 +118,7 @@ def test_read_error_raises(tmp_path, engine):
     _native.set_fault("read", 2, "EIO")
     with pytest.raises(OSError) as info:
         fastpersist.load(path, config=_config(engine))
-    assert info.value.errno == errno.EIO
+    assert info.value.errno == errno.EIO and info.value.filename == str(path)
     _native.set_fault("read", 1, "EIO")
     with pytest.raises(OSError):
         fastpersist.verify(path, config=_config(engine))

@@ -161,7 +161,8 @@ def test_roundtrip_large(tmp_path, engine) -> None:
     step = 16 * MiB
     with open(path, "rb") as f:
         for start in range(0, size, step):
-            assert f.read(step) == view[start : start + step].tobytes(), f"differs in [{start}, +{step})"
+            chunk = view[start : start + step].tobytes()
+            assert f.read(step) == chunk, f"differs in [{start}, {start + step})"
     dst = torch.zeros(size, dtype=torch.uint8)
     h.pread(dst, path)
     assert torch.equal(dst, src)
@@ -325,7 +326,9 @@ def test_unknown_engine_is_value_error(engine) -> None:
 
 
 @pytest.mark.parametrize(
-    "kw", [{"block_size": 4096 + 1}, {"block_size": 0}, {"queue_depth": 0}, {"threads": 0}, {"max_async": 0}], ids=str
+    "kw",
+    [{"block_size": 4096 + 1}, {"block_size": 0}, {"queue_depth": 0}, {"threads": 0}, {"max_async": 0}],
+    ids=str,
 )
 def test_bad_settings_are_value_errors(kw) -> None:
     with pytest.raises(ValueError, match=next(iter(kw))):
@@ -506,7 +509,8 @@ def test_async_keeps_tensors_alive(tmp_path, engine) -> None:
     for i in range(n_ops):
         h.async_pwrite(torch.full((MiB + 1,), i, dtype=torch.uint8), tmp_path / f"k{i}")
     gc.collect()
-    clobber = [torch.full((MiB + 1,), 255, dtype=torch.uint8) for _ in range(n_ops)]  # reuse freed memory
+    # allocations that would reuse the tensors' memory if the handle had let it go
+    clobber = [torch.full((MiB + 1,), 255, dtype=torch.uint8) for _ in range(n_ops)]
     assert h.wait() == n_ops
     del clobber
     for i in range(n_ops):

@@ -36,7 +36,15 @@ def _pages_kib(nbytes: int) -> int:
 @pytest.mark.parametrize("size", [0, 1, 4096, 10 * MiB])
 @pytest.mark.parametrize(
     "dtype",
-    [torch.uint8, torch.float32, torch.bfloat16, torch.bool, torch.complex64, torch.int64, torch.float8_e4m3fn],
+    [
+        torch.uint8,
+        torch.float32,
+        torch.bfloat16,
+        torch.bool,
+        torch.complex64,
+        torch.int64,
+        torch.float8_e4m3fn,
+    ],
     ids=str,
 )
 def test_pinned_empty_sizes_and_dtypes(size, dtype) -> None:
@@ -134,7 +142,8 @@ def test_memlock_limit_degrades_with_a_warning() -> None:
         t.fill_(3)
         assert t.data_ptr() % 4096 == 0 and int(t.sum()) == 3 * (4 << 20)
         kinds = [x.category.__name__ for x in w]
-        print(fio.is_page_locked(t), "PinningWarning" in kinds, any("ulimit" in str(x.message) for x in w))
+        names_fix = any("ulimit" in str(x.message) for x in w)
+        print(fio.is_page_locked(t), "PinningWarning" in kinds, names_fix)
         """
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -230,7 +239,8 @@ def test_as_bytes_every_dtype(dtype, shape) -> None:
 def test_as_bytes_known_values() -> None:
     assert fio.as_bytes(torch.tensor(1.0)).tolist() == [0, 0, 128, 63]  # 0-d float32, little-endian
     assert fio.as_bytes(torch.tensor([True, False, True])).tolist() == [1, 0, 1]
-    assert fio.as_bytes(torch.tensor([1 + 2j], dtype=torch.complex64)).tolist() == [0, 0, 128, 63, 0, 0, 0, 64]
+    c = torch.tensor([1 + 2j], dtype=torch.complex64)
+    assert fio.as_bytes(c).tolist() == [0, 0, 128, 63, 0, 0, 0, 64]
     assert fio.as_bytes(torch.tensor([1.0], dtype=torch.bfloat16)).tolist() == [128, 63]
     assert fio.as_bytes(torch.tensor([258], dtype=torch.int16)).tolist() == [2, 1]
 

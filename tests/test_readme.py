@@ -44,6 +44,6 @@ def test_readme_opens_with_the_two_commands() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     readme_test = _blocks("bash")[1].strip().split(" && ", 1)[1]
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
-    commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert readme_test in commands
     assert 'pip install -e ".[test]"' in commands

@@ -28,7 +28,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol, Sequence, Union
+from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 

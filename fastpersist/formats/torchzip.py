@@ -36,7 +36,7 @@ from fastpersist.formats.zipindex import ZipIndex, buffer_reader, fd_reader, par
 log = logging.getLogger(__name__)
 
 # torch's serialization config is process-global: planners take turns.
-_CONFIG_LOCK = threading.Lock()
+_CONFIG_LOCK = threading.RLock()
 
 
 # --------------------------------------------------------------------------- planning
@@ -49,12 +49,14 @@ class _Recorder:
         self.blob = bytearray()
         #: contiguous written runs: (file_offset, blob_offset, length)
         self.segments: list[tuple[int, int, int]] = []
+        self._starts: list[int] = []  # file_offset of each segment, for bisect
         self.pos = 0
         self.size = 0
 
     def write(self, data: Any) -> int:
-        mv = memoryview(data).cast("B")
-        n = len(mv)
+        if type(data) is not bytes:
+            data = memoryview(data).cast("B")
+        n = len(data)
         if n == 0:
             return 0
         if self.pos < self.size:
@@ -65,7 +67,8 @@ class _Recorder:
             self.segments[-1] = (f, b, length + n)
         else:
             self.segments.append((self.pos, len(self.blob), n))
-        self.blob += mv
+            self._starts.append(self.pos)
+        self.blob += data
         self.pos += n
         self.size = self.pos
         return n
@@ -100,8 +103,7 @@ class _Recorder:
         if end <= offset:
             return b""
         out = bytearray(end - offset)
-        starts = [s[0] for s in self.segments]
-        i = max(0, bisect.bisect_right(starts, offset) - 1)
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
         while i < len(self.segments):
             f, b, n = self.segments[i]
             if f >= end:
@@ -129,7 +131,7 @@ def _capture_module(found: dict[str, torch.UntypedStorage]) -> Any:
 
             def persistent_id(obj: Any) -> Any:
                 pid = inner(obj)
-                if isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage":
+                if pid is not None and type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
                     storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
                     found[str(pid[2])] = storage
                 return pid
@@ -240,7 +242,7 @@ def _plan_from_recording(rec: _Recorder, found: dict[str, torch.UntypedStorage],
         keepalive.append(storage)
         extents.append((off, _host_bytes(storage, keepalive), n, slot))
         entry = by_name[name]
-        pass
+        patches.append((entry.cd_crc_offset, slot, PATCH_U32LE))
         patches.append((entry.descriptor_crc_offset, slot, PATCH_U32LE))  # type: ignore[arg-type]
         names.append(name)
     extents.sort(key=lambda x: x[0])
@@ -311,6 +313,16 @@ def fast_load_supported() -> bool:
     return "overall_storage" in params and "weights_only" in params
 
 
+def _native_read(handle: Any, path: str, extents: list[tuple[int, int, int, int]], nslots: int) -> list[int]:
+    """``handle.read`` whose ``OSError`` always names ``path``."""
+    try:
+        return handle.read(path, extents, nslots)
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise type(e)(e.errno, e.strerror or str(e), path) from e
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -326,7 +338,11 @@ def _read_extents(index: ZipIndex, ptr: int, checksum: bool) -> tuple[list[tuple
     pos = 0
     for e in records:
         if e.data_offset < pos:
-            raise ZipFormatError(f"{index.path}: record {e.name} at {e.data_offset} overlaps the previous one", index.path, e.data_offset)
+            raise ZipFormatError(
+                f"{index.path}: record {e.name} at {e.data_offset} overlaps the previous one",
+                index.path,
+                e.data_offset,
+            )
         if ptr and e.data_offset > pos:
             extents.append((pos, ptr + pos, e.data_offset - pos, -1))
         extents.append((e.data_offset, ptr + e.data_offset if ptr else 0, e.compressed_size, len(names)))
@@ -385,7 +401,7 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
         align = 4096
     buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, lock)
     extents, names = _read_extents(index, buf.ptr, checksum)
-    crcs = handle.read(path, extents, len(names))
+    crcs = _native_read(handle, path, extents, len(names))
     problems = _crc_problems(index, names, crcs)
     if problems:
         raise ChecksumError(
@@ -478,7 +494,9 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
         except ZipFormatError as e:
             head = read_at(0, 4)
             if head != b"PK\x03\x04" and size:
-                return TorchCheck([f"{path}: not a zip archive (legacy torch.save format?); it has no checksums to verify"])
+                return TorchCheck(
+                    [f"{path}: not a zip archive (legacy torch.save format?); it has no checksums to verify"]
+                )
             return TorchCheck([str(e)])
         problems: list[str] = []
         for e in index.entries:
@@ -489,15 +507,19 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
                 raw = read_at(off, 4)
                 stored.append(int.from_bytes(raw, "little") if len(raw) == 4 else -1)
             if e.descriptor_offset is not None and stored and stored[0] != e.crc32:
-                problems.append(f"{e.name}: data descriptor CRC {stored[0]:08x} differs from central directory {e.crc32:08x}")
+                problems.append(
+                    f"{e.name}: data descriptor CRC {stored[0]:08x} differs from central directory {e.crc32:08x}"
+                )
             if e.descriptor_offset is None and stored and stored[0] not in (0, e.crc32):
-                problems.append(f"{e.name}: local header CRC {stored[0]:08x} differs from central directory {e.crc32:08x}")
+                problems.append(
+                    f"{e.name}: local header CRC {stored[0]:08x} differs from central directory {e.crc32:08x}"
+                )
             if e.compressed_size == 0 and e.crc32 != 0:
                 problems.append(f"{e.name}: empty record with non-zero CRC {e.crc32:08x}")
     finally:
         os.close(fd)
     extents, names = _read_extents(index, 0, True)
-    crcs = handle.read(path, extents, len(names)) if extents else []
+    crcs = _native_read(handle, path, extents, len(names)) if extents else []
     problems += _crc_problems(index, names, crcs)
     return TorchCheck(problems, records=len(index.entries), nbytes=sum(e.compressed_size for e in index.entries))
 

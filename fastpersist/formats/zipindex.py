@@ -202,7 +202,9 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
     if disk != 0 or cd_disk != 0 or n_disk != n_total:
         raise _fail(path, eocd_off, "multi-disk archives are not supported")
     if cd_off + cd_size > size:
-        raise _fail(path, eocd_off, f"central directory [{cd_off}, {cd_off + cd_size}) lies past the end of file ({size} bytes)")
+        raise _fail(
+            path, eocd_off, f"central directory [{cd_off}, {cd_off + cd_size}) lies past the end of file ({size} bytes)"
+        )
     cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
 
     entries: list[ZipEntry] = []
@@ -211,7 +213,9 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
         here = cd_off + pos
         if pos + _CD.size > len(cd) or cd[pos : pos + 4] != _CD_SIG:
             raise _fail(path, here, "bad central directory entry signature")
-        (_, _vm, _vn, flags, method, _t, _d, crc, csize, usize, nlen, xlen, clen, dstart, _ia, _ea, hoff) = _CD.unpack_from(cd, pos)
+        fields = _CD.unpack_from(cd, pos)
+        flags, method, crc, csize, usize, nlen, xlen, clen, dstart = fields[3:5] + fields[7:14]
+        hoff = fields[16]
         name_b = cd[pos + 46 : pos + 46 + nlen]
         extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
         if len(name_b) != nlen or len(extra) != xlen:
@@ -258,7 +262,15 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
             )
         )
         pos += 46 + nlen + xlen + clen
-    return ZipIndex(path=path, file_size=size, entries=entries, cd_offset=cd_off, cd_size=cd_size, eocd_offset=eocd_off, zip64=zip64)
+    return ZipIndex(
+        path=path,
+        file_size=size,
+        entries=entries,
+        cd_offset=cd_off,
+        cd_size=cd_size,
+        eocd_offset=eocd_off,
+        zip64=zip64,
+    )
 
 
 def buffer_reader(buf: "bytes | bytearray | memoryview") -> ReadAt:
