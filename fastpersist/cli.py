@@ -71,6 +71,8 @@ def _names(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``fastpersist`` command."""
     debug = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a subcommand's parser must not reset a --debug given before the subcommand
+    # (the action object is shared by every parser built from this parent).
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="print tracebacks of errors")
 
@@ -78,7 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, parents=[debug],
         description="fastpersist: PyTorch checkpoints at the speed of the storage.",
     )
-    parser.set_defaults(debug=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -195,7 +196,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"OK: {path}: {data.get('records', 0)} records, {data.get('bytes', 0)} payload bytes checked "
               f"({data.get('format', '?')} format)")
     else:
-        print(f"CORRUPT: {path}: {len(data['problems'])} problem(s)")
+        print(f"FAILED: {path}: {len(data['problems'])} problem(s)")
         for problem in data["problems"]:
             print(f"  - {problem}")
     return 0 if data["ok"] else 1
@@ -276,16 +277,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code) if isinstance(exc.code, int) else 2
+    debug = getattr(args, "debug", False)
     try:
         return int(args.func(args))
     except UsageError as exc:
-        if args.debug:
+        if debug:
             traceback.print_exc()
         parser.print_usage(sys.stderr)
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, EOFError, ValueError, ImportError) as exc:
-        if args.debug:
+        if debug:
             traceback.print_exc()
         print(f"{PROG}: error: {_describe(exc)}", file=sys.stderr)
         return 2

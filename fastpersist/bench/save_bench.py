@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -128,12 +129,16 @@ class DcpMethod(Method):
 
     def save(self, obj: Any, target: str) -> None:
         writer = self._dcp.FileSystemWriter(target, sync_files=True)
-        self._dcp.save(obj, storage_writer=writer, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            self._dcp.save(obj, storage_writer=writer, no_dist=True)
         fsync_dir(target)  # the files are fsync'ed by sync_files; their directory entries are not
 
     def load(self, target: str, reference: Any) -> Any:
         template = state_mod.empty_like_state(reference)
-        self._dcp.load(template, storage_reader=self._dcp.FileSystemReader(target), no_dist=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self._dcp.load(template, storage_reader=self._dcp.FileSystemReader(target), no_dist=True)
         return template
 
 
@@ -224,7 +229,9 @@ class SaveBenchResult:
         }
 
 
-def _make_methods(peers: Sequence[str], include_fastpersist: bool, config: Any) -> tuple[list[Method], list[MethodResult]]:
+def _make_methods(
+    peers: Sequence[str], include_fastpersist: bool, config: Any
+) -> tuple[list[Method], list[MethodResult]]:
     """Instantiate the methods; one that cannot be set up becomes a failed result."""
     factories: list[tuple[str, Callable[[], Method]]] = []
     if include_fastpersist:

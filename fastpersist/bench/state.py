@@ -151,7 +151,9 @@ def build_training_state(total_bytes: int, seed: int = 0, step: int = 1000) -> d
     }
 
 
-def build_small_tensors(count: int, seed: int = 0, min_bytes: int = 1024, max_bytes: int = 1 << 20) -> dict[str, torch.Tensor]:
+def build_small_tensors(
+    count: int, seed: int = 0, min_bytes: int = 1024, max_bytes: int = 1 << 20
+) -> dict[str, torch.Tensor]:
     """``count`` tensors of log-uniform random sizes in ``[min_bytes, max_bytes]`` (fp32/bf16/int64 mix)."""
     if count <= 0:
         raise ValueError(f"number of small tensors must be positive, got {count}")
@@ -265,9 +267,11 @@ def compare_states(expected: Any, actual: Any, path: str = "", limit: int = 20) 
             if not isinstance(b, dict):
                 add(f"{where}: expected a dict, got {type(b).__name__}")
                 return
-            if list(a.keys()) != list(b.keys()):
+            if set(a) != set(b):
                 add(f"{where}: keys differ: missing {sorted(map(str, set(a) - set(b)))[:5]}, "
                     f"extra {sorted(map(str, set(b) - set(a)))[:5]}")
+            elif list(a) != list(b):
+                add(f"{where}: same keys in a different order")
             for k in a:
                 if k in b:
                     walk(a[k], b[k], f"{key}.{k}" if key else str(k))

@@ -154,7 +154,12 @@ NB_MODULE(_native, m) {
 
   // A bad FASTPERSIST_FAULT is an error at import, not silently ignored.
   if (const char* spec = std::getenv("FASTPERSIST_FAULT"); spec && *spec) {
-    sys::set_fault_from_spec(spec);
+    try {
+      sys::set_fault_from_spec(spec);
+    } catch (const std::exception& e) {
+      throw ArgError(std::string("bad FASTPERSIST_FAULT='") + spec + "' (expected op:nth:action[:count], " +
+                     "e.g. write:3:EIO): " + e.what());
+    }
   }
 
   m.def("available_engines", [] {

@@ -126,8 +126,16 @@ void set_fault_from_spec(const std::string& spec) {
     throw ArgError("FASTPERSIST_FAULT must look like 'op:nth:action[:count]' (e.g. write:3:EIO), "
                    "not '" + spec + "'");
   }
-  long nth = std::strtol(parts[1].c_str(), nullptr, 10);
-  long count = parts.size() == 4 ? std::strtol(parts[3].c_str(), nullptr, 10) : 1;
+  auto number = [&](const std::string& txt, const char* what) {
+    char* end = nullptr;
+    long v = std::strtol(txt.c_str(), &end, 10);
+    if (txt.empty() || !end || *end != '\0') {
+      throw ArgError(std::string("fault spec '") + spec + "': " + what + " must be a number, not '" + txt + "'");
+    }
+    return v;
+  };
+  long nth = number(parts[1], "nth");
+  long count = parts.size() == 4 ? number(parts[3], "count") : 1;
   set_fault(parts[0], nth, parts[2], count);
 }
 

@@ -1,0 +1,271 @@
+"""The ``fastpersist`` command line: info, verify exit codes, and benchmark smoke runs (tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist.bench.fio import fio_executable
+from fastpersist.cli import main
+
+MiB = 1 << 20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PATTERN = bytes(range(7, 251)) * 64  # 15.6 KB that occur nowhere else in a checkpoint
+
+
+def _checkpoint(path: str) -> None:
+    state = {
+        "w": torch.frombuffer(bytearray(PATTERN), dtype=torch.uint8).clone(),
+        "b": torch.arange(1000, dtype=torch.float32),
+        "step": 7,
+    }
+    fastpersist.save(state, path)
+
+
+def _flip_payload_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        data = f.read()
+        at = data.find(PATTERN)
+        assert at > 0, "payload not found in the file"
+        f.seek(at + 1234)
+        f.write(bytes([data[at + 1234] ^ 0xFF]))
+
+
+# ---- info -------------------------------------------------------------------------
+
+
+def test_info(tmp_path, capsys) -> None:
+    assert main(["info", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"fastpersist {fastpersist.__version__}" in out
+    for word in ("Engines", "psync", "cuFile", "O_DIRECT", "Filesystem", "CPU", torch.__version__):
+        assert word in out
+
+
+def test_info_json(tmp_path, capsys) -> None:
+    from fastpersist import _native
+
+    assert main(["info", "--dir", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["engines"] == list(_native.available_engines())
+    assert data["engines_compiled"] == list(_native.ENGINES)
+    assert data["direct_io"] == _native.direct_io_supported(str(tmp_path))
+    assert data["directory"] == str(tmp_path)
+    assert data["filesystem"] and data["torch_version"] == torch.__version__
+
+
+def test_info_missing_dir_is_a_usage_error(tmp_path, capsys) -> None:
+    assert main(["info", "--dir", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Traceback" not in err
+
+
+def test_python_dash_m_and_console_script(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "fastpersist", "info", "--dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "O_DIRECT" in proc.stdout
+    script = shutil.which("fastpersist", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("console script not installed (pip install -e . creates it)")
+    proc = subprocess.run([script, "verify", str(tmp_path / "missing.pt")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "missing.pt" in proc.stderr
+
+
+# ---- verify -----------------------------------------------------------------------
+
+
+def test_verify_good_file(tmp_path, capsys) -> None:
+    path = str(tmp_path / "ckpt.pt")
+    _checkpoint(path)
+    assert main(["verify", path]) == 0
+    assert capsys.readouterr().out.startswith("OK:")
+
+
+def test_verify_file_written_by_torch_save(tmp_path, capsys) -> None:
+    path = str(tmp_path / "torch.pt")
+    torch.save({"x": torch.arange(5000)}, path)
+    assert main(["verify", path]) == 0
+
+
+def test_verify_flipped_payload_byte(tmp_path, capsys) -> None:
+    path = str(tmp_path / "ckpt.pt")
+    _checkpoint(path)
+    _flip_payload_byte(path)
+    assert main(["verify", path]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAILED:") and "  - " in out
+
+
+def test_verify_json(tmp_path, capsys) -> None:
+    path = str(tmp_path / "ckpt.pt")
+    _checkpoint(path)
+    assert main(["verify", path, "--json"]) == 0
+    good = json.loads(capsys.readouterr().out)
+    assert good["ok"] is True and good["problems"] == [] and good["records"] > 0 and good["bytes"] > 0
+    _flip_payload_byte(path)
+    assert main(["verify", path, "--json"]) == 1
+    bad = json.loads(capsys.readouterr().out)
+    assert bad["ok"] is False and bad["problems"]
+
+
+def test_verify_not_a_checkpoint(tmp_path, capsys) -> None:
+    path = tmp_path / "junk.pt"
+    path.write_bytes(bytes(range(256)) * 100)
+    assert main(["verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAILED:") and "junk.pt" in out
+    trunc = tmp_path / "trunc.pt"
+    torch.save({"a": torch.arange(1000)}, trunc)
+    trunc.write_bytes(trunc.read_bytes()[:-100])
+    assert main(["verify", str(trunc)]) == 1
+
+
+def test_verify_missing_file(tmp_path, capsys) -> None:
+    assert main(["verify", str(tmp_path / "missing.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.pt" in err and "Traceback" not in err
+
+
+def test_verify_debug_prints_traceback(tmp_path, capsys) -> None:
+    assert main(["--debug", "verify", str(tmp_path / "missing.pt")]) == 2
+    assert "Traceback" in capsys.readouterr().err
+    assert main(["verify", "--debug", str(tmp_path / "missing.pt")]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_verify_directory_is_a_usage_error(tmp_path) -> None:
+    assert main(["verify", str(tmp_path)]) == 2
+
+
+# ---- usage errors -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["bench"],
+        ["bench", "save"],  # --dir is required
+        ["bench", "save", "--dir", ".", "--size", "12XB"],
+        ["bench", "save", "--dir", ".", "--repeat", "0"],
+        ["bench", "io", "--dir", ".", "--block-sizes", "1000"],
+        ["bench", "io", "--dir", ".", "--direct", "maybe"],
+        ["bench", "io", "--dir", ".", "--queue-depths", "4,x"],
+    ],
+)
+def test_usage_errors(argv, capsys) -> None:
+    assert main(argv) == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_bad_values_checked_before_running(tmp_path, capsys) -> None:
+    assert main(["bench", "save", "--dir", str(tmp_path), "--peers", "torch,pickle"]) == 2
+    assert "pickle" in capsys.readouterr().err
+    assert main(["bench", "io", "--dir", str(tmp_path), "--engines", "turbo"]) == 2
+    assert "turbo" in capsys.readouterr().err
+    assert main(["bench", "save", "--dir", str(tmp_path / "nope")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+# ---- benchmarks -------------------------------------------------------------------
+
+
+def _peers() -> str:
+    return "torch,safetensors,dcp" + (",fio" if fio_executable() else "")
+
+
+def test_bench_save_smoke(tmp_path, capsys) -> None:
+    js, png = str(tmp_path / "r.json"), str(tmp_path / "r.png")
+    work = tmp_path / "disk"
+    work.mkdir()
+    argv = ["bench", "save", "--dir", str(work), "--size", "8MiB", "--repeat", "1", "--peers", _peers(),
+            "--json", js, "--plot", png, "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.index("CPU") < out.index("O_DIRECT") < out.index("Durable save")  # header first
+    assert "Verified   : fastpersist load equals the original state" in out
+    with open(js, encoding="utf-8") as f:
+        data = json.load(f)
+    assert data["benchmark"] == "save"
+    assert [m["name"] for m in data["methods"]] == ["fastpersist", "torch", "safetensors", "dcp"]
+    for m in data["methods"]:
+        assert m["error"] is None
+        assert len(m["save_gbps"]) == 1 and m["save_gbps"][0] > 0 and m["load_gbps"][0] > 0
+        assert m["save_vs_torch"] > 0 and m["load_vs_torch"] > 0
+    assert data["workload"]["kind"] == "gpt-training-state" and data["workload"]["tensors"] > 100
+    assert data["verification"]["ok"] is True
+    assert set(data["machine"]) >= {"cpu_model", "filesystem", "direct_io", "engines", "torch_version"}
+    if fio_executable():
+        assert data["fio"]["write_gbps"] > 0 and data["fio"]["read_gbps"] > 0
+    with open(png, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert os.listdir(work) == []  # checkpoint files cleaned up
+
+
+def test_bench_save_small_tensors_json_to_stdout(tmp_path, capsys) -> None:
+    argv = ["bench", "save", "--dir", str(tmp_path), "--small-tensors", "50", "--repeat", "1",
+            "--peers", "torch", "--json", "-", "--no-progress"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)  # stdout holds the JSON alone
+    assert data["workload"]["kind"] == "small-tensors" and data["workload"]["tensors"] == 50
+    assert [m["name"] for m in data["methods"]] == ["fastpersist", "torch"]
+    assert data["fio"] is None
+    assert "Durable save" in captured.err  # the table went to stderr
+
+
+def test_bench_save_keep(tmp_path, capsys) -> None:
+    argv = ["bench", "save", "--dir", str(tmp_path), "--small-tensors", "20", "--repeat", "1",
+            "--peers", "none", "--keep", "--no-progress"]
+    assert main(argv) == 0
+    (workdir,) = os.listdir(tmp_path)
+    assert os.listdir(tmp_path / workdir) == ["fastpersist.pt"]
+    assert main(["verify", str(tmp_path / workdir / "fastpersist.pt")]) == 0
+
+
+def test_bench_io_smoke(tmp_path, capsys) -> None:
+    from fastpersist.io import available_engines
+
+    engines = ",".join(e for e in available_engines() if e != "cufile")
+    js, png = str(tmp_path / "io.json"), str(tmp_path / "io.png")
+    work = tmp_path / "disk"
+    work.mkdir()
+    argv = ["bench", "io", "--dir", str(work), "--size", "2MiB", "--engines", engines, "--block-sizes", "1M",
+            "--queue-depths", "4", "--threads", "1,2", "--direct", "both", "--repeat", "1",
+            "--json", js, "--plot", png, "--no-progress"]
+    if not fio_executable():
+        argv.append("--no-fio")
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "posix_fadvise" in out and "Best write" in out
+    with open(js, encoding="utf-8") as f:
+        data = json.load(f)
+    assert data["benchmark"] == "io" and data["size_bytes"] == 2 * MiB
+    assert len(data["runs"]) == len(engines.split(",")) * 2 * 2
+    for r in data["runs"]:
+        assert r["error"] is None and r["verified"] is True
+        assert r["write_gbps"][0] > 0 and r["read_gbps"][0] > 0
+    if fio_executable():
+        assert data["fio"]["write_gbps"] > 0
+        assert all(r["write_vs_fio"] > 0 for r in data["runs"])
+    with open(png, "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert os.listdir(work) == []
+
+
+def test_bench_io_no_fio(tmp_path, capsys) -> None:
+    argv = ["bench", "io", "--dir", str(tmp_path), "--size", "1MiB", "--engines", "psync", "--block-sizes", "1M",
+            "--queue-depths", "2", "--threads", "1", "--repeat", "1", "--no-fio", "--json", "-", "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fio"] is None and data["runs"][0]["write_vs_fio"] is None
