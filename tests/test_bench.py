@@ -15,6 +15,7 @@ import mmap
 import os
 import random
 import shutil
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -90,6 +91,22 @@ def test_parse_lists_and_formats() -> None:
     assert format_bytes(10) == "10 B"
     assert format_block(8 * MiB) == "8M" and format_block(4096) == "4K" and format_block(4097) == "4097"
     assert gbps(2 * 10**9, 2.0) == 1.0
+
+
+@pytest.mark.parametrize("use_rich", [True, False])
+def test_render_table(monkeypatch, use_rich: bool) -> None:
+    from fastpersist.bench.report import render_table
+
+    if not use_rich:
+        for mod in ("rich", "rich.console", "rich.table"):
+            monkeypatch.setitem(sys.modules, mod, None)  # as if rich were not installed
+    out = io.StringIO()
+    render_table("Title", ["method", "GB/s"], [["torch", "1.00"], ["fastpersist", "12.50"]], out)
+    text = out.getvalue()
+    assert "Title" in text and "fastpersist" in text and "12.50" in text
+    assert ("┃" in text) is use_rich
+    lines = [line for line in text.splitlines() if "torch" in line or "fastpersist" in line]
+    assert len(lines) == 2
 
 
 # ---- workloads --------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,9 @@ import fastpersist.io as fio
 
 MiB = 1024 * 1024
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# AddressSanitizer intercepts mlock and makes it a no-op (.ci/sanitize runs the suite under it).
+MLOCK_WORKS = "libasan" not in os.environ.get("LD_PRELOAD", "")
+needs_mlock = pytest.mark.skipif(not MLOCK_WORKS, reason="mlock is a no-op under AddressSanitizer")
 
 
 def _vmlck_kib() -> int:
@@ -56,8 +60,9 @@ def test_pinned_empty_sizes_and_dtypes(size, dtype) -> None:
     assert t.shape == (numel,) and t.dtype == dtype and t.device.type == "cpu"
     assert t.is_contiguous()
     assert t.data_ptr() % 4096 == 0
-    assert fio.is_page_locked(t)
-    assert _vmlck_kib() - before >= _pages_kib(nbytes)
+    if MLOCK_WORKS:
+        assert fio.is_page_locked(t)
+        assert _vmlck_kib() - before >= _pages_kib(nbytes)
     # usable memory: every byte writable and readable
     b = fio.as_bytes(t)
     b.copy_(torch.arange(nbytes, dtype=torch.int64).remainder_(251).to(torch.uint8))
@@ -82,9 +87,10 @@ def test_pinned_empty_bad_size() -> None:
 def test_pinned_empty_alignment() -> None:
     t = fio.pinned_empty(100_000, alignment=1 << 16)
     assert t.data_ptr() % (1 << 16) == 0
-    assert fio.is_page_locked(t)
+    assert fio.is_page_locked(t) or not MLOCK_WORKS
 
 
+@needs_mlock
 def test_pinned_memory_freed_when_tensor_dies() -> None:
     gc.collect()
     base = _vmlck_kib()
@@ -98,9 +104,10 @@ def test_pinned_memory_freed_when_tensor_dies() -> None:
     view.fill_(7)
     del view
     gc.collect()
-    assert _vmlck_kib() == base
+    assert _vmlck_kib() <= base
 
 
+@needs_mlock
 def test_pinned_many_allocations_do_not_leak() -> None:
     gc.collect()
     base = _vmlck_kib()
@@ -109,7 +116,7 @@ def test_pinned_many_allocations_do_not_leak() -> None:
         t[-1] = i
     del t
     gc.collect()
-    assert _vmlck_kib() == base
+    assert _vmlck_kib() <= base
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
@@ -117,7 +124,7 @@ def test_cpu_only_defaults_no_cuda_registration() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no PinningWarning: CUDA registration is not attempted
         t = fio.pinned_empty(4096)
-    assert fio.is_page_locked(t)
+    assert fio.is_page_locked(t) or not MLOCK_WORKS
     with pytest.raises(RuntimeError):  # torch's own pinning needs CUDA; ours does not
         torch.empty(4096, pin_memory=True)
 
@@ -128,6 +135,7 @@ def test_register_cuda_true_without_cuda_raises() -> None:
         fio.pinned_empty(4096, register_cuda=True)
 
 
+@needs_mlock
 def test_memlock_limit_degrades_with_a_warning() -> None:
     """With RLIMIT_MEMLOCK at 64 KiB a 4 MiB buffer cannot be locked (unless the
     process has CAP_IPC_LOCK, e.g. root): it must still work, and say so."""

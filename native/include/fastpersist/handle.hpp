@@ -90,7 +90,11 @@ class PinnedBuffer {
   bool cuda_register();
 
  private:
+  static constexpr size_t kHuge = size_t(2) << 20;
+  static constexpr size_t kHugeMin = size_t(4) << 20;
   char* ptr_ = nullptr;
+  char* map_ = nullptr;  // mmap'ed region (large buffers), else posix_memalign
+  size_t map_len_ = 0;
   size_t n_ = 0;
   size_t cap_ = 0;
   bool locked_ = false;
