@@ -16,7 +16,7 @@ import pickle
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import TypeVar, Any, Callable, Optional, Union
 
 import torch
 
@@ -29,7 +29,11 @@ log = logging.getLogger(__name__)
 PathLike = Union[str, "os.PathLike[str]"]
 MapLocation = Union[None, str, torch.device, dict, Callable[..., Any]]
 
+T = TypeVar("T")
+
 FORMATS = ("torch", "safetensors")
+#: Bytes laid out before a batch goes to the disk while torch is still pickling.
+_STREAM_BATCH = 32 << 20
 _TRUE = ("1", "y", "yes", "true")
 
 _handles: dict[tuple, Any] = {}
@@ -75,17 +79,26 @@ def _is_path(f: Any) -> bool:
     return isinstance(f, (str, os.PathLike))
 
 
-def _native_write(handle: Any, plan: Any, final: str, fsync: bool) -> Callable[[str], list[int]]:
-    def write(tmp: str) -> list[int]:
+def _naming_final(final: str, write: Callable[[str], T]) -> Callable[[str], T]:
+    """Wrap a temp-file writer so that its ``OSError`` names the file the user asked
+    for; the message keeps the temporary name, offset and length from the native layer."""
+
+    def wrapped(tmp: str) -> T:
         try:
-            return handle.write(tmp, plan.extents, plan.patches, plan.nslots, truncate=True, fsync=fsync)
+            return write(tmp)
         except OSError as e:
-            # Name the file the user asked for; the message keeps the temporary
-            # name, offset and length from the native layer.
+            if e.errno is None:
+                raise
             raise type(e)(e.errno, f"{e.strerror or e} (saving {final!r} via temporary file {tmp!r}; "
                           f"the previous file at this path is untouched)", final) from e
 
-    return write
+    return wrapped
+
+
+def _native_write(handle: Any, plan: Any, final: str, fsync: bool) -> Callable[[str], list[int]]:
+    return _naming_final(
+        final, lambda tmp: handle.write(tmp, plan.extents, plan.patches, plan.nslots, truncate=True, fsync=fsync)
+    )
 
 
 def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] = None) -> None:
@@ -122,12 +135,19 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
             raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
         plan = plan_safetensors(obj, None, align, checksum=cfg.checksum)
     else:
+        from fastpersist import _native
+
+        def write_stream(tmp: str) -> None:
+            # A handle of its own: the stream collects its batches with wait().
+            handle = _native.Handle(**cfg.handle_kwargs())
+            torchzip.stream_save_torch(obj, tmp, handle, align, fsync=cfg.fsync, batch_bytes=_STREAM_BATCH)
+
         try:
-            plan = torchzip.plan_torch(obj, align)
+            atomic_write(final, _naming_final(final, write_stream), fsync=cfg.fsync)
         except UnsupportedLayoutError as e:
             log.debug("fast torch layout not possible for %s (%s); writing with torch's writer", final, e)
             _save_with_torch(obj, final, align, cfg)
-            return
+        return
     atomic_write(final, _native_write(_handle(cfg), plan, final, cfg.fsync), fsync=cfg.fsync)
     del plan
 

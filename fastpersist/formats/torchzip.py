@@ -17,12 +17,11 @@ The file is a plain torch zip with storages aligned to the O_DIRECT block size
 
 from __future__ import annotations
 
-import bisect
+import collections
 import inspect
 import logging
 import os
 import pickle
-import threading
 import types
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -30,92 +29,25 @@ from typing import Any, Optional
 import torch
 
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
-from fastpersist.formats.base import PATCH_U32LE, WritePlan
+from fastpersist.formats.base import WritePlan
 from fastpersist.formats.zipindex import ZipIndex, buffer_reader, fd_reader, parse_zip_index
 
 log = logging.getLogger(__name__)
 
-# torch's serialization config is process-global: planners take turns.
-_CONFIG_LOCK = threading.RLock()
+# torch's serialization config is process-global: planners take turns (one lock).
+from fastpersist.formats.torchstream import _CONFIG_LOCK  # noqa: E402,F401 (api.py uses it)
 
 
 # --------------------------------------------------------------------------- planning
 
 
-class _Recorder:
-    """File-like sink for ``torch.save``: keeps written bytes, leaves skipped ranges as holes."""
-
-    def __init__(self) -> None:
-        self.blob = bytearray()
-        #: contiguous written runs: (file_offset, blob_offset, length)
-        self.segments: list[tuple[int, int, int]] = []
-        self._starts: list[int] = []  # file_offset of each segment, for bisect
-        self.pos = 0
-        self.size = 0
-
-    def write(self, data: Any) -> int:
-        if type(data) is not bytes:
-            data = memoryview(data).cast("B")
-        n = len(data)
-        if n == 0:
-            return 0
-        if self.pos < self.size:
-            # torch's writer only moves forward; anything else is a layout we do not know
-            raise UnsupportedLayoutError(f"torch's zip writer wrote backwards (offset {self.pos} < {self.size})")
-        if self.segments and self.segments[-1][0] + self.segments[-1][2] == self.pos:
-            f, b, length = self.segments[-1]
-            self.segments[-1] = (f, b, length + n)
-        else:
-            self.segments.append((self.pos, len(self.blob), n))
-            self._starts.append(self.pos)
-        self.blob += data
-        self.pos += n
-        self.size = self.pos
-        return n
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        if whence == 0:
-            new = offset
-        elif whence == 1:
-            new = self.pos + offset
-        elif whence == 2:
-            new = self.size + offset
-        else:
-            raise ValueError(f"invalid whence {whence}")
-        if new < 0:
-            raise ValueError(f"negative seek position {new}")
-        self.pos = new
-        self.size = max(self.size, new)
-        return new
-
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        pass
-
-    def writable(self) -> bool:
-        return True
-
-    def read_at(self, offset: int, length: int) -> bytes:
-        """Recorded bytes of ``[offset, offset+length)``; holes read as zeros."""
-        end = min(offset + length, self.size)
-        if end <= offset:
-            return b""
-        out = bytearray(end - offset)
-        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
-        while i < len(self.segments):
-            f, b, n = self.segments[i]
-            if f >= end:
-                break
-            lo, hi = max(f, offset), min(f + n, end)
-            if lo < hi:
-                out[lo - offset : hi - offset] = self.blob[b + lo - f : b + hi - f]
-            i += 1
-        return bytes(out)
+#: Exact types that are never storages (torch's persistent_id returns None for them).
+_PLAIN_TYPES = frozenset(
+    {str, bytes, int, float, bool, type(None), tuple, list, dict, collections.OrderedDict, torch.Size, torch.dtype, torch.device}
+)
 
 
-def _capture_module(found: dict[str, torch.UntypedStorage]) -> Any:
+def _capture_module(found: dict[str, torch.UntypedStorage], on_new: Optional[Any] = None) -> Any:
     """A pickle module for ``torch.save`` whose Pickler records key -> storage.
 
     torch's ``_save`` subclasses ``pickle_module.Pickler`` and overrides
@@ -128,12 +60,22 @@ def _capture_module(found: dict[str, torch.UntypedStorage]) -> Any:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             inner = self.persistent_id
+            plain = _PLAIN_TYPES
 
             def persistent_id(obj: Any) -> Any:
+                # torch's persistent_id answers None for everything but storages; the
+                # pickler asks about every object (~20 per tensor), so skip the
+                # Python frames for the types that dominate a state dict.
+                if type(obj) in plain:
+                    return None
                 pid = inner(obj)
                 if pid is not None and type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
                     storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
-                    found[str(pid[2])] = storage
+                    key = str(pid[2])
+                    if on_new is not None and key not in found:
+                        found[key] = storage
+                        on_new(key, storage)
+                    found[key] = storage
                 return pid
 
             pickle.Pickler.persistent_id.__set__(self, persistent_id)  # type: ignore[attr-defined]
@@ -165,10 +107,12 @@ def _record_key(name: str) -> Optional[str]:
 def plan_torch(obj: Any, alignment: int) -> WritePlan:
     """Lay out ``obj`` as a torch zip file whose storages start at multiples of ``alignment``.
 
-    Returns a :class:`WritePlan` with one CRC slot per non-empty storage record
-    (``slot_names`` are the record names) and patches filling those CRCs in the
-    data descriptors and the central directory. Metadata records (pickle,
-    version, ...) carry the CRCs torch's writer computed.
+    The layout is the streaming one of :mod:`fastpersist.formats.torchstream`
+    (storage records first, then ``data.pkl`` and the small records), as one
+    batch: one CRC slot per non-empty storage record (``slot_names`` are the
+    record names) and patches filling those CRCs in the data descriptors and the
+    central directory. ``fastpersist.save`` streams the same layout while
+    pickling instead of planning it whole.
 
     Raises:
         UnsupportedLayoutError: the object contains something ``skip_data`` cannot
@@ -176,85 +120,80 @@ def plan_torch(obj: Any, alignment: int) -> WritePlan:
             layout this planner does not understand; callers fall back to torch's writer.
         Anything ``torch.save`` raises for the object (unpicklable values, ...).
     """
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"alignment must be a power of two, got {alignment}")
-    from torch.utils.serialization import config as tconfig
+    from fastpersist.formats.torchstream import stream_torch
 
-    found: dict[str, torch.UntypedStorage] = {}
-    rec = _Recorder()
-    with _CONFIG_LOCK:
-        with tconfig.patch({"save.storage_alignment": alignment, "save.compute_crc32": True}):
-            with torch.serialization.skip_data():
-                try:
-                    torch.serialization.save(obj, rec, pickle_module=_capture_module(found))
-                except RuntimeError as e:
-                    if "skip_data" in str(e):
-                        raise UnsupportedLayoutError(str(e)) from e
-                    raise
-    return _plan_from_recording(rec, found, alignment)
-
-
-def _plan_from_recording(rec: _Recorder, found: dict[str, torch.UntypedStorage], alignment: int) -> WritePlan:
-    index = parse_zip_index(rec.read_at, rec.size, "<torch.save recording>")
-    payloads: list[tuple[int, int, str, torch.UntypedStorage]] = []  # offset, nbytes, name, storage
-    seen: set[str] = set()
-    for e in index.entries:
-        key = _record_key(e.name)
-        if key is None:
-            continue
-        if key not in found:
-            raise UnsupportedLayoutError(f"record {e.name} has no captured storage")
-        storage = found[key]
-        seen.add(key)
-        if e.method != 0 or e.compressed_size != storage.nbytes():
-            raise UnsupportedLayoutError(f"record {e.name}: {e.compressed_size} bytes, storage has {storage.nbytes()}")
-        if e.compressed_size and e.data_offset % alignment:
-            raise UnsupportedLayoutError(f"record {e.name} at {e.data_offset} is not {alignment}-aligned")
-        if e.compressed_size:
-            if e.descriptor_offset is None:
-                raise UnsupportedLayoutError(f"record {e.name} has no data descriptor for its CRC")
-            payloads.append((e.data_offset, e.compressed_size, e.name, storage))
-    if seen != set(found):
-        raise UnsupportedLayoutError(f"storages without records: {sorted(set(found) - seen)}")
-    payloads.sort(key=lambda p: p[0])
-
-    # The holes of the recording must be exactly the non-empty payloads.
-    holes = []
-    end = 0
-    for f, _b, n in rec.segments:
-        if f > end:
-            holes.append((end, f - end))
-        end = f + n
-    if end < rec.size:
-        holes.append((end, rec.size - end))
-    if holes != [(p[0], p[1]) for p in payloads]:
-        raise UnsupportedLayoutError("the skipped ranges of torch's writer do not match the storage records")
-
-    keepalive: list[Any] = []
-    blob_t = torch.frombuffer(rec.blob, dtype=torch.uint8)
-    keepalive += [rec.blob, blob_t]
-    base = blob_t.data_ptr()
-    extents: list[tuple[int, int, int, int]] = [(f, base + b, n, -1) for f, b, n in rec.segments]
-    patches: list[tuple[int, int, int]] = []
-    names: list[str] = []
-    by_name = index.by_name
-    for slot, (off, n, name, storage) in enumerate(payloads):
-        keepalive.append(storage)
-        extents.append((off, _host_bytes(storage, keepalive), n, slot))
-        entry = by_name[name]
-        patches.append((entry.cd_crc_offset, slot, PATCH_U32LE))
-        patches.append((entry.descriptor_crc_offset, slot, PATCH_U32LE))  # type: ignore[arg-type]
-        names.append(name)
-    extents.sort(key=lambda x: x[0])
-    patches.sort(key=lambda x: x[0])
+    batches: list[Any] = []
+    result = _run_stream(obj, alignment, batches.append, 0, stream_torch)
+    (b,) = batches
+    names = [result.names[k] for k in b.payloads]
     return WritePlan(
-        extents=extents,
-        patches=patches,
-        nslots=len(payloads),
-        file_size=rec.size,
-        keepalive=keepalive,
+        extents=b.extents,
+        patches=b.patches,
+        nslots=len(b.payloads),
+        file_size=result.file_size,
+        keepalive=result.keepalive,
         slot_names=names,
     )
+
+
+def _run_stream(obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any = dict) -> Any:
+    """``stream_torch`` with this module's capture pickler and host staging."""
+    try:
+        return stream(
+            obj,
+            alignment,
+            emit,
+            batch_bytes=batch_bytes,
+            host_bytes=_host_bytes,
+            capture_module=lambda on_new: _capture_module({}, on_new),
+            crcs_before_final=crcs,
+        )
+    except RuntimeError as e:
+        if "skip_data" in str(e):
+            raise UnsupportedLayoutError(str(e)) from e
+        raise
+
+
+def stream_save_torch(obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool, batch_bytes: int) -> None:
+    """Write ``obj`` to ``path`` in torch's zip format while it is being pickled.
+
+    Batches of ``batch_bytes`` go to the native writer asynchronously as soon as
+    pickling has laid them out (see :mod:`fastpersist.formats.torchstream`), so
+    torch's per-tensor pickling overlaps the disk writes. ``handle`` must not be
+    shared with other work (its ``wait`` collects every op). The file at ``path``
+    is created/truncated first; ``fsync`` syncs it at the end.
+    """
+    from fastpersist.formats.torchstream import stream_torch
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    os.close(fd)
+    submitted: list[tuple[int, list[int]]] = []  # (op id, payload index per slot)
+    crcs: dict[int, int] = {}
+
+    def collect() -> dict[int, int]:
+        done = dict(handle.wait())
+        for op, slots in submitted:
+            for slot, crc in enumerate(done.get(op, [])):
+                crcs[slots[slot]] = crc
+        submitted.clear()
+        return crcs
+
+    def emit(batch: Any) -> None:
+        if batch.final:
+            handle.write(path, batch.extents, batch.patches, len(batch.payloads), truncate=False, fsync=fsync)
+        else:
+            op = handle.submit_write(path, batch.extents, batch.patches, len(batch.payloads), truncate=False)
+            submitted.append((op, batch.payloads))
+
+    try:
+        result = _run_stream(obj, alignment, emit, batch_bytes, stream_torch, collect)
+        del result
+    finally:
+        if handle.pending():
+            try:
+                handle.wait()
+            except OSError:
+                pass  # the exception already propagating is the one to report
 
 
 # --------------------------------------------------------------------------- reading

@@ -177,12 +177,8 @@ def _descriptor(
     raise _fail(path, at, "data descriptor does not match the sizes in the central directory")
 
 
-def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIndex:
-    """Parse the index of a zip archive of ``size`` bytes readable through ``read_at``.
-
-    Raises:
-        ZipFormatError: the bytes are not a consistent zip archive (names the path and offset).
-    """
+def _locate_central_directory(read_at: ReadAt, size: int, path: str) -> tuple[int, int, int, int, bool]:
+    """``(cd_offset, cd_size, entries, eocd_offset, zip64)`` from the (zip64) end records."""
     eocd_off, tail = _find_eocd(read_at, size, path)
     tail_start = size - len(tail)
     (_, disk, cd_disk, n_disk, n_total, cd_size, cd_off, _clen) = _EOCD.unpack_from(tail, eocd_off - tail_start)
@@ -205,6 +201,35 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
         raise _fail(
             path, eocd_off, f"central directory [{cd_off}, {cd_off + cd_size}) lies past the end of file ({size} bytes)"
         )
+    return cd_off, cd_size, n_total, eocd_off, zip64
+
+
+def central_directory_names(read_at: ReadAt, size: int, path: str = "<buffer>") -> list[tuple[str, int]]:
+    """``(name, central directory entry offset)`` of every entry, reading only the
+    end records and the central directory (no local headers): cheap for archives
+    of many records. The CRC-32 field of an entry is at ``offset + CD_CRC_FIELD``."""
+    cd_off, cd_size, n_total, _eocd, _z = _locate_central_directory(read_at, size, path)
+    cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
+    out: list[tuple[str, int]] = []
+    pos = 0
+    for _ in range(n_total):
+        if pos + _CD.size > len(cd) or cd[pos : pos + 4] != _CD_SIG:
+            raise _fail(path, cd_off + pos, "bad central directory entry signature")
+        flags = struct.unpack_from("<H", cd, pos + 8)[0]
+        nlen, xlen, clen = struct.unpack_from("<3H", cd, pos + 28)
+        name = cd[pos + 46 : pos + 46 + nlen].decode("utf-8" if flags & 0x0800 else "cp437")
+        out.append((name, cd_off + pos))
+        pos += 46 + nlen + xlen + clen
+    return out
+
+
+def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIndex:
+    """Parse the index of a zip archive of ``size`` bytes readable through ``read_at``.
+
+    Raises:
+        ZipFormatError: the bytes are not a consistent zip archive (names the path and offset).
+    """
+    cd_off, cd_size, n_total, eocd_off, zip64 = _locate_central_directory(read_at, size, path)
     cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
 
     entries: list[ZipEntry] = []

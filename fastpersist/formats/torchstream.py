@@ -1,0 +1,313 @@
+"""Streaming layout of the torch zip format: storages are written while torch pickles.
+
+``torch.save`` pickles the whole object before it writes any record, and the
+offsets of the storage records depend on the pickle's length, so with torch's
+record order no payload byte could be written before pickling ends. For states of
+many small tensors, pickling (torch's per-tensor Python work) costs as much as
+writing the bytes. This module runs torch's own ``_save`` with a proxy zip writer:
+
+* the moment torch's ``persistent_id`` first names a storage (key ``0``, ``1``,
+  ...), the record ``data/KEY`` is emitted through torch's own
+  ``PyTorchFileWriter`` (miniz: local header, alignment padding, payload hole,
+  data descriptor) into a :class:`BlockRecorder`, and the file written so far can be
+  handed to the native writer in batches while pickling goes on;
+* when pickling ends, ``data.pkl`` and the small records follow through the same
+  writer, then its end of file (``version``, ``serialization_id``, central
+  directory).
+
+Every byte is produced by torch's serializer and zip writer; only the record order
+differs from ``torch.save`` (storages first, in key order, each aligned). Readers
+find records through the central directory, so stock ``torch.load`` (also with
+``mmap=True`` and ``calculate_storage_offsets``) reads the file.
+
+Payload CRCs are filled by native patches: the data descriptor of a payload lies in
+the same batch as the payload (batches are cut at payload starts), and the central
+directory entries are patched in the last batch (with values from earlier batches
+written directly).
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from fastpersist.errors import UnsupportedLayoutError
+from fastpersist.formats.base import PATCH_U32LE
+from fastpersist.formats.zipindex import CD_CRC_FIELD, central_directory_names
+
+_DESCRIPTOR_SIG = b"PK\x07\x08"
+_CONFIG_LOCK = threading.RLock()
+_BLOCK = 1 << 20
+
+
+class BlockRecorder:
+    """File-like sink for torch's zip writer whose bytes never move.
+
+    Written bytes land in fixed blocks (each wrapped once as a tensor, so their
+    addresses can be handed to the native writer while more is recorded);
+    forward seeks leave holes (the payloads). Only forward writes are accepted.
+    """
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.blocks: list[Any] = []  # (bytearray, tensor) pairs: keep alive
+        self._cur: Optional[bytearray] = None
+        self._cur_ptr = 0
+        self._used = 0
+        self._cap = 0
+        #: written runs in file order: [file_offset, ptr, length, block_index, block_offset]
+        self.runs: list[list[int]] = []
+        self._starts: list[int] = []
+        self.last_hole: Optional[tuple[int, int]] = None
+
+    def _room(self, n: int) -> None:
+        if self._cur is None or self._used + n > self._cap:
+            cap = max(_BLOCK, n)
+            ba = bytearray(cap)
+            t = torch.frombuffer(ba, dtype=torch.uint8)
+            self.blocks.append((ba, t))
+            self._cur, self._cur_ptr, self._used, self._cap = ba, t.data_ptr(), 0, cap
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        if n == 0:
+            return 0
+        self._room(n)
+        assert self._cur is not None
+        self._cur[self._used : self._used + n] = mv
+        ptr = self._cur_ptr + self._used
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last[0] + last[2] == self.pos and last[1] + last[2] == ptr:
+            last[2] += n
+        else:
+            self.runs.append([self.pos, ptr, n, len(self.blocks) - 1, self._used])
+            self._starts.append(self.pos)
+        self._used += n
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        new = offset if whence == 0 else self.pos + offset if whence == 1 else None
+        if new is None or new < self.pos:
+            raise UnsupportedLayoutError(f"torch's zip writer moved backwards or seeked from the end ({offset}, {whence})")
+        if new > self.pos:
+            self.last_hole = (self.pos, new - self.pos)
+        self.pos = new
+        return new
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def _locate(self, offset: int) -> list[int]:
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset >= self.runs[i][0] + self.runs[i][2]:
+            raise UnsupportedLayoutError(f"offset {offset} is not in a recorded run")
+        return self.runs[i]
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """Recorded bytes of ``[offset, offset+length)``; holes read as zeros."""
+        end = min(offset + length, self.pos)
+        if end <= offset:
+            return b""
+        out = bytearray(end - offset)
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self.runs) and self.runs[i][0] < end:
+            f, _ptr, n, bi, bo = self.runs[i]
+            lo, hi = max(f, offset), min(f + n, end)
+            if lo < hi:
+                ba = self.blocks[bi][0]
+                out[lo - offset : hi - offset] = ba[bo + lo - f : bo + hi - f]
+            i += 1
+        return bytes(out)
+
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrite recorded bytes in place (before they are handed out)."""
+        while data:
+            run = self._locate(offset)
+            ba = self.blocks[run[3]][0]
+            start = run[4] + (offset - run[0])
+            n = min(len(data), run[0] + run[2] - offset)
+            ba[start : start + n] = data[:n]
+            offset += n
+            data = data[n:]
+
+
+@dataclass
+class _Payload:
+    name: str
+    offset: int
+    nbytes: int
+    ptr: int
+    crc_field: int  # data descriptor CRC field
+
+
+@dataclass
+class Batch:
+    """One contiguous byte range of the file, ready for ``Handle.write``/``submit_write``."""
+
+    start: int
+    end: int
+    extents: list[tuple[int, int, int, int]]
+    patches: list[tuple[int, int, int]]
+    payloads: list[int]  # payload index of each crc slot
+    final: bool
+
+
+@dataclass
+class StreamResult:
+    """What the stream produced: payload names and the final file size."""
+
+    file_size: int
+    names: list[str] = field(default_factory=list)
+    keepalive: list[Any] = field(default_factory=list)
+
+
+def _save_signature_ok() -> bool:
+    fn = getattr(torch.serialization, "_save", None)
+    if fn is None:
+        return False
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return params[:5] == ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
+
+
+class _ZipProxy:
+    """What torch's ``_save`` writes through: everything goes to the real writer,
+    except storage records, which were emitted already when first pickled."""
+
+    def __init__(self, writer: Any, emitted: set[str]) -> None:
+        self._writer = writer
+        self._emitted = emitted
+
+    def write_record(self, name: str, data: Any, nbytes: int) -> None:
+        self._writer.write_record(name, data, nbytes)
+
+    def write_record_metadata(self, name: str, nbytes: int) -> None:
+        if name not in self._emitted:
+            raise UnsupportedLayoutError(f"torch wrote storage record {name} that pickling never named")
+
+
+def stream_torch(
+    obj: Any,
+    alignment: int,
+    emit: Callable[[Batch], None],
+    *,
+    batch_bytes: int = 0,
+    host_bytes: Callable[[torch.UntypedStorage, list[Any]], int],
+    capture_module: Callable[..., Any],
+    crcs_before_final: Callable[[], dict[int, int]] = dict,
+) -> StreamResult:
+    """Serialize ``obj`` with torch's ``_save``, emitting batches of the file as it grows.
+
+    ``emit`` receives each :class:`Batch` in file order. With ``batch_bytes`` > 0 a
+    batch is cut (at an aligned payload start) whenever that many bytes are
+    pending; 0 means one final batch. Before the final batch,
+    ``crcs_before_final()`` must return the CRC of every payload emitted in earlier
+    batches (payload index -> crc): they go straight into the central directory.
+    """
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    if not _save_signature_ok():
+        raise UnsupportedLayoutError("torch.serialization._save has an unknown signature")
+    rec = BlockRecorder()
+    writer = torch._C.PyTorchFileWriter(rec, True, alignment)
+    payloads: list[_Payload] = []
+    emitted: set[str] = set()
+    result = StreamResult(file_size=0)
+    keepalive = result.keepalive
+    keepalive.append(rec)
+    state = {"start": 0, "first_payload": 0}
+
+    def cut(end: int, final: bool, cd_fields: Optional[dict[str, int]] = None) -> None:
+        start = state["start"]
+        if end <= start and not final:
+            return
+        extents: list[tuple[int, int, int, int]] = []
+        patches: list[tuple[int, int, int]] = []
+        slots: list[int] = []
+        runs = rec.runs
+        i = max(0, bisect.bisect_right(rec._starts, start) - 1)
+        while i < len(runs) and runs[i][0] < end:
+            f, ptr, n = runs[i][0], runs[i][1], runs[i][2]
+            lo, hi = max(f, start), min(f + n, end)
+            if lo < hi:
+                extents.append((lo, ptr + (lo - f), hi - lo, -1))
+            i += 1
+        k = state["first_payload"]
+        while k < len(payloads) and payloads[k].offset < end:
+            p = payloads[k]
+            slot = len(slots)
+            slots.append(k)
+            extents.append((p.offset, p.ptr, p.nbytes, slot))
+            patches.append((p.crc_field, slot, PATCH_U32LE))
+            if cd_fields is not None:
+                patches.append((cd_fields[p.name], slot, PATCH_U32LE))
+            k += 1
+        state["first_payload"] = k
+        extents.sort(key=lambda e: e[0])
+        patches.sort(key=lambda q: q[0])
+        emit(Batch(start=start, end=end, extents=extents, patches=patches, payloads=slots, final=final))
+        state["start"] = end
+
+    def on_storage(key: str, storage: torch.UntypedStorage) -> None:
+        name = f"data/{key}"
+        if name in emitted:
+            return
+        emitted.add(name)
+        n = storage.nbytes()
+        rec.last_hole = None
+        writer.write_record_metadata(name, n)
+        if n == 0:
+            return
+        hole = rec.last_hole
+        if hole is None or hole[1] != n or hole[0] % alignment:
+            raise UnsupportedLayoutError(f"record {name}: unexpected layout from torch's writer ({hole}, {n} bytes)")
+        off = hole[0]
+        if rec.read_at(off + n, 4) != _DESCRIPTOR_SIG:
+            raise UnsupportedLayoutError(f"record {name}: no data descriptor after the payload")
+        keepalive.append(storage)
+        payloads.append(_Payload(name, off, n, host_bytes(storage, keepalive), off + n + 4))
+        if batch_bytes and off - state["start"] >= batch_bytes:
+            cut(off, final=False)  # everything before this payload is final
+
+    from torch.utils.serialization import config as tconfig
+
+    module = capture_module(on_storage)
+    # _save records ".storage_alignment" from torch's (process-wide) config: it
+    # must say what our writer does, or torch.load's calculate_storage_offsets
+    # mode would compute wrong offsets. Planners take turns on the config.
+    with _CONFIG_LOCK, tconfig.patch({"save.storage_alignment": alignment}), torch.serialization.skip_data():
+        torch.serialization._save(obj, _ZipProxy(writer, emitted), module, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+    # Central directory CRCs: values of earlier batches now, patches for the rest.
+    cd_fields: dict[str, int] = {}
+    full_names: dict[str, str] = {}
+    for full, entry_off in central_directory_names(rec.read_at, rec.pos, "<torch.save stream>"):
+        short = full.split("/", 1)[1] if "/" in full else full  # torch prefixes "archive/"
+        cd_fields[short] = entry_off + CD_CRC_FIELD
+        full_names[short] = full
+    first_final = state["first_payload"]
+    if first_final:
+        known = crcs_before_final()
+        for k in range(first_final):
+            rec.patch(cd_fields[payloads[k].name], struct.pack("<L", known[k]))
+    cut(rec.pos, final=True, cd_fields=cd_fields)
+    result.file_size = rec.pos
+    result.names = [full_names[p.name] for p in payloads]
+    return result
