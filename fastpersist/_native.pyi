@@ -130,6 +130,9 @@ class Handle:
         raises the first failure (after all have finished) and forgets the rest."""
     def pending(self) -> int:
         """Number of submitted ops not yet collected by ``wait``."""
+    def crc32_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[int]:
+        """CRC-32 of each ``(ptr, length)`` host range, computed on the handle's
+        threads (large ranges split and combined). GIL released."""
 
 class PinnedBuffer:
     """Page-aligned host memory, mlock'ed when possible (page-locked on CPU-only

@@ -33,7 +33,7 @@ T = TypeVar("T")
 
 FORMATS = ("torch", "safetensors")
 #: Bytes laid out before a batch goes to the disk while torch is still pickling.
-_STREAM_BATCH = 32 << 20
+_STREAM_BATCH = 256 << 20
 _TRUE = ("1", "y", "yes", "true")
 
 _handles: dict[tuple, Any] = {}

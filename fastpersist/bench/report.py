@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import json
 import math
 import sys
@@ -183,12 +184,19 @@ def print_io_report(result: IOBenchResult, out: Optional[TextIO] = None) -> None
         print(f"Note       : {note}", file=out)
 
 
+def _parent_dir(path: str) -> None:
+    """Create the folder a result file goes into (``--json out/x.json`` on a fresh checkout)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+
+
 def write_json(data: dict[str, Any], path: str) -> None:
     """Write ``data`` as indented JSON to ``path`` (``-`` for standard output)."""
     text = json.dumps(data, indent=2, sort_keys=False, default=str)
     if path == "-":
         sys.stdout.write(text + "\n")
         return
+    _parent_dir(path)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text + "\n")
 
@@ -224,6 +232,7 @@ def plot_save(result: SaveBenchResult, path: str) -> None:
     ax.legend(fontsize=8, loc="best")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
+    _parent_dir(path)
     fig.savefig(path, format="png", dpi=120)
     plt.close(fig)
 
@@ -262,5 +271,6 @@ def plot_io(result: IOBenchResult, path: str) -> None:
     ax.legend(fontsize=8, loc="best")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
+    _parent_dir(path)
     fig.savefig(path, format="png", dpi=120)
     plt.close(fig)

@@ -385,6 +385,7 @@ def _measure(
     """One durable save and one cold load of ``method``; errors go into ``res.error``."""
     target = os.path.join(workdir, method.target_name)
     remove_path(target)
+    os.sync()  # let the filesystem finish freeing the previous run's blocks outside the timing
     try:
         t0 = time.perf_counter()
         method.save(obj, target)

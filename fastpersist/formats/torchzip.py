@@ -328,24 +328,30 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
     """
     from fastpersist import _native
 
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        index = parse_zip_index(fd_reader(fd), size, path)
-    finally:
-        os.close(fd)
+    # One bulk read first, then the index from memory: parsing the local headers
+    # through the page cache would cost two small reads per record on a cold file.
+    size = os.stat(path).st_size
     try:
         align = max(4096, _native.alignment_of(path))
     except OSError:
         align = 4096
     buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, lock)
-    extents, names = _read_extents(index, buf.ptr, checksum)
-    crcs = _native_read(handle, path, extents, len(names))
+    if size:
+        _native_read(handle, path, [(0, buf.ptr, size, -1)], 0)
+    view = memoryview(buf).cast("B")[:size]
+    index = parse_zip_index(buffer_reader(view), size, path)
+    names: list[str] = []
+    crcs: list[int] = []
+    if checksum:
+        records = [e for e in index.entries if e.compressed_size > 0]
+        names = [e.name for e in records]
+        crcs = handle.crc32_ranges([(buf.ptr + e.data_offset, e.compressed_size) for e in records])
     problems = _crc_problems(index, names, crcs)
     if problems:
         raise ChecksumError(
             f"{path}: {len(problems)} record(s) do not match their checksum (the file is corrupt; "
-            f"restore it from a good copy): " + "; ".join(problems),
+            f"restore it from a good copy): " + "; ".join(problems[:5])
+            + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""),
             path=path,
             records=[p.split(":", 1)[0] for p in problems],
         )

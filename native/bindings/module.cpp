@@ -233,7 +233,21 @@ NB_MODULE(_native, m) {
             nb::gil_scoped_release r;
             return h.wait();
           })
-      .def("pending", &Handle::pending);
+      .def("pending", &Handle::pending)
+      .def(
+          "crc32_ranges",
+          [](Handle& h, nb::handle ranges) {
+            FastSeq s(ranges, "ranges must be a sequence of (ptr, length) tuples");
+            std::vector<std::pair<uint64_t, uint64_t>> v(static_cast<size_t>(s.size()));
+            for (Py_ssize_t i = 0; i < s.size(); ++i) {
+              FastSeq t(s[i], "each range must be a (ptr, length) tuple");
+              if (t.size() != 2) throw ArgError("each range must be a (ptr, length) tuple");
+              v[static_cast<size_t>(i)] = {as_u64(t[0], "ptr"), as_u64(t[1], "length")};
+            }
+            nb::gil_scoped_release r;
+            return h.crc32_ranges(v);
+          },
+          nb::arg("ranges"));
 
   nb::class_<PinnedBuffer>(m, "PinnedBuffer", nb::type_slots(pinned_slots))
       .def(nb::init<size_t, size_t, bool>(), nb::arg("nbytes"), nb::arg("alignment") = 4096,

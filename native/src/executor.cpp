@@ -1,6 +1,7 @@
 #include "fastpersist/executor.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -27,6 +28,19 @@ char* alloc_aligned(size_t n) {
   void* p = nullptr;
   if (::posix_memalign(&p, 4096, n ? align_up(n, 4096) : 4096) != 0) throw std::bad_alloc();
   return static_cast<char*>(p);
+}
+
+// Copy n bytes and return the CRC of the copy, in L2-sized steps so the CRC
+// reads bytes the copy just brought into cache instead of memory again.
+uint32_t copy_crc(char* dst, const char* src, size_t n, bool want_crc) {
+  constexpr size_t kStep = 256u << 10;
+  uint32_t c = 0;
+  for (size_t o = 0; o < n; o += kStep) {
+    size_t k = std::min(kStep, n - o);
+    std::memcpy(dst + o, src + o, k);
+    if (want_crc) c = crc32(c, dst + o, k);
+  }
+  return c;
 }
 
 struct Piece {
@@ -81,8 +95,40 @@ size_t chunk_of(const std::vector<C>& chunks, uint64_t b) {
 
 }  // namespace
 
+namespace {
+constexpr size_t kHugePage = size_t(2) << 20;
+bool huge_backed(size_t n) { return n % kHugePage == 0; }
+
+// Staging buffers that are whole 2 MiB multiples come from mmap with
+// transparent huge pages: the kernel pins them for O_DIRECT 512 times
+// cheaper than 4 KiB pages.
+char* alloc_staging(size_t n) {
+  if (!huge_backed(n)) return alloc_aligned(n);
+  void* m = ::mmap(nullptr, n + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) throw std::bad_alloc();
+  uintptr_t base = reinterpret_cast<uintptr_t>(m);
+  uintptr_t a = (base + kHugePage - 1) / kHugePage * kHugePage;
+  // Return the unaligned head and tail to the kernel so only [a, a+n) stays mapped.
+  if (a > base) ::munmap(m, a - base);
+  if (base + n + kHugePage > a + n) ::munmap(reinterpret_cast<void*>(a + n), base + n + kHugePage - (a + n));
+#ifdef MADV_HUGEPAGE
+  ::madvise(reinterpret_cast<void*>(a), n, MADV_HUGEPAGE);
+#endif
+  return reinterpret_cast<char*>(a);
+}
+
+void free_staging(char* p, size_t n) {
+  if (!p) return;
+  if (huge_backed(n)) {
+    ::munmap(p, n);
+  } else {
+    std::free(p);
+  }
+}
+}  // namespace
+
 BufferCache::~BufferCache() {
-  for (char* p : free_) std::free(p);
+  for (char* p : free_) free_staging(p, size_);
 }
 
 char* BufferCache::acquire() {
@@ -94,7 +140,7 @@ char* BufferCache::acquire() {
       return p;
     }
   }
-  return alloc_aligned(size_);
+  return alloc_staging(size_);
 }
 
 void BufferCache::release(char* p) {
@@ -103,7 +149,7 @@ void BufferCache::release(char* p) {
   if (free_.size() < 64) {
     free_.push_back(p);
   } else {
-    std::free(p);
+    free_staging(p, size_);
   }
 }
 
@@ -253,8 +299,9 @@ ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
           uint64_t lo = std::max(e.off, c.off), hi = std::min(e.off + e.len, c.off + c.len);
           if (lo >= hi) continue;
           char* dst = c.ring + (lo - c.off);
-          std::memcpy(dst, reinterpret_cast<const char*>(e.ptr) + (lo - e.off), hi - lo);
-          if (e.slot >= 0) pieces.push_back({lo, hi - lo, crc32(0, dst, hi - lo), e.slot});
+          uint32_t piece_crc =
+              copy_crc(dst, reinterpret_cast<const char*>(e.ptr) + (lo - e.off), hi - lo, e.slot >= 0);
+          if (e.slot >= 0) pieces.push_back({lo, hi - lo, piece_crc, e.slot});
         }
         c.data = c.ring;
       }

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <new>
 
+#include "fastpersist/crc32.hpp"
 #include "fastpersist/cuda_rt.hpp"
 #include "fastpersist/error.hpp"
 
@@ -138,6 +139,38 @@ std::vector<std::pair<uint64_t, std::vector<uint32_t>>> Handle::wait() {
     if (a->err) std::rethrow_exception(a->err);
     out.emplace_back(a->id, std::move(a->crcs));
   }
+  return out;
+}
+
+std::vector<uint32_t> Handle::crc32_ranges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges) {
+  // Pieces of at most 4 MiB so large ranges spread over the threads too.
+  constexpr uint64_t kPiece = 4u << 20;
+  struct Piece {
+    size_t range;
+    uint64_t off, len;
+    uint32_t crc;
+  };
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    for (uint64_t o = 0; o < ranges[i].second; o += kPiece) {
+      pieces.push_back({i, o, std::min(kPiece, ranges[i].second - o), 0});
+    }
+  }
+  TaskGroup tasks;
+  const size_t nt = std::max<size_t>(1, pool_.size());
+  for (size_t t = 0; t < nt; ++t) {
+    tasks.add();
+    pool_.submit([&, t] {
+      for (size_t k = t; k < pieces.size(); k += nt) {
+        Piece& p = pieces[k];
+        p.crc = crc32(0, reinterpret_cast<const char*>(ranges[p.range].first) + p.off, p.len);
+      }
+      tasks.done();
+    });
+  }
+  tasks.wait_all();
+  std::vector<uint32_t> out(ranges.size(), 0);
+  for (const Piece& p : pieces) out[p.range] = crc32_combine(out[p.range], p.crc, p.len);
   return out;
 }
 

@@ -44,6 +44,8 @@ class Handle {
   uint64_t submit(OpSpec op);                   // asynchronous
   std::vector<std::pair<uint64_t, std::vector<uint32_t>>> wait();
   size_t pending();
+  // CRC-32 of each (ptr, len) host range, spread over the worker pool.
+  std::vector<uint32_t> crc32_ranges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
 
   const std::string& engine() const { return opt_.engine; }
   size_t chunk_size() const { return opt_.chunk_size; }
