@@ -30,7 +30,7 @@ import torch
 
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats.base import WritePlan
-from fastpersist.formats.zipindex import ZipIndex, buffer_reader, fd_reader, parse_zip_index
+from fastpersist.formats.zipindex import ZipIndex, buffer_reader, fd_reader, parse_zip_index, read_central_directory
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +262,31 @@ def _native_read(handle: Any, path: str, extents: list[tuple[int, int, int, int]
         raise type(e)(e.errno, e.strerror or str(e), path) from e
 
 
+def _predict_records(fd: int, size: int, path: str) -> list[tuple[str, int, int]]:
+    """``(name, data_offset, length)`` of every non-empty record, in file order, from
+    the central directory alone: records lie back to back, so a record's bytes end
+    where the next local header (or the central directory) starts, less its data
+    descriptor. Empty list when the end of the file does not parse (the full parse
+    reports why)."""
+    try:
+        cd_off, entries = read_central_directory(fd_reader(fd), size, path)
+    except ZipFormatError:
+        return []
+    entries.sort(key=lambda e: e.header_offset)
+    out = []
+    for i, e in enumerate(entries):
+        nxt = entries[i + 1].header_offset if i + 1 < len(entries) else cd_off
+        desc = 0
+        if e.flags & 0x0008:
+            desc = 24 if e.header_offset >= 0xFFFFFFFF or e.compressed_size >= 0xFFFFFFFF else 16
+        off = nxt - desc - e.compressed_size
+        if e.compressed_size > 0:
+            if off < e.header_offset or (out and off < out[-1][1] + out[-1][2]):
+                return []
+            out.append((e.name, off, e.compressed_size))
+    return out
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -328,16 +353,31 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
     """
     from fastpersist import _native
 
-    # One bulk read first, then the index from memory: parsing the local headers
-    # through the page cache would cost two small reads per record on a cold file.
-    size = os.stat(path).st_size
+    # The central directory (one small read at the end) tells where each record's
+    # bytes are, so their CRCs are computed during the one bulk read; the index is
+    # then parsed from memory (parsing local headers through the page cache would
+    # cost two small reads per record on a cold file) and checks the prediction.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        predicted = _predict_records(fd, size, path) if checksum else []
+    finally:
+        os.close(fd)
     try:
         align = max(4096, _native.alignment_of(path))
     except OSError:
         align = 4096
     buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, lock)
-    if size:
-        _native_read(handle, path, [(0, buf.ptr, size, -1)], 0)
+    extents: list[tuple[int, int, int, int]] = []
+    pos = 0
+    for slot, (_name, off, n) in enumerate(predicted):
+        if off > pos:
+            extents.append((pos, buf.ptr + pos, off - pos, -1))
+        extents.append((off, buf.ptr + off, n, slot))
+        pos = off + n
+    if pos < size:
+        extents.append((pos, buf.ptr + pos, size - pos, -1))
+    read_crcs = _native_read(handle, path, extents, len(predicted)) if size else []
     view = memoryview(buf).cast("B")[:size]
     index = parse_zip_index(buffer_reader(view), size, path)
     names: list[str] = []
@@ -345,7 +385,11 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
     if checksum:
         records = [e for e in index.entries if e.compressed_size > 0]
         names = [e.name for e in records]
-        crcs = handle.crc32_ranges([(buf.ptr + e.data_offset, e.compressed_size) for e in records])
+        if [(e.name, e.data_offset, e.compressed_size) for e in records] == sorted(predicted, key=lambda r: r[1]):
+            by_name = {name: crc for (name, _o, _n), crc in zip(predicted, read_crcs)}
+            crcs = [by_name[n] for n in names]
+        else:  # a layout the prediction got wrong: checksum from memory instead
+            crcs = handle.crc32_ranges([(buf.ptr + e.data_offset, e.compressed_size) for e in records])
     problems = _crc_problems(index, names, crcs)
     if problems:
         raise ChecksumError(

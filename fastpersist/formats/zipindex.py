@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Iterator, Callable, Optional
 
 from fastpersist.errors import ZipFormatError
 
@@ -204,35 +204,9 @@ def _locate_central_directory(read_at: ReadAt, size: int, path: str) -> tuple[in
     return cd_off, cd_size, n_total, eocd_off, zip64
 
 
-def central_directory_names(read_at: ReadAt, size: int, path: str = "<buffer>") -> list[tuple[str, int]]:
-    """``(name, central directory entry offset)`` of every entry, reading only the
-    end records and the central directory (no local headers): cheap for archives
-    of many records. The CRC-32 field of an entry is at ``offset + CD_CRC_FIELD``."""
-    cd_off, cd_size, n_total, _eocd, _z = _locate_central_directory(read_at, size, path)
-    cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
-    out: list[tuple[str, int]] = []
-    pos = 0
-    for _ in range(n_total):
-        if pos + _CD.size > len(cd) or cd[pos : pos + 4] != _CD_SIG:
-            raise _fail(path, cd_off + pos, "bad central directory entry signature")
-        flags = struct.unpack_from("<H", cd, pos + 8)[0]
-        nlen, xlen, clen = struct.unpack_from("<3H", cd, pos + 28)
-        name = cd[pos + 46 : pos + 46 + nlen].decode("utf-8" if flags & 0x0800 else "cp437")
-        out.append((name, cd_off + pos))
-        pos += 46 + nlen + xlen + clen
-    return out
-
-
-def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIndex:
-    """Parse the index of a zip archive of ``size`` bytes readable through ``read_at``.
-
-    Raises:
-        ZipFormatError: the bytes are not a consistent zip archive (names the path and offset).
-    """
-    cd_off, cd_size, n_total, eocd_off, zip64 = _locate_central_directory(read_at, size, path)
-    cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
-
-    entries: list[ZipEntry] = []
+def _iter_central_directory(cd: bytes, cd_off: int, n_total: int, path: str) -> Iterator[tuple[int, str, int, int, int, int, int, int]]:
+    """``(pos, name, flags, method, crc, csize, usize, header_offset)`` of each central
+    directory entry (zip64 extra fields applied); ``pos`` is relative to ``cd_off``."""
     pos = 0
     for _ in range(n_total):
         here = cd_off + pos
@@ -251,6 +225,53 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
         big = _zip64_extra(extra, need, path, here)
         usize, csize, hoff = big.get("usize", usize), big.get("csize", csize), big.get("hoff", hoff)
         name = name_b.decode("utf-8" if flags & 0x0800 else "cp437")
+        yield pos, name, flags, method, crc, csize, usize, hoff
+        pos += 46 + nlen + xlen + clen
+
+
+@dataclass
+class CentralEntry:
+    """What the central directory alone says about a record."""
+
+    name: str
+    cd_offset: int
+    header_offset: int
+    compressed_size: int
+    crc32: int
+    flags: int
+
+
+def read_central_directory(read_at: ReadAt, size: int, path: str = "<buffer>") -> tuple[int, list[CentralEntry]]:
+    """``(cd_offset, entries)`` from the end records and the central directory only
+    (no local headers): one small read at the end of a file."""
+    cd_off, cd_size, n_total, _eocd, _z = _locate_central_directory(read_at, size, path)
+    cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
+    return cd_off, [
+        CentralEntry(name, cd_off + pos, hoff, csize, crc, flags)
+        for pos, name, flags, _m, crc, csize, _u, hoff in _iter_central_directory(cd, cd_off, n_total, path)
+    ]
+
+
+def central_directory_names(read_at: ReadAt, size: int, path: str = "<buffer>") -> list[tuple[str, int]]:
+    """``(name, central directory entry offset)`` of every entry, reading only the
+    end records and the central directory (no local headers): cheap for archives
+    of many records. The CRC-32 field of an entry is at ``offset + CD_CRC_FIELD``."""
+    _cd_off, entries = read_central_directory(read_at, size, path)
+    return [(e.name, e.cd_offset) for e in entries]
+
+
+def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIndex:
+    """Parse the index of a zip archive of ``size`` bytes readable through ``read_at``.
+
+    Raises:
+        ZipFormatError: the bytes are not a consistent zip archive (names the path and offset).
+    """
+    cd_off, cd_size, n_total, eocd_off, zip64 = _locate_central_directory(read_at, size, path)
+    cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
+
+    entries: list[ZipEntry] = []
+    for pos, name, flags, method, crc, csize, usize, hoff in _iter_central_directory(cd, cd_off, n_total, path):
+        here = cd_off + pos
         if hoff + _LOCAL.size > cd_off:
             raise _fail(path, here, f"local header of {name!r} at {hoff} lies past the central directory")
         local = _read_exact(read_at, path, hoff, _LOCAL.size, f"local header of {name!r}")
@@ -286,7 +307,6 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
                 crc_field_offsets=crc_fields,
             )
         )
-        pos += 46 + nlen + xlen + clen
     return ZipIndex(
         path=path,
         file_size=size,

@@ -460,6 +460,21 @@ struct RChunk {
 
 constexpr uint64_t kMaxGap = 1u << 20;  // read through gaps up to this size
 
+// Whether [lo, hi) is covered, without gaps, by extents starting at index k
+// whose memory is one contiguous range (ptr - off constant): then the file
+// bytes can land directly in the destination, even across extent (record)
+// boundaries.
+bool maps_contiguously(const std::vector<Extent>& ext, size_t k, uint64_t lo, uint64_t hi) {
+  if (k >= ext.size() || ext[k].off > lo || !ext[k].ptr) return false;
+  const uint64_t delta = ext[k].ptr - ext[k].off;
+  uint64_t covered = ext[k].off + ext[k].len;
+  for (size_t i = k + 1; covered < hi; ++i) {
+    if (i >= ext.size() || ext[i].off != covered || !ext[i].ptr || ext[i].ptr - ext[i].off != delta) return false;
+    covered += ext[i].len;
+  }
+  return true;
+}
+
 }  // namespace
 
 ExecResult execute_read(const File& f, const std::vector<Extent>& extents, int nslots,
@@ -500,10 +515,8 @@ ExecResult execute_read(const File& f, const std::vector<Extent>& extents, int n
       c.need_end = std::min<uint64_t>(o + c.len, re);
       while (k < j && extents[k].off + extents[k].len <= o) ++k;
       c.ext_begin = k;
-      const Extent& e = extents[k];
-      if (e.ptr && e.off <= o && o + c.len <= e.off + e.len) {
-        c.zero_copy = sys::aligned(e.ptr + (o - e.off), a);
-      }
+      c.zero_copy = maps_contiguously(extents, k, o, o + c.len) &&
+                    sys::aligned(extents[k].ptr + (o - extents[k].off), a);
       chunks.push_back(c);
     }
     i = j;
