@@ -22,6 +22,7 @@ import inspect
 import logging
 import os
 import pickle
+import struct
 import types
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -262,28 +263,24 @@ def _native_read(handle: Any, path: str, extents: list[tuple[int, int, int, int]
         raise type(e)(e.errno, e.strerror or str(e), path) from e
 
 
-def _predict_records(fd: int, size: int, path: str) -> list[tuple[str, int, int]]:
-    """``(name, data_offset, length)`` of every non-empty record, in file order, from
-    the central directory alone: records lie back to back, so a record's bytes end
-    where the next local header (or the central directory) starts, less its data
-    descriptor. Empty list when the end of the file does not parse (the full parse
-    reports why)."""
-    try:
-        cd_off, entries = read_central_directory(fd_reader(fd), size, path)
-    except ZipFormatError:
-        return []
-    entries.sort(key=lambda e: e.header_offset)
-    out = []
-    for i, e in enumerate(entries):
-        nxt = entries[i + 1].header_offset if i + 1 < len(entries) else cd_off
+def _predict_records(entries: list[Any], cd_off: int) -> list[tuple[Any, int, int]]:
+    """``(central entry, data_offset, length)`` of every non-empty record in file
+    order, from the central directory alone: records lie back to back, so a record's
+    bytes end where the next local header (or the central directory) starts, less
+    its data descriptor. Empty when that does not hold (checked after the read
+    against the local headers)."""
+    ordered = sorted(entries, key=lambda e: e.header_offset)
+    out: list[tuple[Any, int, int]] = []
+    for i, e in enumerate(ordered):
+        nxt = ordered[i + 1].header_offset if i + 1 < len(ordered) else cd_off
         desc = 0
         if e.flags & 0x0008:
             desc = 24 if e.header_offset >= 0xFFFFFFFF or e.compressed_size >= 0xFFFFFFFF else 16
         off = nxt - desc - e.compressed_size
         if e.compressed_size > 0:
-            if off < e.header_offset or (out and off < out[-1][1] + out[-1][2]):
+            if off < e.header_offset + 30 or (out and off < out[-1][1] + out[-1][2]):
                 return []
-            out.append((e.name, off, e.compressed_size))
+            out.append((e, off, e.compressed_size))
     return out
 
 
@@ -335,7 +332,8 @@ def _crc_problems(index: ZipIndex, names: list[str], crcs: list[int]) -> list[st
 class ReadResult:
     """A whole torch zip file read into one page-aligned host buffer."""
 
-    index: ZipIndex
+    record_names: list[str]  #: every record of the archive
+    size: int  #: file size
     buffer: Any  #: the native PinnedBuffer (keeps the memory alive)
     data: torch.Tensor  #: uint8 tensor over the file bytes (shares ``buffer``)
 
@@ -346,6 +344,13 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
     With ``checksum`` every record's CRC-32 is computed during the read and compared
     with the central directory.
 
+    The central directory (one small read at the end) tells where each record's
+    bytes are, so their CRCs are computed during the bulk read; afterwards each
+    local header (now in memory) confirms the prediction. Files whose layout the
+    prediction does not fit are indexed in full from memory and checksummed in a
+    second pass. Parsing local headers through the page cache before the read
+    would cost two small reads per record on a cold file.
+
     Raises:
         ZipFormatError: not a consistent zip archive.
         ChecksumError: a record's bytes do not match its recorded CRC-32.
@@ -353,44 +358,50 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
     """
     from fastpersist import _native
 
-    # The central directory (one small read at the end) tells where each record's
-    # bytes are, so their CRCs are computed during the one bulk read; the index is
-    # then parsed from memory (parsing local headers through the page cache would
-    # cost two small reads per record on a cold file) and checks the prediction.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        predicted = _predict_records(fd, size, path) if checksum else []
+        try:
+            cd_off, central = read_central_directory(fd_reader(fd), size, path)
+        except ZipFormatError:
+            cd_off, central = 0, []
     finally:
         os.close(fd)
+    predicted = _predict_records(central, cd_off)
     try:
         align = max(4096, _native.alignment_of(path))
     except OSError:
         align = 4096
     buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, lock)
+    slotted = predicted if checksum else []
     extents: list[tuple[int, int, int, int]] = []
     pos = 0
-    for slot, (_name, off, n) in enumerate(predicted):
+    for slot, (_entry, off, n) in enumerate(slotted):
         if off > pos:
             extents.append((pos, buf.ptr + pos, off - pos, -1))
         extents.append((off, buf.ptr + off, n, slot))
         pos = off + n
     if pos < size:
         extents.append((pos, buf.ptr + pos, size - pos, -1))
-    read_crcs = _native_read(handle, path, extents, len(predicted)) if size else []
+    read_crcs = _native_read(handle, path, extents, len(slotted)) if size else []
     view = memoryview(buf).cast("B")[:size]
-    index = parse_zip_index(buffer_reader(view), size, path)
-    names: list[str] = []
-    crcs: list[int] = []
-    if checksum:
-        records = [e for e in index.entries if e.compressed_size > 0]
-        names = [e.name for e in records]
-        if [(e.name, e.data_offset, e.compressed_size) for e in records] == sorted(predicted, key=lambda r: r[1]):
-            by_name = {name: crc for (name, _o, _n), crc in zip(predicted, read_crcs)}
-            crcs = [by_name[n] for n in names]
-        else:  # a layout the prediction got wrong: checksum from memory instead
+
+    problems: list[str] = []
+    if central and _local_headers_agree(view, central, predicted):
+        names = [e.name for e in central]
+        for (entry, off, n), crc in zip(slotted, read_crcs):
+            if crc != entry.crc32:
+                problems.append(
+                    f"{entry.name}: CRC-32 mismatch (computed {crc:08x}, recorded {entry.crc32:08x}) "
+                    f"in bytes [{off}, {off + n})"
+                )
+    else:  # a layout the prediction does not fit: full index from memory, CRCs in a second pass
+        index = parse_zip_index(buffer_reader(view), size, path)
+        names = [e.name for e in index.entries]
+        if checksum:
+            records = [e for e in index.entries if e.compressed_size > 0]
             crcs = handle.crc32_ranges([(buf.ptr + e.data_offset, e.compressed_size) for e in records])
-    problems = _crc_problems(index, names, crcs)
+            problems = _crc_problems(index, [e.name for e in records], crcs)
     if problems:
         raise ChecksumError(
             f"{path}: {len(problems)} record(s) do not match their checksum (the file is corrupt; "
@@ -400,7 +411,24 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
             records=[p.split(":", 1)[0] for p in problems],
         )
     data = torch.frombuffer(buf, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8)
-    return ReadResult(index=index, buffer=buf, data=data)
+    return ReadResult(record_names=names, size=size, buffer=buf, data=data)
+
+
+def _local_headers_agree(view: memoryview, central: list[Any], predicted: list[tuple[Any, int, int]]) -> bool:
+    """Whether every stored record's local header (in memory) puts its bytes where predicted."""
+    expected = {id(e): off for e, off, _n in predicted}
+    size = len(view)
+    for e in central:
+        if e.compressed_size == 0:
+            continue
+        h = e.header_offset
+        if id(e) not in expected or h + 30 > size or bytes(view[h : h + 4]) != b"PK\x03\x04":
+            return False
+        method = struct.unpack_from("<H", view, h + 8)[0]
+        nlen, xlen = struct.unpack_from("<HH", view, h + 26)
+        if method != 0 or h + 30 + nlen + xlen != expected[id(e)]:
+            return False
+    return True
 
 
 def load_torch(
@@ -428,9 +456,9 @@ def load_torch(
         raise UnsupportedLayoutError("torch.serialization._load lacks overall_storage")
     lock = _wants_pinned(map_location)
     result = read_whole_file(path, handle, checksum=checksum, lock=lock)
-    if result.index.find("constants.pkl") is not None:
+    if any(n == "constants.pkl" or n.endswith("/constants.pkl") for n in result.record_names):
         raise UnsupportedLayoutError("TorchScript archive")
-    view = memoryview(result.buffer).cast("B")[: result.index.file_size]
+    view = memoryview(result.buffer).cast("B")[: result.size]
     reader = torch._C.PyTorchFileReader(_MemoryFile(view))
     overall = result.data.untyped_storage()
     return torch.serialization._load(
