@@ -59,7 +59,8 @@ class Config:
         threads: Worker threads that fill staging buffers (and do the I/O for ``psync``); >= 1.
         direct: Use ``O_DIRECT`` where the filesystem accepts it (bypasses the page cache).
         fsync: ``fsync`` the file and its directory before a save is reported complete.
-        checksum: Record CRC-32s of every payload when saving, and check them when loading.
+        checksum: Check CRC-32s when loading; record them in safetensors metadata when saving
+            (torch zip files always carry their zip CRC-32s).
         max_async: Asynchronous saves executed concurrently; later ones queue; >= 1.
     """
 
@@ -273,7 +274,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "FASTPERSIST_CHECKSUM", "checksum", parse_bool, "boolean",
-        "Record a CRC-32 of every payload when saving and check it when loading.",
+        "Check every record's CRC-32 when loading, and record per-tensor CRC-32s in safetensors "
+        "metadata when saving. Torch zip files always carry their CRC-32s (computed during the write).",
     ),
     EnvVar(
         "FASTPERSIST_MAX_ASYNC", "max_async", _parse_int, "integer >= 1",
