@@ -14,18 +14,10 @@ import shutil
 from typing import Iterable
 
 
-def fsync_path(path: str) -> None:
-    """``fsync`` a file or a directory by path."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# The same helpers the atomic commit uses (directory fsync tolerant of filesystems that refuse it).
+from fastpersist.commit import fsync_dir, fsync_path  # noqa: E402
 
-
-def fsync_dir(path: str) -> None:
-    """``fsync`` the directory ``path`` so that entries created or renamed in it are durable."""
-    fsync_path(path)
+__all__ = ["drop_page_cache", "drop_page_cache_all", "files_under", "fsync_dir", "fsync_path", "remove_path", "total_size"]
 
 
 def files_under(path: str) -> list[str]:
