@@ -22,6 +22,8 @@ import inspect
 import logging
 import os
 import pickle
+import sys
+import re
 import struct
 import types
 from dataclasses import dataclass
@@ -455,6 +457,12 @@ def load_torch(
     if not fast_load_supported():
         raise UnsupportedLayoutError("torch.serialization._load lacks overall_storage")
     lock = _wants_pinned(map_location)
+    if not lock:
+        overlapped = _load_overlapped(
+            path, handle, map_location, pickle_module, weights_only=weights_only, checksum=checksum, **pickle_load_args
+        )
+        if overlapped is not None:
+            return overlapped[0]
     result = read_whole_file(path, handle, checksum=checksum, lock=lock)
     if any(n == "constants.pkl" or n.endswith("/constants.pkl") for n in result.record_names):
         raise UnsupportedLayoutError("TorchScript archive")
@@ -469,6 +477,155 @@ def load_torch(
         weights_only=weights_only,
         **pickle_load_args,
     )
+
+
+#: Rebuild functions that never read storage bytes while unpickling.
+_DATA_FREE_REBUILDS = frozenset({b"_rebuild_tensor_v2", b"_rebuild_parameter", b"_rebuild_parameter_with_state"})
+
+
+class _PredictedReader:
+    """What ``torch.serialization._load`` asks of a zip reader, answered from the
+    small records (read from the file's tail) and predicted payload offsets, so
+    unpickling can run while the payloads are still being read."""
+
+    def __init__(self, small: dict[str, bytes], offsets: dict[str, int]) -> None:
+        self._small = small
+        self._offsets = offsets
+
+    def has_record(self, name: str) -> bool:
+        return name in self._small or name in self._offsets
+
+    def get_record(self, name: str) -> bytes:
+        return self._small[name]
+
+    def get_record_offset(self, name: str) -> int:
+        return self._offsets[name]
+
+    def serialization_id(self) -> str:
+        return self._small.get(".data/serialization_id", b"").decode("ascii", "replace")
+
+
+def _short(name: str) -> str:
+    return name.split("/", 1)[1] if "/" in name else name
+
+
+def _load_overlapped(
+    path: str, handle: Any, map_location: Any, pickle_module: Any, *, weights_only: bool, checksum: bool,
+    **pickle_load_args: Any,
+) -> Optional[tuple[Any]]:
+    """Load with torch's unpickling overlapping the bulk read, or None when the file or
+    the call does not allow it (then the caller reads first and unpickles after).
+
+    Needs the streaming layout (every small record after the payloads, so one read of
+    the tail holds ``data.pkl``), native byte order, CPU ``map_location`` and a pickle
+    whose tensor rebuilds never read storage bytes. The predicted payload offsets are
+    checked against the local headers once the read is done; if they were wrong the
+    result is discarded (None).
+    """
+    import zlib
+
+    from fastpersist import _native
+
+    if not (map_location is None or (isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cpu")):
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            cd_off, central = read_central_directory(fd_reader(fd), size, path)
+        except ZipFormatError:
+            return None
+        predicted = _predict_records(central, cd_off)
+        storages = [e for e in central if _record_key(e.name) is not None]
+        small = [e for e in central if _record_key(e.name) is None]
+        if not predicted or not small or any(_short(e.name) == "constants.pkl" for e in central):
+            return None
+        payload_end = max((off + n for e, off, n in predicted if _record_key(e.name) is not None), default=0)
+        tail_start = min(e.header_offset for e in small)
+        if tail_start < payload_end:
+            return None  # torch.save's own order (data.pkl first): nothing to overlap
+        tail = os.pread(fd, size - tail_start, tail_start)
+    finally:
+        os.close(fd)
+    records: dict[str, bytes] = {}
+    for e in small:
+        h = e.header_offset - tail_start
+        if len(tail) < h + 30 or tail[h : h + 4] != b"PK\x03\x04":
+            return None
+        nlen, xlen = struct.unpack_from("<HH", tail, h + 26)
+        body = tail[h + 30 + nlen + xlen : h + 30 + nlen + xlen + e.compressed_size]
+        if len(body) != e.compressed_size or struct.unpack_from("<H", tail, h + 8)[0] != 0:
+            return None
+        if checksum and zlib.crc32(body) != e.crc32:
+            raise ChecksumError(
+                f"{path}: record {e.name} does not match its checksum (the file is corrupt; restore it from a "
+                f"good copy)", path=path, records=[e.name],
+            )
+        records[_short(e.name)] = body
+    pkl = records.get("data.pkl")
+    order = records.get("byteorder")
+    if pkl is None or (order is not None and order.decode("ascii", "replace") != sys.byteorder):
+        return None
+    rebuilds = set(re.findall(rb"_rebuild_[A-Za-z0-9_]+", pkl))
+    if not rebuilds <= _DATA_FREE_REBUILDS:
+        return None
+    offsets = {_short(e.name): e.header_offset for e in storages}  # empty records: any in-range offset
+    offsets.update({_short(e.name): off for e, off, _n in predicted if _record_key(e.name) is not None})
+
+    align = 4096
+    try:
+        align = max(4096, _native.alignment_of(path))
+    except OSError:
+        pass
+    buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, False)
+    slotted = predicted if checksum else []
+    extents: list[tuple[int, int, int, int]] = []
+    pos = 0
+    for slot, (_e, off, n) in enumerate(slotted):
+        if off > pos:
+            extents.append((pos, buf.ptr + pos, off - pos, -1))
+        extents.append((off, buf.ptr + off, n, slot))
+        pos = off + n
+    if pos < size:
+        extents.append((pos, buf.ptr + pos, size - pos, -1))
+    reader_handle = _native.Handle(handle.engine, handle.chunk_size, handle.queue_depth, handle.threads, handle.direct)
+    reader_handle.submit_read(path, extents, len(slotted))
+    data = torch.frombuffer(buf, dtype=torch.uint8, count=size)
+    try:
+        result = torch.serialization._load(
+            _PredictedReader(records, offsets),
+            map_location,
+            pickle_module,
+            overall_storage=data.untyped_storage(),
+            weights_only=weights_only,
+            **pickle_load_args,
+        )
+    finally:
+        try:
+            done = reader_handle.wait()  # the bytes must be in place (or the read over) before anything returns
+        except OSError as e:
+            if e.filename is None and e.errno is not None:
+                raise type(e)(e.errno, e.strerror or str(e), path) from e
+            raise
+    crcs = done[0][1] if done else []
+    view = memoryview(buf).cast("B")[:size]
+    if not _local_headers_agree(view, central, predicted):
+        log.debug("%s: predicted record offsets were wrong; loading again the sequential way", path)
+        return None
+    problems = [
+        f"{e.name}: CRC-32 mismatch (computed {crc:08x}, recorded {e.crc32:08x}) in bytes [{off}, {off + n})"
+        for (e, off, n), crc in zip(slotted, crcs)
+        if crc != e.crc32
+    ]
+    if problems:
+        raise ChecksumError(
+            f"{path}: {len(problems)} record(s) do not match their checksum (the file is corrupt; "
+            f"restore it from a good copy): " + "; ".join(problems[:5])
+            + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""),
+            path=path,
+            records=[p.split(":", 1)[0] for p in problems],
+        )
+    return (result,)
 
 
 def _wants_pinned(map_location: Any) -> bool:

@@ -1,0 +1,147 @@
+"""Loads whose unpickling overlaps the bulk read (torchzip._load_overlapped)."""
+
+from __future__ import annotations
+
+import errno
+import pickle
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import _native
+from fastpersist.errors import ChecksumError
+from fastpersist.formats import torchzip
+from fastpersist.formats.zipindex import read_zip_index
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts overlapped attempts and how many produced the result."""
+    seen = {"tried": 0, "used": 0}
+    real = torchzip._load_overlapped
+
+    def wrapped(*args, **kwargs):
+        seen["tried"] += 1
+        out = real(*args, **kwargs)
+        seen["used"] += out is not None
+        return out
+
+    monkeypatch.setattr(torchzip, "_load_overlapped", wrapped)
+    return seen
+
+
+def state() -> dict:
+    g = torch.Generator().manual_seed(1)
+    s = {f"w{i}": torch.randn(1000 * (i + 1), generator=g) for i in range(30)}
+    s["half"] = torch.randn(300, generator=g).to(torch.bfloat16)
+    s["view"] = s["w3"][10:20]
+    s["empty"] = torch.empty(0)
+    s["step"] = 12
+    return s
+
+
+def assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_our_files_load_overlapped(tmp_path, spy):
+    s = state()
+    fastpersist.save(s, tmp_path / "c.pt")
+    out = fastpersist.load(tmp_path / "c.pt")
+    assert spy == {"tried": 1, "used": 1}
+    assert_equal(s, out)
+    assert out["view"].untyped_storage().data_ptr() == out["w3"].untyped_storage().data_ptr()
+
+
+def test_torch_save_layout_loads_sequentially(tmp_path, spy):
+    s = state()
+    torch.save(s, tmp_path / "t.pt")  # data.pkl first: nothing to overlap
+    assert_equal(s, fastpersist.load(tmp_path / "t.pt"))
+    assert spy["used"] == 0
+
+
+def test_sparse_tensors_wait_for_their_bytes(tmp_path, spy):
+    s = {"sp": torch.eye(4).to_sparse(), "d": torch.arange(5.0)}
+    fastpersist.save(s, tmp_path / "s.pt")
+    out = fastpersist.load(tmp_path / "s.pt", weights_only=False)
+    assert spy["used"] == 0  # the sparse rebuild validates indices while unpickling
+    assert torch.equal(out["sp"].to_dense(), torch.eye(4)) and torch.equal(out["d"], s["d"])
+
+
+@pytest.mark.parametrize("where", ["cpu", torch.device("cpu"), None])
+def test_cpu_map_locations_overlap(tmp_path, spy, where):
+    s = state()
+    fastpersist.save(s, tmp_path / "c.pt")
+    assert_equal(s, fastpersist.load(tmp_path / "c.pt", map_location=where))
+    assert spy["used"] == 1
+
+
+def test_other_map_locations_load_sequentially(tmp_path, spy):
+    s = state()
+    fastpersist.save(s, tmp_path / "c.pt")
+    out = fastpersist.load(tmp_path / "c.pt", map_location=lambda storage, loc: storage)
+    assert spy["used"] == 0
+    assert_equal(s, out)
+
+
+def flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_corrupt_payload_detected_while_overlapped(tmp_path, spy):
+    p = tmp_path / "c.pt"
+    fastpersist.save(state(), p)
+    entry = read_zip_index(p).find("data/5")
+    flip(p, entry.data_offset + 7)
+    with pytest.raises(ChecksumError) as info:
+        fastpersist.load(p)
+    assert spy["tried"] == 1 and entry.name in info.value.records
+
+
+def test_corrupt_pickle_detected(tmp_path):
+    p = tmp_path / "c.pt"
+    fastpersist.save(state(), p)
+    entry = read_zip_index(p).find("data.pkl")
+    flip(p, entry.data_offset + entry.compressed_size // 2)
+    with pytest.raises(ChecksumError):
+        fastpersist.load(p)
+
+
+@pytest.mark.parametrize("action,err", [("EIO", errno.EIO), ("ENOSPC", errno.ENOSPC)])
+def test_read_fault_while_unpickling(tmp_path, spy, action, err):
+    p = tmp_path / "c.pt"
+    fastpersist.save(state(), p)
+    _native.set_fault("read", 1, action)
+    try:
+        with pytest.raises(OSError) as info:
+            fastpersist.load(p)
+    finally:
+        _native.clear_faults()
+    assert info.value.errno == err and info.value.filename == str(p)
+    assert spy["tried"] == 1
+    assert_equal(state(), fastpersist.load(p))  # nothing broken: loads fine afterwards
+
+
+class Custom:
+    """A class the weights-only unpickler refuses."""
+
+
+def test_unpickling_error_waits_for_the_read(tmp_path, spy):
+    p = tmp_path / "c.pt"
+    s = state()
+    s["custom"] = Custom()
+    fastpersist.save(s, p)
+    with pytest.raises(pickle.UnpicklingError):
+        fastpersist.load(p, weights_only=True)  # refused by torch's weights-only unpickler
+    out = fastpersist.load(p, weights_only=False)
+    assert isinstance(out["custom"], Custom)
