@@ -132,8 +132,14 @@ def _print_fio(ceiling: Any, out: TextIO) -> None:
         return
     if ceiling.best_write is not None and ceiling.best_read is not None:
         bw, br = ceiling.best_write, ceiling.best_read
-        print(f"fio        : write {bw.gbps:.2f} GB/s (bs {format_block(bw.block_size)}, iodepth {bw.iodepth}), "
-              f"read {br.gbps:.2f} GB/s (bs {format_block(br.block_size)}, iodepth {br.iodepth}), "
+
+        def runs(xs: Sequence[float]) -> str:
+            return " ".join(f"{x:.2f}" for x in xs)
+
+        print(f"fio        : write {ceiling.write_gbps:.2f} GB/s (median of {runs(ceiling.write_repeats)}; "
+              f"bs {format_block(bw.block_size)}, iodepth {bw.iodepth}, fresh file), "
+              f"read {ceiling.read_gbps:.2f} GB/s (median of {runs(ceiling.read_repeats)}; "
+              f"bs {format_block(br.block_size)}, iodepth {br.iodepth}), "
               f"libaio, direct={'1' if bw.direct else '0'}", file=out)
     elif ceiling.error:
         print(f"fio        : not measured ({ceiling.error})", file=out)
