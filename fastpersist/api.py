@@ -22,7 +22,7 @@ import torch
 
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
 from fastpersist.errors import UnsupportedLayoutError
-from fastpersist.formats import torchzip
+from fastpersist.formats import torchstream, torchzip
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def _save_with_torch(obj: Any, final: str, alignment: int, cfg: Any) -> None:
     from torch.utils.serialization import config as tconfig
 
     def write(tmp: str) -> None:
-        with torchzip._CONFIG_LOCK, tconfig.patch({"save.storage_alignment": alignment}):
+        with torchstream._CONFIG_LOCK, tconfig.patch({"save.storage_alignment": alignment}):
             torch.serialization.save(obj, tmp)
         if cfg.fsync:
             fsync_path(tmp)

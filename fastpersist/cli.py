@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import traceback
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from fastpersist.bench.units import parse_int_list, parse_size, parse_size_list
 

@@ -37,8 +37,6 @@ from fastpersist.formats.zipindex import ZipIndex, buffer_reader, fd_reader, par
 
 log = logging.getLogger(__name__)
 
-# torch's serialization config is process-global: planners take turns (one lock).
-from fastpersist.formats.torchstream import _CONFIG_LOCK  # noqa: E402,F401 (api.py uses it)
 
 
 # --------------------------------------------------------------------------- planning
@@ -265,6 +263,32 @@ def _native_read(handle: Any, path: str, extents: list[tuple[int, int, int, int]
         raise type(e)(e.errno, e.strerror or str(e), path) from e
 
 
+def _whole_file_extents(ptr: int, size: int, slotted: list[tuple[Any, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Read extents covering ``[0, size)`` into the buffer at ``ptr``, one CRC slot
+    per ``(entry, offset, length)`` of ``slotted`` (sorted, disjoint)."""
+    extents: list[tuple[int, int, int, int]] = []
+    pos = 0
+    for slot, (_entry, off, n) in enumerate(slotted):
+        if off > pos:
+            extents.append((pos, ptr + pos, off - pos, -1))
+        extents.append((off, ptr + off, n, slot))
+        pos = off + n
+    if pos < size:
+        extents.append((pos, ptr + pos, size - pos, -1))
+    return extents
+
+
+def _checksum_error(path: str, problems: list[str]) -> ChecksumError:
+    """One error for every record whose CRC-32 is wrong (the first five spelled out)."""
+    return ChecksumError(
+        f"{path}: {len(problems)} record(s) do not match their checksum (the file is corrupt; "
+        f"restore it from a good copy): " + "; ".join(problems[:5])
+        + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""),
+        path=path,
+        records=[p.split(":", 1)[0] for p in problems],
+    )
+
+
 def _predict_records(entries: list[Any], cd_off: int) -> list[tuple[Any, int, int]]:
     """``(central entry, data_offset, length)`` of every non-empty record in file
     order, from the central directory alone: records lie back to back, so a record's
@@ -376,15 +400,7 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
         align = 4096
     buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, lock)
     slotted = predicted if checksum else []
-    extents: list[tuple[int, int, int, int]] = []
-    pos = 0
-    for slot, (_entry, off, n) in enumerate(slotted):
-        if off > pos:
-            extents.append((pos, buf.ptr + pos, off - pos, -1))
-        extents.append((off, buf.ptr + off, n, slot))
-        pos = off + n
-    if pos < size:
-        extents.append((pos, buf.ptr + pos, size - pos, -1))
+    extents = _whole_file_extents(buf.ptr, size, slotted)
     read_crcs = _native_read(handle, path, extents, len(slotted)) if size else []
     view = memoryview(buf).cast("B")[:size]
 
@@ -405,13 +421,7 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
             crcs = handle.crc32_ranges([(buf.ptr + e.data_offset, e.compressed_size) for e in records])
             problems = _crc_problems(index, [e.name for e in records], crcs)
     if problems:
-        raise ChecksumError(
-            f"{path}: {len(problems)} record(s) do not match their checksum (the file is corrupt; "
-            f"restore it from a good copy): " + "; ".join(problems[:5])
-            + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""),
-            path=path,
-            records=[p.split(":", 1)[0] for p in problems],
-        )
+        raise _checksum_error(path, problems)
     data = torch.frombuffer(buf, dtype=torch.uint8, count=size) if size else torch.empty(0, dtype=torch.uint8)
     return ReadResult(record_names=names, size=size, buffer=buf, data=data)
 
@@ -579,15 +589,7 @@ def _load_overlapped(
         pass
     buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, False)
     slotted = predicted if checksum else []
-    extents: list[tuple[int, int, int, int]] = []
-    pos = 0
-    for slot, (_e, off, n) in enumerate(slotted):
-        if off > pos:
-            extents.append((pos, buf.ptr + pos, off - pos, -1))
-        extents.append((off, buf.ptr + off, n, slot))
-        pos = off + n
-    if pos < size:
-        extents.append((pos, buf.ptr + pos, size - pos, -1))
+    extents = _whole_file_extents(buf.ptr, size, slotted)
     reader_handle = _native.Handle(handle.engine, handle.chunk_size, handle.queue_depth, handle.threads, handle.direct)
     reader_handle.submit_read(path, extents, len(slotted))
     data = torch.frombuffer(buf, dtype=torch.uint8, count=size)
@@ -618,13 +620,7 @@ def _load_overlapped(
         if crc != e.crc32
     ]
     if problems:
-        raise ChecksumError(
-            f"{path}: {len(problems)} record(s) do not match their checksum (the file is corrupt; "
-            f"restore it from a good copy): " + "; ".join(problems[:5])
-            + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""),
-            path=path,
-            records=[p.split(":", 1)[0] for p in problems],
-        )
+        raise _checksum_error(path, problems)
     return (result,)
 
 
