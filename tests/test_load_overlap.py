@@ -41,28 +41,20 @@ def state() -> dict:
     return s
 
 
-def assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
 
-
-def test_our_files_load_overlapped(tmp_path, spy):
+def test_our_files_load_overlapped(tmp_path, spy, assert_same):
     s = state()
     fastpersist.save(s, tmp_path / "c.pt")
     out = fastpersist.load(tmp_path / "c.pt")
     assert spy == {"tried": 1, "used": 1}
-    assert_equal(s, out)
+    assert_same(out, s)
     assert out["view"].untyped_storage().data_ptr() == out["w3"].untyped_storage().data_ptr()
 
 
-def test_torch_save_layout_loads_sequentially(tmp_path, spy):
+def test_torch_save_layout_loads_sequentially(tmp_path, spy, assert_same):
     s = state()
     torch.save(s, tmp_path / "t.pt")  # data.pkl first: nothing to overlap
-    assert_equal(s, fastpersist.load(tmp_path / "t.pt"))
+    assert_same(fastpersist.load(tmp_path / "t.pt"), s)
     assert spy["used"] == 0
 
 
@@ -75,19 +67,19 @@ def test_sparse_tensors_wait_for_their_bytes(tmp_path, spy):
 
 
 @pytest.mark.parametrize("where", ["cpu", torch.device("cpu"), None])
-def test_cpu_map_locations_overlap(tmp_path, spy, where):
+def test_cpu_map_locations_overlap(tmp_path, spy, where, assert_same):
     s = state()
     fastpersist.save(s, tmp_path / "c.pt")
-    assert_equal(s, fastpersist.load(tmp_path / "c.pt", map_location=where))
+    assert_same(fastpersist.load(tmp_path / "c.pt", map_location=where), s)
     assert spy["used"] == 1
 
 
-def test_other_map_locations_load_sequentially(tmp_path, spy):
+def test_other_map_locations_load_sequentially(tmp_path, spy, assert_same):
     s = state()
     fastpersist.save(s, tmp_path / "c.pt")
     out = fastpersist.load(tmp_path / "c.pt", map_location=lambda storage, loc: storage)
     assert spy["used"] == 0
-    assert_equal(s, out)
+    assert_same(out, s)
 
 
 def flip(path, offset: int) -> None:
@@ -118,7 +110,7 @@ def test_corrupt_pickle_detected(tmp_path):
 
 
 @pytest.mark.parametrize("action,err", [("EIO", errno.EIO), ("ENOSPC", errno.ENOSPC)])
-def test_read_fault_while_unpickling(tmp_path, spy, action, err):
+def test_read_fault_while_unpickling(tmp_path, spy, action, err, assert_same):
     p = tmp_path / "c.pt"
     fastpersist.save(state(), p)
     _native.set_fault("read", 1, action)
@@ -129,7 +121,7 @@ def test_read_fault_while_unpickling(tmp_path, spy, action, err):
         _native.clear_faults()
     assert info.value.errno == err and info.value.filename == str(p)
     assert spy["tried"] == 1
-    assert_equal(state(), fastpersist.load(p))  # nothing broken: loads fine afterwards
+    assert_same(fastpersist.load(p), state())  # nothing broken: loads fine afterwards
 
 
 class Custom:

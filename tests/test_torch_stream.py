@@ -24,24 +24,16 @@ def many_tensors(n: int = 300, seed: int = 0) -> dict:
     return state
 
 
-def assert_same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
-
 
 @pytest.mark.parametrize("batch_bytes", [1, 4096, 1 << 20, 0])
-def test_stream_in_batches_round_trips(tmp_path, batch_bytes):
+def test_stream_in_batches_round_trips(tmp_path, batch_bytes, assert_same):
     state = many_tensors()
     path = str(tmp_path / "s.pt")
     torchzip.stream_save_torch(state, path, _native.Handle(), 4096, fsync=True, batch_bytes=batch_bytes)
     with zipfile.ZipFile(path) as zf:
         assert zf.testzip() is None  # every CRC (descriptor and central directory) is right
     loaded = torch.load(path, weights_only=True)
-    assert_same(state, loaded)
+    assert_same(loaded, state)
     assert loaded["view"].untyped_storage().data_ptr() == loaded["t3"].untyped_storage().data_ptr()
     # one batch or many: the same bytes
     ref = str(tmp_path / "ref.pt")
@@ -49,7 +41,7 @@ def test_stream_in_batches_round_trips(tmp_path, batch_bytes):
     assert open(path, "rb").read() == open(ref, "rb").read()
 
 
-def test_storages_come_first_in_key_order_and_calculated_offsets_hold(tmp_path, monkeypatch):
+def test_storages_come_first_in_key_order_and_calculated_offsets_hold(tmp_path, monkeypatch, assert_same):
     state = many_tensors(50)
     path = tmp_path / "s.pt"
     fastpersist.save(state, path)
@@ -63,7 +55,7 @@ def test_storages_come_first_in_key_order_and_calculated_offsets_hold(tmp_path, 
 
     monkeypatch.setenv("TORCH_SERIALIZATION_DEBUG", "1")  # torch asserts each calculated offset
     with tconfig.patch({"load.calculate_storage_offsets": True}):
-        assert_same(state, torch.load(path, mmap=True, weights_only=True))
+        assert_same(torch.load(path, mmap=True, weights_only=True), state)
 
 
 @pytest.mark.parametrize("nth", [1, 2, 5])

@@ -263,6 +263,19 @@ def _native_read(handle: Any, path: str, extents: list[tuple[int, int, int, int]
         raise type(e)(e.errno, e.strerror or str(e), path) from e
 
 
+def _file_buffer(path: str, size: int, lock: bool) -> Any:
+    """A page-aligned native buffer for the whole file at ``path`` (rounded up to the
+    O_DIRECT alignment of its filesystem), page-locked when ``lock``."""
+    from fastpersist import _native
+
+    align = 4096
+    try:
+        align = max(4096, _native.alignment_of(path))
+    except OSError:
+        pass
+    return _native.PinnedBuffer(_round_up(max(size, 1), align), align, lock)
+
+
 def _whole_file_extents(ptr: int, size: int, slotted: list[tuple[Any, int, int]]) -> list[tuple[int, int, int, int]]:
     """Read extents covering ``[0, size)`` into the buffer at ``ptr``, one CRC slot
     per ``(entry, offset, length)`` of ``slotted`` (sorted, disjoint)."""
@@ -382,8 +395,6 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
         ChecksumError: a record's bytes do not match its recorded CRC-32.
         OSError: I/O errors from the native layer (with path and offset).
     """
-    from fastpersist import _native
-
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
@@ -394,11 +405,7 @@ def read_whole_file(path: str, handle: Any, *, checksum: bool = True, lock: bool
     finally:
         os.close(fd)
     predicted = _predict_records(central, cd_off)
-    try:
-        align = max(4096, _native.alignment_of(path))
-    except OSError:
-        align = 4096
-    buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, lock)
+    buf = _file_buffer(path, size, lock)
     slotted = predicted if checksum else []
     extents = _whole_file_extents(buf.ptr, size, slotted)
     read_crcs = _native_read(handle, path, extents, len(slotted)) if size else []
@@ -582,12 +589,7 @@ def _load_overlapped(
     offsets = {_short(e.name): e.header_offset for e in storages}  # empty records: any in-range offset
     offsets.update({_short(e.name): off for e, off, _n in predicted if _record_key(e.name) is not None})
 
-    align = 4096
-    try:
-        align = max(4096, _native.alignment_of(path))
-    except OSError:
-        pass
-    buf = _native.PinnedBuffer(_round_up(max(size, 1), align), align, False)
+    buf = _file_buffer(path, size, False)
     slotted = predicted if checksum else []
     extents = _whole_file_extents(buf.ptr, size, slotted)
     reader_handle = _native.Handle(handle.engine, handle.chunk_size, handle.queue_depth, handle.threads, handle.direct)
