@@ -207,6 +207,28 @@ def write_json(data: dict[str, Any], path: str) -> None:
         f.write(text + "\n")
 
 
+def _fio_lines(ax: Any, fio: Any, write_label: str, read_label: str) -> None:
+    """fio's write and read ceilings as horizontal lines, in the bars' colours."""
+    if fio is not None and fio.write_gbps:
+        ax.axhline(fio.write_gbps, color="#3b75af", linestyle="--", linewidth=1.2,
+                   label=f"{write_label} {fio.write_gbps:.2f} GB/s")
+    if fio is not None and fio.read_gbps:
+        ax.axhline(fio.read_gbps, color="#ef8636", linestyle=":", linewidth=1.2,
+                   label=f"{read_label} {fio.read_gbps:.2f} GB/s")
+
+
+def _finish_plot(fig: Any, ax: Any, path: str) -> None:
+    """Legend, grid, layout; write the PNG (creating its folder) and free the figure."""
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    _parent_dir(path)
+    fig.savefig(path, format="png", dpi=120)
+    plt.close(fig)
+
+
 def plot_save(result: SaveBenchResult, path: str) -> None:
     """Bar chart of median save and load GB/s per method, fio's ceiling as horizontal lines (PNG)."""
     import matplotlib
@@ -223,24 +245,14 @@ def plot_save(result: SaveBenchResult, path: str) -> None:
     width = 0.38
     ax.bar([x - width / 2 for x in xs], saves, width, label="durable save (median)", color="#3b75af")
     ax.bar([x + width / 2 for x in xs], loads, width, label="cold load (median)", color="#ef8636")
-    if result.fio is not None and result.fio.write_gbps:
-        ax.axhline(result.fio.write_gbps, color="#3b75af", linestyle="--", linewidth=1.2,
-                   label=f"fio write ceiling {result.fio.write_gbps:.2f} GB/s")
-    if result.fio is not None and result.fio.read_gbps:
-        ax.axhline(result.fio.read_gbps, color="#ef8636", linestyle=":", linewidth=1.2,
-                   label=f"fio read ceiling {result.fio.read_gbps:.2f} GB/s")
+    _fio_lines(ax, result.fio, "fio write ceiling", "fio read ceiling")
     ax.set_xticks(xs)
     ax.set_xticklabels(names)
     ax.set_ylabel("GB/s")
     w = result.workload
     ax.set_title(f"Checkpoint save/load, {format_bytes(w['tensor_bytes'])}, {w['tensors']} tensors "
                  f"({result.machine.filesystem} on {result.machine.block_device or result.machine.mount_source})")
-    ax.legend(fontsize=8, loc="best")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    _parent_dir(path)
-    fig.savefig(path, format="png", dpi=120)
-    plt.close(fig)
+    _finish_plot(fig, ax, path)
 
 
 def plot_io(result: IOBenchResult, path: str) -> None:
@@ -263,20 +275,10 @@ def plot_io(result: IOBenchResult, path: str) -> None:
            label="write (median)", color="#3b75af")
     ax.bar([x + width / 2 for x in xs], [r.read_median_gbps or 0.0 for r in runs], width,
            label="cold read (median)", color="#ef8636")
-    if result.fio is not None and result.fio.write_gbps:
-        ax.axhline(result.fio.write_gbps, color="#3b75af", linestyle="--", linewidth=1.2,
-                   label=f"fio write {result.fio.write_gbps:.2f} GB/s")
-    if result.fio is not None and result.fio.read_gbps:
-        ax.axhline(result.fio.read_gbps, color="#ef8636", linestyle=":", linewidth=1.2,
-                   label=f"fio read {result.fio.read_gbps:.2f} GB/s")
+    _fio_lines(ax, result.fio, "fio write", "fio read")
     ax.set_xticks(xs)
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("GB/s")
     ax.set_title(f"fastpersist I/O, {format_bytes(result.size)} file "
                  f"({result.machine.filesystem} on {result.machine.block_device or result.machine.mount_source})")
-    ax.legend(fontsize=8, loc="best")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    _parent_dir(path)
-    fig.savefig(path, format="png", dpi=120)
-    plt.close(fig)
+    _finish_plot(fig, ax, path)
