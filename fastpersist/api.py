@@ -48,11 +48,12 @@ def _config(config: Any) -> Any:
     return get_default()
 
 
-def _handle(config: Any) -> Any:
-    """A native Handle for ``config``'s I/O settings (one per distinct setting, reused)."""
+def _handle(config: Any, *, read: bool = False) -> Any:
+    """A native Handle for ``config``'s I/O settings (one per distinct setting, reused);
+    ``read``: for loads and verification (``config.read_queue_depth``)."""
     from fastpersist import _native
 
-    kwargs = config.handle_kwargs()
+    kwargs = config.handle_kwargs(read=read)
     key = tuple(sorted(kwargs.items()))
     with _handles_lock:
         h = _handles.get(key)
@@ -236,7 +237,7 @@ def load(
     if fspath.endswith(".safetensors"):
         from fastpersist.formats.safetensors import load_safetensors
 
-        return load_safetensors(fspath, _handle(cfg), _safetensors_device(map_location), checksum=cfg.checksum)
+        return load_safetensors(fspath, _handle(cfg, read=True), _safetensors_device(map_location), checksum=cfg.checksum)
 
     wo = _resolve_weights_only(weights_only, pickle_module)
     if wo is None or (wo and pickle_module is not None):
@@ -259,7 +260,7 @@ def load(
     pickle_load_args.setdefault("encoding", "utf-8")
     try:
         return torchzip.load_torch(
-            fspath, _handle(cfg), map_location, module, weights_only=wo, checksum=cfg.checksum, **pickle_load_args
+            fspath, _handle(cfg, read=True), map_location, module, weights_only=wo, checksum=cfg.checksum, **pickle_load_args
         )
     except UnsupportedLayoutError as e:
         log.debug("fast load not possible for %s (%s); using torch.serialization.load", fspath, e)
@@ -306,7 +307,7 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     fspath = os.fsdecode(os.fspath(path))
     if not os.path.exists(fspath):
         raise FileNotFoundError(2, "No such file to verify", fspath)
-    handle = _handle(_config(config))
+    handle = _handle(_config(config), read=True)
     if fspath.endswith(".safetensors"):
         from fastpersist.formats.safetensors import SafetensorsFormatError, read_header, verify_safetensors
 

@@ -29,6 +29,7 @@ from fastpersist.bench.machine import collect_machine_info, probe_direct_io
 from fastpersist.bench.report import plot_io, plot_save, print_io_report, print_save_report
 from fastpersist.bench.save_bench import (
     DcpMethod,
+    FastPersistMethod,
     Method,
     MethodResult,
     SafetensorsMethod,
@@ -295,18 +296,44 @@ def test_fio_ceiling_measures_write_and_read(tmp_path) -> None:
     sweep = res.runs[:4]
     assert [(r.rw, r.iodepth) for r in sweep] == [("write", 2), ("read", 2), ("write", 4), ("read", 4)]
     assert all(r.gbps > 0 and r.nbytes == 2 * MiB for r in res.runs)
-    # the best configuration of the sweep is run again: the ceiling is the median of 3 runs of it
     best_w = max((r for r in sweep if r.rw == "write"), key=lambda r: r.gbps)
     best_r = max((r for r in sweep if r.rw == "read"), key=lambda r: r.gbps)
     assert res.best_write is best_w and res.best_read is best_r
-    assert len(res.write_repeats) == 3 and res.write_repeats[0] == best_w.gbps
-    assert len(res.read_repeats) == 3 and res.read_repeats[0] == best_r.gbps
+    # then 3 rounds of (write, read) with the best configurations; the sweep's runs do not count
+    rounds = res.runs[4:]
+    assert [r.rw for r in rounds] == ["write", "read"] * 3
+    assert all(r.iodepth == best_w.iodepth for r in rounds[0::2])
+    assert all(r.iodepth == best_r.iodepth for r in rounds[1::2])
+    assert res.write_repeats == [r.gbps for r in rounds[0::2]]
+    assert res.read_repeats == [r.gbps for r in rounds[1::2]]
     assert res.write_gbps == sorted(res.write_repeats)[1] > 0
     assert res.read_gbps == sorted(res.read_repeats)[1] > 0
-    assert all(r.iodepth == best_r.iodepth for r in res.runs[4:] if r.rw == "read")
-    assert len(res.runs) == fio_mod.fio_runs_count(2 * MiB, (MiB,), (2, 4))
+    assert len(res.runs) == fio_mod.fio_sweep_count(2 * MiB, (MiB,), (2, 4)) + 6
     json.dumps(res.to_dict())
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not HAVE_FIO, reason="fio not on PATH")
+def test_fio_probe_rounds_interleave_and_stop_after_a_failure(tmp_path) -> None:
+    direct = bool(collect_machine_info(str(tmp_path)).direct_io)
+    work = tmp_path / "d"
+    work.mkdir()
+    probe = fio_mod.FioProbe(str(work), MiB, block_sizes=(MiB,), iodepths=(1,), direct=direct)
+    probe.round()  # before the sweep there is no configuration to repeat: nothing runs
+    assert probe.result.runs == [] and probe.ok
+    probe.sweep()
+    assert len(probe.result.runs) == 2 and probe.result.write_gbps is None
+    assert os.listdir(work) == []  # no file left between turns
+    probe.round()
+    assert len(probe.result.write_repeats) == 1 and probe.result.read_gbps == probe.result.read_repeats[0]
+    work.rmdir()  # the directory becomes a file: the next round fails, is recorded, and ends the probe
+    work.write_bytes(b"")
+    probe.round()
+    assert not probe.ok and "fio" in (probe.result.error or "")
+    n = len(probe.result.runs)
+    probe.round()
+    assert len(probe.result.runs) == n
+    probe.close()
 
 
 def test_fio_missing_is_reported_not_raised(tmp_path, monkeypatch) -> None:
@@ -345,6 +372,22 @@ def test_peer_methods_round_trip(tmp_path, method_cls) -> None:
 # ---- save benchmark ---------------------------------------------------------------
 
 
+@pytest.mark.skipif(not HAVE_FIO, reason="fio not on PATH")
+def test_save_bench_runs_fio_in_the_rotation(tmp_path, monkeypatch) -> None:
+    events: list[str] = []
+    for cls, name in ((FastPersistMethod, "fastpersist"), (TorchMethod, "torch")):
+        orig = cls.save
+        monkeypatch.setattr(cls, "save", lambda self, obj, target, _o=orig, _n=name: (events.append(_n), _o(self, obj, target))[1])
+    orig_round, orig_sweep = fio_mod.FioProbe.round, fio_mod.FioProbe.sweep
+    monkeypatch.setattr(fio_mod.FioProbe, "round", lambda self: (events.append("fio"), orig_round(self))[1])
+    monkeypatch.setattr(fio_mod.FioProbe, "sweep", lambda self: (events.append("sweep"), orig_sweep(self))[1])
+    res = run_save_bench(str(tmp_path), size=2 * MiB, peers=("torch", "fio"), repeat=3, progress=False,
+                         fio_block_sizes=(MiB,), fio_iodepths=(2,))
+    assert events == ["sweep"] + ["fastpersist", "torch", "fio"] * 3
+    assert res.fio is not None and res.fio.error is None
+    assert len(res.fio.write_repeats) == 3 and res.fio.read_gbps == sorted(res.fio.read_repeats)[1]
+
+
 def test_run_save_bench_with_every_peer(tmp_path) -> None:
     peers = ("torch", "safetensors", "dcp") + (("fio",) if HAVE_FIO else ())
     res = run_save_bench(str(tmp_path), size=4 * MiB, peers=peers, repeat=2, progress=False)
@@ -367,6 +410,7 @@ def test_run_save_bench_with_every_peer(tmp_path) -> None:
     assert d["machine"]["directory"] == str(tmp_path)
     if HAVE_FIO:
         assert d["fio"]["write_gbps"] > 0 and d["fio"]["read_gbps"] > 0
+        assert len(d["fio"]["write_repeats"]) == 2 and len(d["fio"]["read_repeats"]) == 2  # one round per run
         assert all(m["save_vs_fio"] > 0 and m["load_vs_fio"] > 0 for m in d["methods"])
     else:
         assert d["fio"] is None

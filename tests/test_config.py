@@ -29,7 +29,8 @@ def _fresh_default(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_defaults() -> None:
     assert Config() == Config(
-        engine="auto", chunk_size=8 << 20, queue_depth=8, threads=2, direct=True, fsync=True, checksum=True, max_async=2
+        engine="auto", chunk_size=8 << 20, queue_depth=8, read_queue_depth=16, threads=2, direct=True, fsync=True,
+        checksum=True, max_async=2,
     )
 
 
@@ -40,6 +41,7 @@ def test_defaults() -> None:
         ({"chunk_size": 5000}, "multiple of 4096"),
         ({"chunk_size": -4096}, "chunk_size"),
         ({"queue_depth": 1}, "queue_depth"),
+        ({"read_queue_depth": 1}, "read_queue_depth"),
         ({"threads": 0}, "threads"),
         ({"max_async": 0}, "max_async"),
         ({"engine": "uring"}, "engine"),
@@ -80,6 +82,8 @@ def test_handle_kwargs_build_a_native_handle() -> None:
     assert set(kwargs) == {"engine", "chunk_size", "queue_depth", "threads", "direct", "max_async"}
     h = native.Handle(**kwargs)
     assert (h.engine, h.chunk_size, h.queue_depth, h.threads, h.direct) == ("psync", 1 << 20, 4, 3, False)
+    reader = native.Handle(**cfg.replace(read_queue_depth=6).handle_kwargs(read=True))
+    assert (reader.engine, reader.queue_depth, reader.threads) == ("psync", 6, 3)
 
 
 # ---------------------------------------------------------------------------
@@ -127,6 +131,7 @@ def test_every_variable_applies() -> None:
         "FASTPERSIST_ENGINE": "PSync",
         "FASTPERSIST_CHUNK_SIZE": "1M",
         "FASTPERSIST_QUEUE_DEPTH": "16",
+        "FASTPERSIST_READ_QUEUE_DEPTH": "32",
         "FASTPERSIST_THREADS": "4",
         "FASTPERSIST_DIRECT": "off",
         "FASTPERSIST_FSYNC": "no",
@@ -134,7 +139,8 @@ def test_every_variable_applies() -> None:
         "FASTPERSIST_MAX_ASYNC": "3",
     }
     assert Config.from_env(environ=env) == Config(
-        engine="psync", chunk_size=1 << 20, queue_depth=16, threads=4, direct=False, fsync=False, checksum=False, max_async=3
+        engine="psync", chunk_size=1 << 20, queue_depth=16, read_queue_depth=32, threads=4, direct=False, fsync=False,
+        checksum=False, max_async=3,
     )
 
 
@@ -257,3 +263,31 @@ def test_markdown_command_prints_the_page() -> None:
         check=True,
     )
     assert out.stdout == fpconfig.markdown()
+
+
+def test_loads_and_verify_use_the_read_queue_depth(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native = pytest.importorskip("fastpersist._native", reason="native extension not built")
+    import torch
+
+    import fastpersist
+    from fastpersist import api
+
+    made: list[int] = []
+    real = native.Handle
+
+    def recording_handle(*args, **kwargs):
+        h = real(*args, **kwargs)
+        made.append(h.queue_depth)
+        return h
+
+    monkeypatch.setattr(native, "Handle", recording_handle)
+    monkeypatch.setattr(api, "_handles", {})
+    cfg = Config(queue_depth=3, read_queue_depth=5, chunk_size=64 << 10)
+    path = tmp_path / "c.pt"
+    state = {"w": torch.arange(100_000, dtype=torch.float32)}
+    fastpersist.save(state, path, config=cfg)
+    assert made and set(made) == {3}
+    made.clear()
+    assert torch.equal(fastpersist.load(path, config=cfg)["w"], state["w"])
+    assert fastpersist.verify(path, config=cfg).ok
+    assert made and set(made) == {5}

@@ -2,8 +2,10 @@
 
 fio is the reference every storage vendor quotes; running it on the same
 directory, with the same byte count, in the same benchmark run, turns our
-GB/s into a fraction of what the hardware can do. The ceiling is the best of a
-small sweep of block sizes and queue depths (``--output-format=json``).
+GB/s into a fraction of what the hardware can do. A small sweep of block sizes
+and queue depths picks fio's best configuration; the ceiling is the median of
+that configuration's runs interleaved with the benchmark's own
+(``--output-format=json``).
 """
 
 from __future__ import annotations
@@ -38,14 +40,19 @@ class FioRun:
 
 @dataclass
 class FioCeiling:
-    """Best sequential write and read rate of a fio sweep (``None`` when fio could not run)."""
+    """fio's sequential write and read ceilings (``None`` when fio could not run).
+
+    ``best_write``/``best_read``: the sweep's best run of each direction (its
+    configuration is the one repeated); ``write_repeats``/``read_repeats``: GB/s
+    of the repeated rounds, whose median is the ceiling; ``runs``: every job.
+    """
 
     write_gbps: Optional[float] = None
     read_gbps: Optional[float] = None
     best_write: Optional[FioRun] = None
     best_read: Optional[FioRun] = None
     runs: list[FioRun] = field(default_factory=list)
-    #: GB/s of every run of the best configuration (the ceiling is their median)
+    #: GB/s of every round of the best configuration (the ceiling is their median)
     write_repeats: list[float] = field(default_factory=list)
     read_repeats: list[float] = field(default_factory=list)
     error: Optional[str] = None
@@ -137,6 +144,120 @@ def run_fio(
     return FioRun(rw=rw, block_size=block_size, iodepth=iodepth, nbytes=done, gbps=bw / 1e9, direct=direct)
 
 
+class FioProbe:
+    """fio on one directory: a sweep that picks the best configuration of each
+    direction, then *rounds* of one write and one read with those configurations.
+
+    A benchmark runs one round per repeat *in its rotation* (beside the methods it
+    compares), so a shared disk's slow and fast phases hit fio and the methods
+    alike; the ceiling is the median of the rounds. The sweep's own runs do not
+    count: the best of several noisy runs is biased upwards. Every write goes to
+    a fresh file (the previous one deleted and synced outside the timing), as a
+    checkpoint does; the read reads the file the round just wrote.
+
+    Never raises for fio problems: a missing fio or a failing job sets
+    ``result.error`` (runs that succeeded before it are kept) and later calls do
+    nothing.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        size: int,
+        *,
+        block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
+        iodepths: Sequence[int] = DEFAULT_IODEPTHS,
+        direct: bool = True,
+        on_run: Optional[Callable[[FioRun], None]] = None,
+    ) -> None:
+        self.size = size
+        self.direct = direct
+        self.block_sizes = tuple(block_sizes)
+        self.iodepths = tuple(iodepths)
+        self.on_run = on_run
+        self.filename = os.path.join(os.path.abspath(directory), f".fastpersist-fio-{os.getpid()}.dat")
+        self.result = FioCeiling(
+            command=f"fio --ioengine=libaio --direct={1 if direct else 0} --rw=write|read "
+            f"--bs={{{','.join(str(b) for b in self.block_sizes)}}} --iodepth={{{','.join(map(str, self.iodepths))}}} "
+            f"--size={size} (sweep picks each direction's best configuration; the ceiling is the median of "
+            "the rounds run beside the methods; every write into a fresh file)"
+        )
+        if fio_executable() is None:
+            self.result.error = "fio not found on PATH"
+
+    @property
+    def ok(self) -> bool:
+        """Whether fio can still run (found, and no job failed so far)."""
+        return self.result.error is None
+
+    def _one(self, rw: str, bs: int, depth: int) -> FioRun:
+        if rw == "write":
+            self._remove()
+            os.sync()  # the previous file's blocks freed outside the timing
+        run = run_fio(self.filename, rw, self.size, bs, depth, direct=self.direct)
+        self.result.runs.append(run)
+        if self.on_run is not None:
+            self.on_run(run)
+        return run
+
+    def _remove(self) -> None:
+        try:
+            os.unlink(self.filename)
+        except FileNotFoundError:
+            pass
+
+    def _guard(self, step: Callable[[], None]) -> None:
+        if not self.ok:
+            return
+        try:
+            step()
+        except (FioError, ValueError, OSError) as exc:
+            self.result.error = str(exc)
+
+    def sweep(self) -> None:
+        """Run every block size x iodepth (write, then read) and keep the best of each direction."""
+
+        def step() -> None:
+            for bs in self.block_sizes:
+                if self.size < bs:
+                    continue
+                for depth in self.iodepths:
+                    for rw in ("write", "read"):
+                        self._one(rw, bs, depth)
+            runs = self.result.runs
+            if not runs:
+                raise ValueError(f"size {self.size} is smaller than every block size of the sweep")
+            self.result.best_write = max((r for r in runs if r.rw == "write"), key=lambda r: r.gbps)
+            self.result.best_read = max((r for r in runs if r.rw == "read"), key=lambda r: r.gbps)
+            self._remove()
+
+        self._guard(step)
+
+    def round(self) -> None:
+        """One write (fresh file) and one read with the sweep's best configurations; updates the ceilings."""
+        res = self.result
+        if res.best_write is None or res.best_read is None:
+            return
+
+        def step() -> None:
+            w = self._one("write", res.best_write.block_size, res.best_write.iodepth)
+            r = self._one("read", res.best_read.block_size, res.best_read.iodepth)
+            self._remove()
+            res.write_repeats.append(w.gbps)
+            res.read_repeats.append(r.gbps)
+            res.write_gbps = statistics.median(res.write_repeats)
+            res.read_gbps = statistics.median(res.read_repeats)
+
+        self._guard(step)
+
+    def close(self) -> None:
+        """Remove fio's file (idempotent)."""
+        try:
+            self._remove()
+        except OSError:  # never created (fio failed first), or the directory is unusable
+            pass
+
+
 def fio_ceiling(
     directory: str,
     size: int,
@@ -147,74 +268,22 @@ def fio_ceiling(
     on_run: Optional[Callable[[FioRun], None]] = None,
     repeat: int = 3,
 ) -> FioCeiling:
-    """Sweep ``block_sizes`` x ``iodepths``, write then read a ``size``-byte file in ``directory``.
+    """Sweep ``block_sizes`` x ``iodepths`` in ``directory``, then ``repeat`` rounds back to back.
 
-    The ceiling of each direction is the median of ``repeat`` runs of its best
-    configuration (the same statistic the benchmarks report for fastpersist, so a
-    lucky single fio run does not set the bar). Every write goes to a fresh file,
-    as a checkpoint does. Returns the write and read ceilings. Never raises for fio problems: a
-    missing fio or a failing job is reported in ``FioCeiling.error`` (runs that
-    succeeded before it are kept). The file is removed afterwards.
+    The standalone form of :class:`FioProbe` (benchmarks that can interleave
+    the rounds with what they measure use the class). Never raises for fio
+    problems; the file is removed afterwards.
     """
-    result = FioCeiling(
-        command=f"fio --ioengine=libaio --direct={1 if direct else 0} --rw=write|read "
-        f"--bs={{{','.join(str(b) for b in block_sizes)}}} --iodepth={{{','.join(map(str, iodepths))}}} "
-        f"--size={size} (best configuration of each, median of {repeat} runs; writes into a fresh file)"
-    )
-    if fio_executable() is None:
-        result.error = "fio not found on PATH"
-        return result
-    filename = os.path.join(os.path.abspath(directory), f".fastpersist-fio-{os.getpid()}.dat")
-
-    def one(rw: str, bs: int, depth: int) -> FioRun:
-        if rw == "write":
-            # Like a checkpoint: a new file each time, its blocks allocated by the
-            # write, the previous file's blocks freed outside the timing.
-            try:
-                os.unlink(filename)
-            except FileNotFoundError:
-                pass
-            os.sync()
-        run = run_fio(filename, rw, size, bs, depth, direct=direct)
-        result.runs.append(run)
-        if on_run is not None:
-            on_run(run)
-        return run
-
+    probe = FioProbe(directory, size, block_sizes=block_sizes, iodepths=iodepths, direct=direct, on_run=on_run)
     try:
-        for bs in block_sizes:
-            if size < bs:
-                continue
-            for depth in iodepths:
-                for rw in ("write", "read"):
-                    one(rw, bs, depth)
-        if not result.runs:
-            result.error = f"size {size} is smaller than every block size of the sweep"
-        for rw, repeats in (("write", result.write_repeats), ("read", result.read_repeats)):
-            sweep = [r for r in result.runs if r.rw == rw]
-            if not sweep:
-                continue
-            best = max(sweep, key=lambda r: r.gbps)
-            repeats.append(best.gbps)
-            for _ in range(repeat - 1):
-                if rw == "read":
-                    one("write", best.block_size, best.iodepth)  # a file to read, written the same way
-                repeats.append(one(rw, best.block_size, best.iodepth).gbps)
-            if rw == "write":
-                result.best_write, result.write_gbps = best, statistics.median(repeats)
-            else:
-                result.best_read, result.read_gbps = best, statistics.median(repeats)
-    except (FioError, ValueError, OSError) as exc:
-        result.error = str(exc)
+        probe.sweep()
+        for _ in range(repeat):
+            probe.round()
     finally:
-        try:
-            os.unlink(filename)
-        except OSError:  # never created (fio failed first), or the directory is unusable
-            pass
-    return result
+        probe.close()
+    return probe.result
 
 
-def fio_runs_count(size: int, block_sizes: Sequence[int], iodepths: Sequence[int]) -> int:
-    """Number of fio jobs :func:`fio_ceiling` will run (for progress bars), with ``repeat`` 3."""
-    sweep = 2 * len(iodepths) * sum(1 for bs in block_sizes if size >= bs)
-    return sweep + (6 if sweep else 0)  # 2 more writes, 2 more reads, 2 writes to read from
+def fio_sweep_count(size: int, block_sizes: Sequence[int], iodepths: Sequence[int]) -> int:
+    """Number of fio jobs :meth:`FioProbe.sweep` runs (for progress bars); each round adds 2."""
+    return 2 * len(iodepths) * sum(1 for bs in block_sizes if size >= bs)

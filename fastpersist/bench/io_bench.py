@@ -228,7 +228,7 @@ def run_io_bench(
     from fastpersist.io import pinned_empty
 
     notes = [COLD_READ_NOTE, "write time includes fsync of the file; GB/s are decimal (1e9 bytes/s)"]
-    n_fio = fio_mod.fio_runs_count(size, fio_block_sizes, fio_iodepths) if fio and fio_mod.fio_executable() else 0
+    n_fio = fio_mod.fio_sweep_count(size, fio_block_sizes, fio_iodepths) + 6 if fio and fio_mod.fio_executable() else 0
     bar = _progress(len(configs) * repeat + n_fio, progress)
     path = os.path.join(os.path.abspath(directory), f".fastpersist-bench-io-{os.getpid()}.dat")
     try:

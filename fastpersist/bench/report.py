@@ -137,7 +137,7 @@ def _print_fio(ceiling: Any, out: TextIO) -> None:
             return " ".join(f"{x:.2f}" for x in xs)
 
         print(f"fio        : write {ceiling.write_gbps:.2f} GB/s (median of {runs(ceiling.write_repeats)}; "
-              f"bs {format_block(bw.block_size)}, iodepth {bw.iodepth}, fresh file), "
+              f"bs {format_block(bw.block_size)}, iodepth {bw.iodepth}, fresh file each), "
               f"read {ceiling.read_gbps:.2f} GB/s (median of {runs(ceiling.read_repeats)}; "
               f"bs {format_block(br.block_size)}, iodepth {br.iodepth}), "
               f"libaio, direct={'1' if bw.direct else '0'}", file=out)

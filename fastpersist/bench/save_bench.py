@@ -12,7 +12,10 @@ before run ``i + 1`` of any), on the same state and directory:
 * ``dcp``: ``torch.distributed.checkpoint.save`` / ``load`` with
   ``FileSystemWriter(sync_files=True)`` / ``FileSystemReader``, single process,
   no process group (``no_dist=True``); load fills a same-shaped template in place.
-* ``fio``: the disk's O_DIRECT write/read ceiling for the same byte count.
+* ``fio``: the disk's O_DIRECT write/read ceiling for the same byte count. A
+  sweep before the first run picks fio's best configuration; that
+  configuration then takes its turn in every round of the rotation (a fresh
+  write, then a read), and the ceiling is the median of those rounds.
 
 A save is *durable*: its time includes the fsync of every file and of the
 directory it created. A load is *cold*: every file of the method is dropped
@@ -259,12 +262,14 @@ def describe_engine(config: Any = None) -> str:
         avail = available_engines()
     except ImportError as exc:
         return f"unavailable ({exc})"
+    settings = (
+        f"(available: {', '.join(avail)}), chunk {cfg.chunk_size >> 10} KiB, queue depth {cfg.queue_depth} "
+        f"(reads {cfg.read_queue_depth}), threads {cfg.threads}, direct {'on' if cfg.direct else 'off'}"
+    )
     if cfg.engine == "auto":
         chosen = next((e for e in ("aio", "psync") if e in avail), "none")
-        return f"auto -> {chosen} (available: {', '.join(avail)}), chunk {cfg.chunk_size >> 10} KiB, " \
-               f"queue depth {cfg.queue_depth}, threads {cfg.threads}, direct {'on' if cfg.direct else 'off'}"
-    return f"{cfg.engine} (available: {', '.join(avail)}), chunk {cfg.chunk_size >> 10} KiB, " \
-           f"queue depth {cfg.queue_depth}, threads {cfg.threads}, direct {'on' if cfg.direct else 'off'}"
+        return f"auto -> {chosen} {settings}"
+    return f"{cfg.engine} {settings}"
 
 
 def build_workload(size: int, small_tensors: Optional[int], seed: int) -> tuple[Any, dict[str, Any]]:
@@ -333,11 +338,18 @@ def run_save_bench(
     if "dcp" in by_name:
         notes.append("dcp: single process, no process group (no_dist=True), FileSystemWriter(sync_files=True)")
     verification: dict[str, Any] = {"checked": False}
-    do_fio = "fio" in peers
-    n_fio = fio_mod.fio_runs_count(nbytes, fio_block_sizes, fio_iodepths) if do_fio and fio_mod.fio_executable() else 0
+    probe: Optional[fio_mod.FioProbe] = None
+    if "fio" in peers:
+        probe = fio_mod.FioProbe(
+            workdir, nbytes, block_sizes=fio_block_sizes, iodepths=fio_iodepths,
+            direct=bool(machine.direct_io), on_run=lambda _r: bar.update(1),
+        )
+    n_fio = fio_mod.fio_sweep_count(nbytes, fio_block_sizes, fio_iodepths) + 2 * repeat if probe and probe.ok else 0
     bar = _progress(repeat * len(methods) + n_fio, progress)
-    ceiling: Optional[fio_mod.FioCeiling] = None
     try:
+        if probe is not None:
+            bar.set_description("fio sweep")
+            probe.sweep()
         for run in range(repeat):
             for method in methods:
                 res = by_name[method.name]
@@ -346,16 +358,15 @@ def run_save_bench(
                     _measure(method, obj, workdir, res, verify=(method.name == "fastpersist" and run == 0),
                              verification=verification, keep=keep and run == repeat - 1)
                 bar.update(1)
-        if do_fio:
-            bar.set_description("fio ceiling")
-            ceiling = fio_mod.fio_ceiling(
-                workdir, nbytes, block_sizes=fio_block_sizes, iodepths=fio_iodepths,
-                direct=bool(machine.direct_io), on_run=lambda _r: bar.update(1),
-            )
-            if ceiling.error:
-                notes.append(f"fio: {ceiling.error}")
+            if probe is not None:  # fio takes its turn in the rotation, under the same conditions
+                bar.set_description(f"fio run {run + 1}/{repeat}")
+                probe.round()
+        if probe is not None and probe.result.error:
+            notes.append(f"fio: {probe.result.error}")
     finally:
         bar.close()
+        if probe is not None:
+            probe.close()
         if not keep:
             remove_path(workdir)
     if keep:
@@ -365,7 +376,7 @@ def run_save_bench(
         workload=workload,
         repeat=repeat,
         methods=list(by_name.values()) + results,
-        fio=ceiling,
+        fio=probe.result if probe is not None else None,
         verification=verification,
         engine=describe_engine(config) if include_fastpersist else "not measured",
         notes=notes,
