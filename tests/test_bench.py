@@ -383,7 +383,11 @@ def test_save_bench_runs_fio_in_the_rotation(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(fio_mod.FioProbe, "sweep", lambda self: (events.append("sweep"), orig_sweep(self))[1])
     res = run_save_bench(str(tmp_path), size=2 * MiB, peers=("torch", "fio"), repeat=3, progress=False,
                          fio_block_sizes=(MiB,), fio_iodepths=(2,))
-    assert events == ["sweep"] + ["fastpersist", "torch", "fio"] * 3
+    assert events[0] == "sweep" and len(events) == 10
+    rounds = [events[1 + 3 * i : 4 + 3 * i] for i in range(3)]
+    assert all(sorted(r) == ["fastpersist", "fio", "torch"] for r in rounds)  # each round: every step once
+    assert rounds == res.order
+    assert len({tuple(r) for r in res.order}) > 1 or res.order[0][0] != "fastpersist"  # not a fixed rotation
     assert res.fio is not None and res.fio.error is None
     assert len(res.fio.write_repeats) == 3 and res.fio.read_gbps == sorted(res.fio.read_repeats)[1]
 

@@ -1,7 +1,8 @@
 """Checkpoint benchmark: durable save and cold load of a training state, against the peers.
 
 Methods, each measured ``repeat`` times, interleaved (run ``i`` of every method
-before run ``i + 1`` of any), on the same state and directory:
+before run ``i + 1`` of any; each round in a fresh seeded random order), on the
+same state and directory:
 
 * ``fastpersist``: ``fastpersist.save`` / ``fastpersist.load`` (fsync on).
 * ``torch``: ``torch.save`` into a file we opened, ``flush`` + ``os.fsync``;
@@ -26,6 +27,7 @@ tensor bytes (identical for all methods), in decimal GB.
 from __future__ import annotations
 
 import os
+import random
 import time
 import warnings
 from collections.abc import Sequence
@@ -189,6 +191,8 @@ class SaveBenchResult:
     verification: dict[str, Any]
     engine: str
     notes: list[str] = field(default_factory=list)
+    #: the order the steps ran in, one list per round (``"fio"`` for fio's round)
+    order: list[list[str]] = field(default_factory=list)
 
     def method(self, name: str) -> Optional[MethodResult]:
         """The result of method ``name``, or ``None``."""
@@ -229,6 +233,7 @@ class SaveBenchResult:
             "fio": self.fio.to_dict() if self.fio else None,
             "verification": dict(self.verification),
             "notes": list(self.notes),
+            "order": [list(r) for r in self.order],
         }
 
 
@@ -267,8 +272,7 @@ def describe_engine(config: Any = None) -> str:
         f"(reads {cfg.read_queue_depth}), threads {cfg.threads}, direct {'on' if cfg.direct else 'off'}"
     )
     if cfg.engine == "auto":
-        chosen = next((e for e in ("aio", "psync") if e in avail), "none")
-        return f"auto -> {chosen} {settings}"
+        return f"auto -> psync {settings}"
     return f"{cfg.engine} {settings}"
 
 
@@ -338,6 +342,7 @@ def run_save_bench(
     if "dcp" in by_name:
         notes.append("dcp: single process, no process group (no_dist=True), FileSystemWriter(sync_files=True)")
     verification: dict[str, Any] = {"checked": False}
+    order: list[list[str]] = []
     probe: Optional[fio_mod.FioProbe] = None
     if "fio" in peers:
         probe = fio_mod.FioProbe(
@@ -350,17 +355,24 @@ def run_save_bench(
         if probe is not None:
             bar.set_description("fio sweep")
             probe.sweep()
+        shuffler = random.Random(seed)
         for run in range(repeat):
-            for method in methods:
+            # A fresh order each round (seeded): on a shared disk a step's speed depends on
+            # what ran just before it, so no method (fio included) always follows the same one.
+            steps: list[Optional[Method]] = [*methods, None] if probe is not None else list(methods)
+            shuffler.shuffle(steps)
+            order.append([m.name if m is not None else "fio" for m in steps])
+            for method in steps:
+                if method is None:
+                    bar.set_description(f"fio run {run + 1}/{repeat}")
+                    probe.round()  # type: ignore[union-attr]
+                    continue
                 res = by_name[method.name]
                 if res.error is None:
                     bar.set_description(f"{method.name} run {run + 1}/{repeat}")
                     _measure(method, obj, workdir, res, verify=(method.name == "fastpersist" and run == 0),
                              verification=verification, keep=keep and run == repeat - 1)
                 bar.update(1)
-            if probe is not None:  # fio takes its turn in the rotation, under the same conditions
-                bar.set_description(f"fio run {run + 1}/{repeat}")
-                probe.round()
         if probe is not None and probe.result.error:
             notes.append(f"fio: {probe.result.error}")
     finally:
@@ -380,6 +392,7 @@ def run_save_bench(
         verification=verification,
         engine=describe_engine(config) if include_fastpersist else "not measured",
         notes=notes,
+        order=order,
     )
 
 

@@ -52,7 +52,10 @@ struct Piece {
 
 std::unique_ptr<Engine> pick_engine(const ExecOptions& opt, bool direct, std::string& used) {
   std::string e = opt.engine;
-  if (e == "auto") e = (direct && aio_available()) ? "aio" : "psync";
+  // auto: the thread pool. On the reference VM it matched or beat Linux AIO in every
+  // interleaved comparison (loads by up to 1.2x): each pread/pwrite thread faults in
+  // its own destination pages, where one io_submit thread faults them all in turn.
+  if (e == "auto") e = "psync";
   if (e == "aio") {
     used = direct ? "aio" : "aio-buffered";
     return make_aio_engine(opt.queue_depth);
