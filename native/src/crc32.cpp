@@ -1,7 +1,7 @@
 // CRC-32 (reflected polynomial 0xEDB88320, zlib-compatible).
-// Portable path: slicing-by-8 tables. x86-64 path: carry-less multiplication
-// folding (PCLMULQDQ), 4x128 bits per step, then a Barrett reduction; chosen
-// at run time when the CPU has it. crc32_combine works in GF(2) by computing
+// Portable path: slicing-by-8 tables. x86-64 paths: carry-less multiplication
+// folding, 4x128 bits per step with PCLMULQDQ or 16x128 with VPCLMULQDQ
+// (AVX-512), then a Barrett reduction; chosen at run time by what the CPU has. crc32_combine works in GF(2) by computing
 // x^(8*len2) mod P.
 #include "fastpersist/crc32.hpp"
 
@@ -66,14 +66,13 @@ __attribute__((target("pclmul,sse4.1"))) inline __m128i fold128(__m128i acc, __m
   return _mm_xor_si128(_mm_xor_si128(lo, hi), next);
 }
 
+__attribute__((target("pclmul,sse4.1"))) uint32_t finish128(__m128i x1, const unsigned char* p, size_t n);
+
 __attribute__((target("pclmul,sse4.1"))) uint32_t crc_clmul(uint32_t c, const unsigned char* p,
                                                              size_t n) {
   // n >= 64 and n % 16 == 0 here.
   const __m128i k1k2 = _mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL);
   const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
-  const __m128i k5 = _mm_set_epi64x(0, 0x163cd6124LL);
-  const __m128i poly = _mm_set_epi64x(0x1F7011641LL, 0x1DB710641LL);
-  const __m128i mask32 = _mm_set_epi32(0, 0, 0, -1);
 
   __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   __m128i x2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
@@ -101,6 +100,15 @@ __attribute__((target("pclmul,sse4.1"))) uint32_t crc_clmul(uint32_t c, const un
   x1 = fold128(x1, x2, k3k4);
   x1 = fold128(x1, x3, k3k4);
   x1 = fold128(x1, x4, k3k4);
+  return finish128(x1, p, n);
+}
+
+// Folds the remaining 16-byte blocks into x1 and reduces it to the CRC register.
+__attribute__((target("pclmul,sse4.1"))) uint32_t finish128(__m128i x1, const unsigned char* p, size_t n) {
+  const __m128i k3k4 = _mm_set_epi64x(0x0ccaa009eLL, 0x1751997d0LL);
+  const __m128i k5 = _mm_set_epi64x(0, 0x163cd6124LL);
+  const __m128i poly = _mm_set_epi64x(0x1F7011641LL, 0x1DB710641LL);
+  const __m128i mask32 = _mm_set_epi32(0, 0, 0, -1);
   while (n >= 16) {
     x1 = fold128(x1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), k3k4);
     p += 16;
@@ -126,6 +134,60 @@ __attribute__((target("pclmul,sse4.1"))) uint32_t crc_clmul(uint32_t c, const un
 
 bool have_clmul() {
   static const bool yes = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+  return yes;
+}
+
+#define FP_VPCLMUL_TARGET __attribute__((target("avx512f,avx512vl,avx2,vpclmulqdq,pclmul,sse4.1")))
+
+// One fold of four 128-bit lanes at once: acc * (x^(D+32), x^(D-32)) xor next.
+FP_VPCLMUL_TARGET inline __m512i fold512(__m512i acc, __m512i next, __m512i k) {
+  __m512i hi = _mm512_clmulepi64_epi128(acc, k, 0x11);
+  __m512i lo = _mm512_clmulepi64_epi128(acc, k, 0x00);
+  return _mm512_ternarylogic_epi64(lo, hi, next, 0x96);  // lo ^ hi ^ next
+}
+
+// The same folding with 512-bit registers (VPCLMULQDQ): four accumulators of
+// four lanes, 256 bytes per step (fold distance 2048 bits), then 4 -> 1
+// registers (512 bits each), 4 lanes -> 1 (384, 256, 128 bits) and the
+// 128-bit tail. Constants: bit-reflected x^(D+32) and x^(D-32) mod P, << 1.
+FP_VPCLMUL_TARGET uint32_t crc_vpclmul(uint32_t c, const unsigned char* p, size_t n) {
+  // n >= 256 and n % 16 == 0 here.
+  const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1322d1430LL, 0x11542778aLL));
+  const __m512i k512 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x1c6e41596LL, 0x154442bd4LL));
+  __m512i x0 = _mm512_loadu_si512(p);
+  __m512i x1 = _mm512_loadu_si512(p + 64);
+  __m512i x2 = _mm512_loadu_si512(p + 128);
+  __m512i x3 = _mm512_loadu_si512(p + 192);
+  x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(c))));
+  p += 256;
+  n -= 256;
+  while (n >= 256) {
+    x0 = fold512(x0, _mm512_loadu_si512(p), k2048);
+    x1 = fold512(x1, _mm512_loadu_si512(p + 64), k2048);
+    x2 = fold512(x2, _mm512_loadu_si512(p + 128), k2048);
+    x3 = fold512(x3, _mm512_loadu_si512(p + 192), k2048);
+    p += 256;
+    n -= 256;
+  }
+  x0 = fold512(x0, x1, k512);
+  x0 = fold512(x0, x2, k512);
+  x0 = fold512(x0, x3, k512);
+  // Four 128-bit lanes -> one: lane i moves forward by (3 - i) * 128 bits.
+  const __m512i klanes = _mm512_set_epi64(0, 0, 0x0ccaa009eLL, 0x1751997d0LL, 0x15a546366LL, 0x0f1da05aaLL,
+                                          0x174359406LL, 0x03db1ecdcLL);
+  __m512i hi = _mm512_clmulepi64_epi128(x0, klanes, 0x11);
+  __m512i lo = _mm512_clmulepi64_epi128(x0, klanes, 0x00);
+  __m512i folded = _mm512_xor_si512(lo, hi);
+  // lane 3 is not multiplied (its constants are 0): add it back unchanged
+  folded = _mm512_mask_mov_epi64(folded, 0xC0, x0);
+  __m256i h = _mm256_xor_si256(_mm512_castsi512_si256(folded), _mm512_extracti64x4_epi64(folded, 1));
+  __m128i r = _mm_xor_si128(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  return finish128(r, p, n);
+}
+
+bool have_vpclmul() {
+  static const bool yes = have_clmul() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq");
   return yes;
 }
 #endif
@@ -170,7 +232,12 @@ uint32_t crc32(uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint32_t c = ~crc;
 #ifdef FP_HAVE_CLMUL
-  if (n >= 128 && have_clmul()) {
+  if (n >= 512 && have_vpclmul()) {
+    size_t body = n & ~static_cast<size_t>(15);
+    c = crc_vpclmul(c, p, body);
+    p += body;
+    n -= body;
+  } else if (n >= 128 && have_clmul()) {
     size_t body = n & ~static_cast<size_t>(15);
     c = crc_clmul(c, p, body);
     p += body;
