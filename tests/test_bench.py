@@ -268,6 +268,13 @@ def test_machine_info_describes_the_directory(tmp_path) -> None:
     assert info.direct_io == _native.direct_io_supported(str(tmp_path))
     assert info.direct_io_alignment == _native.alignment_of(str(tmp_path))
     assert info.native_error is None
+    if info.block_device is not None:  # a real disk: its readahead as sysfs has it, printed
+        st = os.stat(tmp_path)
+        real = os.path.realpath(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+        disk = os.path.dirname(real) if os.path.exists(os.path.join(real, "partition")) else real
+        with open(os.path.join(disk, "queue", "read_ahead_kb")) as f:
+            assert info.read_ahead_kb == int(f.read())
+        assert f"readahead {info.read_ahead_kb} KiB" in "\n".join(info.summary_lines())
     json.dumps(info.to_dict())
     text = "\n".join(info.summary_lines())
     for word in ("CPU", "Filesystem", "O_DIRECT", "torch", info.filesystem):

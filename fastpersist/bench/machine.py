@@ -44,6 +44,8 @@ class MachineInfo:
     engines: list[str] = field(default_factory=list)
     cufile: str = "unknown"
     native_error: Optional[str] = None
+    #: the device's readahead window (KiB): how far buffered readers such as torch.load read ahead
+    read_ahead_kb: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form."""
@@ -58,6 +60,8 @@ class MachineInfo:
             dev += ", rotational" if self.rotational else ", non-rotational"
         if self.logical_block_size:
             dev += f", logical block {self.logical_block_size} B"
+        if self.read_ahead_kb is not None:
+            dev += f", readahead {self.read_ahead_kb} KiB"
         if self.direct_io is None:
             odirect = "unknown"
         elif self.direct_io:
@@ -151,7 +155,7 @@ def _read_sys(path: str) -> Optional[str]:
 
 
 def block_device_of(path: str) -> dict[str, Any]:
-    """Block device holding ``path``: name, model, rotational, logical block size.
+    """Block device holding ``path``: name, model, rotational, logical block size, readahead.
 
     Resolved through ``st_dev`` and ``/sys/dev/block/MAJ:MIN`` (a partition is
     reported as its disk's properties). Empty dict for virtual filesystems
@@ -177,6 +181,9 @@ def block_device_of(path: str) -> dict[str, Any]:
     lbs = _read_sys(os.path.join(disk, "queue", "logical_block_size"))
     if lbs and lbs.isdigit():
         info["logical_block_size"] = int(lbs)
+    ra = _read_sys(os.path.join(disk, "queue", "read_ahead_kb"))
+    if ra and ra.isdigit():
+        info["read_ahead_kb"] = int(ra)
     return info
 
 
@@ -275,4 +282,5 @@ def collect_machine_info(directory: str) -> MachineInfo:
         engines=engines,
         cufile=cufile,
         native_error=native_error,
+        read_ahead_kb=dev.get("read_ahead_kb"),
     )
