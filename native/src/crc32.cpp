@@ -11,6 +11,10 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define FP_HAVE_CLMUL 1
+// VPCLMULQDQ intrinsics and target attributes: GCC 8+, clang 6+.
+#if (defined(__clang__) && __clang_major__ >= 6) || (!defined(__clang__) && __GNUC__ >= 8)
+#define FP_HAVE_VPCLMUL 1
+#endif
 #endif
 
 namespace fastpersist {
@@ -137,6 +141,7 @@ bool have_clmul() {
   return yes;
 }
 
+#ifdef FP_HAVE_VPCLMUL
 #define FP_VPCLMUL_TARGET __attribute__((target("avx512f,avx512vl,avx2,vpclmulqdq,pclmul,sse4.1")))
 
 // One fold of four 128-bit lanes at once: acc * (x^(D+32), x^(D-32)) xor next.
@@ -190,7 +195,8 @@ bool have_vpclmul() {
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("vpclmulqdq");
   return yes;
 }
-#endif
+#endif  // FP_HAVE_VPCLMUL
+#endif  // FP_HAVE_CLMUL
 
 uint32_t multmodp(uint32_t a, uint32_t b) {
   uint32_t m = 1u << 31, prod = 0;
@@ -232,12 +238,15 @@ uint32_t crc32(uint32_t crc, const void* data, size_t n) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint32_t c = ~crc;
 #ifdef FP_HAVE_CLMUL
+#ifdef FP_HAVE_VPCLMUL
   if (n >= 512 && have_vpclmul()) {
     size_t body = n & ~static_cast<size_t>(15);
     c = crc_vpclmul(c, p, body);
     p += body;
     n -= body;
-  } else if (n >= 128 && have_clmul()) {
+  }
+#endif
+  if (n >= 128 && have_clmul()) {
     size_t body = n & ~static_cast<size_t>(15);
     c = crc_clmul(c, p, body);
     p += body;
