@@ -6,19 +6,21 @@ record order no payload byte could be written before pickling ends. For states o
 many small tensors, pickling (torch's per-tensor Python work) costs as much as
 writing the bytes. This module runs torch's own ``_save`` with a proxy zip writer:
 
-* the moment torch's ``persistent_id`` first names a storage (key ``0``, ``1``,
-  ...), the record ``data/KEY`` is emitted through torch's own
-  ``PyTorchFileWriter`` (miniz: local header, alignment padding, payload hole,
-  data descriptor) into a :class:`BlockRecorder`, and the file written so far can be
-  handed to the native writer in batches while pickling goes on;
-* when pickling ends, ``data.pkl`` and the small records follow through the same
-  writer, then its end of file (``version``, ``serialization_id``, central
-  directory).
+* the moment the pickler first names a storage (key ``0``, ``1``, ...), the
+  record ``data/KEY`` (local header, alignment padding, payload hole, data
+  descriptor) is laid out into a :class:`BlockRecorder`, and the file written so
+  far can be handed to the native writer in batches while pickling goes on;
+* when pickling ends, ``data.pkl`` and the small records follow, then the end of
+  file (``version``, ``serialization_id``, central directory).
 
-Every byte is produced by torch's serializer and zip writer; only the record order
-differs from ``torch.save`` (storages first, in key order, each aligned). Readers
-find records through the central directory, so stock ``torch.load`` (also with
-``mmap=True`` and ``calculate_storage_offsets``) reads the file.
+The records are laid out by :class:`~fastpersist.formats.zipwriter.MinizLayout`,
+which writes the bytes torch's ``PyTorchFileWriter`` (miniz) writes, checked
+against it once per process; if they ever differ, torch's writer itself lays them
+out (slower: four Python callbacks per record). The pickle is torch's ``_save``
+with a pickle module from :mod:`fastpersist.formats.torchpickle`. Only the record
+order differs from ``torch.save`` (storages first, in key order, each aligned).
+Readers find records through the central directory, so stock ``torch.load`` (also
+with ``mmap=True`` and ``calculate_storage_offsets``) reads the file.
 
 Payload CRCs are filled by native patches: the data descriptor of a payload lies in
 the same batch as the payload (batches are cut at payload starts), and the central
@@ -40,6 +42,7 @@ import torch
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats.base import PATCH_U32LE
 from fastpersist.formats.zipindex import CD_CRC_FIELD, central_directory_names
+from fastpersist.formats.zipwriter import MinizLayout, layout_matches_torch, torch_version_record
 
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _CONFIG_LOCK = threading.RLock()
@@ -186,16 +189,86 @@ def _save_signature_ok() -> bool:
     return params[:5] == ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
 
 
+class _TorchRecords:
+    """Records through torch's own ``PyTorchFileWriter`` (miniz) into the recorder:
+    the fallback when :func:`~fastpersist.formats.zipwriter.layout_matches_torch` fails."""
+
+    def __init__(self, rec: BlockRecorder, alignment: int) -> None:
+        self._rec = rec
+        self._align = alignment
+        self._writer = torch._C.PyTorchFileWriter(rec, True, alignment)
+
+    def add_payload(self, name: str, n: int) -> tuple[int, int]:
+        rec = self._rec
+        rec.last_hole = None
+        self._writer.write_record_metadata(name, n)
+        if n == 0:
+            return rec.pos, -1
+        hole = rec.last_hole
+        if hole is None or hole[1] != n or hole[0] % self._align:
+            raise UnsupportedLayoutError(f"record {name}: unexpected layout from torch's writer ({hole}, {n} bytes)")
+        off = hole[0]
+        if rec.read_at(off + n, 4) != _DESCRIPTOR_SIG:
+            raise UnsupportedLayoutError(f"record {name}: no data descriptor after the payload")
+        return off, off + n + 4
+
+    def add_record(self, name: str, data: Any) -> None:
+        self._writer.write_record(name, data, len(data))
+
+    def finish(self) -> dict[str, tuple[str, int]]:
+        """End of file; ``short name -> (full name, central directory CRC field)``."""
+        self._writer.write_end_of_file()
+        out = {}
+        for full, entry_off in central_directory_names(self._rec.read_at, self._rec.pos, "<torch.save stream>"):
+            short = full.split("/", 1)[1] if "/" in full else full  # torch prefixes "archive/"
+            out[short] = (full, entry_off + CD_CRC_FIELD)
+        return out
+
+
+class _OurRecords:
+    """Records laid out by :class:`~fastpersist.formats.zipwriter.MinizLayout` (same bytes, no callbacks)."""
+
+    def __init__(self, rec: BlockRecorder, alignment: int) -> None:
+        self._layout = MinizLayout(rec, alignment, _version_record())
+
+    def add_payload(self, name: str, n: int) -> tuple[int, int]:
+        return self._layout.add_payload(name, n)
+
+    def add_record(self, name: str, data: Any) -> None:
+        self._layout.add_record(name, data)
+
+    def finish(self) -> dict[str, tuple[str, int]]:
+        self._layout.finish()
+        out = {}
+        for e in self._layout.entries:
+            full = e.name.decode("utf-8")
+            out[full.split("/", 1)[1]] = (full, e.cd_crc_field)
+        return out
+
+
+_VERSION: list[bytes] = []
+
+
+def _version_record() -> bytes:
+    if not _VERSION:
+        _VERSION.append(torch_version_record())
+    return _VERSION[0]
+
+
 class _ZipProxy:
-    """What torch's ``_save`` writes through: everything goes to the real writer,
+    """What torch's ``_save`` writes through: every record goes to the record writer,
     except storage records, which were emitted already when first pickled."""
 
-    def __init__(self, writer: Any, emitted: set[str]) -> None:
-        self._writer = writer
+    def __init__(self, records: Any, emitted: set[str]) -> None:
+        self._records = records
         self._emitted = emitted
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
-        self._writer.write_record(name, data, nbytes)
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        if len(data) != nbytes:
+            raise UnsupportedLayoutError(f"record {name}: {len(data)} bytes given for {nbytes}")
+        self._records.add_record(name, data)
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:
         if name not in self._emitted:
@@ -225,7 +298,9 @@ def stream_torch(
     if not _save_signature_ok():
         raise UnsupportedLayoutError("torch.serialization._save has an unknown signature")
     rec = BlockRecorder()
-    writer = torch._C.PyTorchFileWriter(rec, True, alignment)
+    records: Any = (
+        _OurRecords(rec, alignment) if alignment <= 65536 and layout_matches_torch() else _TorchRecords(rec, alignment)
+    )
     payloads: list[_Payload] = []
     emitted: set[str] = set()
     result = StreamResult(file_size=0)
@@ -270,18 +345,11 @@ def stream_torch(
             return
         emitted.add(name)
         n = storage.nbytes()
-        rec.last_hole = None
-        writer.write_record_metadata(name, n)
+        off, crc_field = records.add_payload(name, n)
         if n == 0:
             return
-        hole = rec.last_hole
-        if hole is None or hole[1] != n or hole[0] % alignment:
-            raise UnsupportedLayoutError(f"record {name}: unexpected layout from torch's writer ({hole}, {n} bytes)")
-        off = hole[0]
-        if rec.read_at(off + n, 4) != _DESCRIPTOR_SIG:
-            raise UnsupportedLayoutError(f"record {name}: no data descriptor after the payload")
         keepalive.append(storage)
-        payloads.append(_Payload(name, off, n, host_bytes(storage, keepalive), off + n + 4))
+        payloads.append(_Payload(name, off, n, host_bytes(storage, keepalive), crc_field))
         if batch_bytes and off - state["start"] >= batch_bytes:
             cut(off, final=False)  # everything before this payload is final
 
@@ -292,16 +360,11 @@ def stream_torch(
     # must say what our writer does, or torch.load's calculate_storage_offsets
     # mode would compute wrong offsets. Planners take turns on the config.
     with _CONFIG_LOCK, tconfig.patch({"save.storage_alignment": alignment}), torch.serialization.skip_data():
-        torch.serialization._save(obj, _ZipProxy(writer, emitted), module, torch.serialization.DEFAULT_PROTOCOL, False)
-    writer.write_end_of_file()
+        torch.serialization._save(obj, _ZipProxy(records, emitted), module, torch.serialization.DEFAULT_PROTOCOL, False)
 
     # Central directory CRCs: values of earlier batches now, patches for the rest.
-    cd_fields: dict[str, int] = {}
-    full_names: dict[str, str] = {}
-    for full, entry_off in central_directory_names(rec.read_at, rec.pos, "<torch.save stream>"):
-        short = full.split("/", 1)[1] if "/" in full else full  # torch prefixes "archive/"
-        cd_fields[short] = entry_off + CD_CRC_FIELD
-        full_names[short] = full
+    fields = records.finish()
+    cd_fields = {short: field for short, (_full, field) in fields.items()}
     first_final = state["first_payload"]
     if first_final:
         known = crcs_before_final()
@@ -309,5 +372,5 @@ def stream_torch(
             rec.patch(cd_fields[payloads[k].name], struct.pack("<L", known[k]))
     cut(rec.pos, final=True, cd_fields=cd_fields)
     result.file_size = rec.pos
-    result.names = [full_names[p.name] for p in payloads]
+    result.names = [fields[p.name][0] for p in payloads]
     return result

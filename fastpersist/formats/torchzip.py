@@ -17,15 +17,12 @@ The file is a plain torch zip with storages aligned to the O_DIRECT block size
 
 from __future__ import annotations
 
-import collections
 import inspect
 import logging
 import os
-import pickle
 import sys
 import re
 import struct
-import types
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,6 +30,7 @@ import torch
 
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats.base import WritePlan
+from fastpersist.formats.torchpickle import pick_capture_module
 from fastpersist.formats.zipindex import ZipIndex, buffer_reader, fd_reader, parse_zip_index, read_central_directory
 
 log = logging.getLogger(__name__)
@@ -40,48 +38,6 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- planning
-
-
-#: Exact types that are never storages (torch's persistent_id returns None for them).
-_PLAIN_TYPES = frozenset(
-    {str, bytes, int, float, bool, type(None), tuple, list, dict, collections.OrderedDict, torch.Size, torch.dtype, torch.device}
-)
-
-
-def _capture_module(found: dict[str, torch.UntypedStorage], on_new: Optional[Any] = None) -> Any:
-    """A pickle module for ``torch.save`` whose Pickler records key -> storage.
-
-    torch's ``_save`` subclasses ``pickle_module.Pickler`` and overrides
-    ``persistent_id`` with a method; we wrap the bound method per instance through
-    ``pickle.Pickler``'s C-level ``persistent_id`` attribute, which the C pickler
-    consults, so torch's own logic (storage dedup, keys, dtype checks) is unchanged.
-    """
-
-    class CapturePickler(pickle.Pickler):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            inner = self.persistent_id
-            plain = _PLAIN_TYPES
-
-            def persistent_id(obj: Any) -> Any:
-                # torch's persistent_id answers None for everything but storages; the
-                # pickler asks about every object (~20 per tensor), so skip the
-                # Python frames for the types that dominate a state dict.
-                if type(obj) in plain:
-                    return None
-                pid = inner(obj)
-                if pid is not None and type(pid) is tuple and len(pid) == 5 and pid[0] == "storage":
-                    storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
-                    key = str(pid[2])
-                    if on_new is not None and key not in found:
-                        found[key] = storage
-                        on_new(key, storage)
-                    found[key] = storage
-                return pid
-
-            pickle.Pickler.persistent_id.__set__(self, persistent_id)  # type: ignore[attr-defined]
-
-    return types.SimpleNamespace(__name__="fastpersist_capture", Pickler=CapturePickler, Unpickler=pickle.Unpickler)
 
 
 def _host_bytes(storage: torch.UntypedStorage, keepalive: list[Any]) -> int:
@@ -146,7 +102,7 @@ def _run_stream(obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: A
             emit,
             batch_bytes=batch_bytes,
             host_bytes=_host_bytes,
-            capture_module=lambda on_new: _capture_module({}, on_new),
+            capture_module=pick_capture_module,
             crcs_before_final=crcs,
         )
     except RuntimeError as e:
