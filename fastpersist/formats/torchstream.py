@@ -47,6 +47,8 @@ from fastpersist.formats.zipwriter import MinizLayout, layout_matches_torch, tor
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _CONFIG_LOCK = threading.RLock()
 _BLOCK = 1 << 20
+_PAD_BYTES = bytearray(b"Z" * 65536)
+_PAD_BLOCK = (_PAD_BYTES, torch.frombuffer(_PAD_BYTES, dtype=torch.uint8))
 
 
 class BlockRecorder:
@@ -68,6 +70,7 @@ class BlockRecorder:
         self.runs: list[list[int]] = []
         self._starts: list[int] = []
         self.last_hole: Optional[tuple[int, int]] = None
+        self._pad_index = -1
 
     def _room(self, n: int) -> None:
         if self._cur is None or self._used + n > self._cap:
@@ -95,6 +98,21 @@ class BlockRecorder:
         self._used += n
         self.pos += n
         return n
+
+    def pad(self, n: int) -> None:
+        """Append ``n`` (< 64 KiB) bytes of ``Z``, torch's alignment padding, as a run
+        over one shared read-only block: no copy, no fresh memory to fault in."""
+        if n <= 0:
+            return
+        if n > len(_PAD_BLOCK[0]):
+            raise ValueError(f"padding of {n} bytes is longer than {len(_PAD_BLOCK[0])}")
+        if self._pad_index < 0:
+            self.blocks.append(_PAD_BLOCK)
+            self._pad_index = len(self.blocks) - 1
+            self._cur = None  # the next write starts a fresh block of its own
+        self.runs.append([self.pos, _PAD_BLOCK[1].data_ptr(), n, self._pad_index, 0])
+        self._starts.append(self.pos)
+        self.pos += n
 
     def seek(self, offset: int, whence: int = 0) -> int:
         new = offset if whence == 0 else self.pos + offset if whence == 1 else None

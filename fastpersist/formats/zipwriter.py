@@ -64,7 +64,8 @@ class _Entry:
 
 
 class MinizLayout:
-    """Appends torch-format zip records to ``sink`` (``write(bytes)``, ``seek(n, 1)``, ``tell()``).
+    """Appends torch-format zip records to ``sink`` (``write(bytes)``, ``seek(n, 1)``,
+    ``tell()``, and optionally ``pad(n)``: append ``n`` bytes of ``Z``).
 
     Payloads of :meth:`add_payload` are holes in the sink (a forward seek): their
     bytes and CRC-32s are the native writer's business. ``alignment`` is the
@@ -83,7 +84,8 @@ class MinizLayout:
         self._pending = b""  # the previous record's data descriptor, written with the next header
         self.pos = sink.tell()
 
-    def _header(self, name: bytes, size: int, offset: int) -> bytes:
+    def _header(self, name: bytes, size: int, offset: int) -> tuple[bytes, int]:
+        """The local header up to the padding bytes, and the number of padding bytes."""
         zip64 = b""
         if size >= _MAX32 or offset >= _MAX32:
             body = (struct.pack("<QQ", size, 0) if size >= _MAX32 else b"") + (
@@ -92,9 +94,9 @@ class MinizLayout:
             zip64 = struct.pack("<HH", 1, len(body)) + body
         start = offset + 30 + len(name) + len(zip64) + 4
         pad = -start % self._align
-        extra = zip64 + b"FB" + struct.pack("<H", pad) + _PAD[:pad]
         flags = _FLAGS if size else _FLAGS_EMPTY
-        return _LOCAL.pack(_LOCAL_SIG, 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+        head = _LOCAL.pack(_LOCAL_SIG, 0, flags, 0, 0, 0, 0, 0, 0, len(name), len(zip64) + 4 + pad)
+        return head + name + zip64 + b"FB" + struct.pack("<H", pad), pad
 
     def _descriptor(self, size: int, offset: int, crc: int) -> bytes:
         if size >= _MAX32 or offset >= _MAX32:
@@ -104,13 +106,19 @@ class MinizLayout:
     def _begin(self, short: str, size: int, crc: int) -> tuple[_Entry, int]:
         name = (self._prefix + short).encode("utf-8")
         offset = self.pos + len(self._pending)
-        head = self._header(name, size, offset)
+        head, pad = self._header(name, size, offset)
         self._sink.write(self._pending + head if self._pending else head)
+        if pad:
+            writer_pad = getattr(self._sink, "pad", None)
+            if writer_pad is not None:
+                writer_pad(pad)  # shared padding bytes, no copy
+            else:
+                self._sink.write(_PAD[:pad])
         self._pending = b""
         entry = _Entry(name, offset, size, crc)
         self.entries.append(entry)
         self._written.add(short)
-        self.pos = offset + len(head)
+        self.pos = offset + len(head) + pad
         return entry, self.pos
 
     def add_payload(self, short: str, size: int) -> tuple[int, int]:
