@@ -1,15 +1,16 @@
 """The ``torch.save`` zip format: layout planner, fast reader and verifier.
 
-Planning runs torch's own serializer with ``torch.serialization.skip_data`` into a
-*recorder* (a file-like object that keeps what is written and remembers where the
-writer skipped ahead). The writer emits every header, the pickle and the small
-records, and skips each storage payload with a relative seek, so the recording is
-the exact file minus the payload bytes. A pickle module whose ``Pickler`` watches
-torch's ``persistent_id`` tells which storage each ``data/KEY`` record holds. The
-payload CRCs, which the writer cannot know, become native *patches*: the executor
-computes each payload's CRC while writing it and stores it in the data descriptor
-and in the central directory. No tensor byte is copied during planning (CUDA and
-other non-CPU storages are staged to host memory).
+Planning runs torch's own ``_save`` under ``torch.serialization.skip_data`` with a
+pickle module of :mod:`fastpersist.formats.torchpickle` that reports each storage
+the moment it is named; its record is laid out at once into a *recorder* (a
+file-like object that keeps the headers and leaves each payload as a hole) by
+:mod:`fastpersist.formats.zipwriter`, which writes the bytes torch's zip writer
+would (see :mod:`fastpersist.formats.torchstream`). The recording is the exact
+file minus the payload bytes. The payload CRCs, which are not known while
+planning, become native *patches*: the executor computes each payload's CRC
+while writing it and stores it in the data descriptor and in the central
+directory. No tensor byte is copied during planning (CUDA and other non-CPU
+storages are staged to host memory).
 
 The file is a plain torch zip with storages aligned to the O_DIRECT block size
 (recorded in ``.storage_alignment``): stock ``torch.load`` reads it.

@@ -57,7 +57,7 @@ std::vector<uint32_t> Handle::run(const OpSpec& op) {
   File f = open_target(op.target, op.write, op.truncate, opt_.direct);
   ExecOptions o = opt_;
   o.fsync = op.fsync;
-  o.preallocate = op.write && op.truncate && op.target.fd < 0;
+  o.preallocate = op.write && op.target.fd < 0;
   ExecResult r = op.write ? execute_write(f, op.extents, op.patches, op.nslots, o, pool_, cache_)
                           : execute_read(f, op.extents, op.nslots, o, pool_, cache_);
   {

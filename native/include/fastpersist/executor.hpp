@@ -37,7 +37,7 @@ struct ExecOptions {
   unsigned threads = 2;
   bool direct = true;
   bool fsync = false;
-  bool preallocate = false;  // fallocate the written range first (new files)
+  bool preallocate = false;  // fallocate the written range first (writes to a path)
 };
 
 struct ExecResult {
