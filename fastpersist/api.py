@@ -141,7 +141,9 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
         def write_stream(tmp: str) -> None:
             # A handle of its own: the stream collects its batches with wait().
             handle = _native.Handle(**cfg.handle_kwargs())
-            torchzip.stream_save_torch(obj, tmp, handle, align, fsync=cfg.fsync, batch_bytes=_STREAM_BATCH)
+            torchzip.stream_save_torch(
+                obj, tmp, handle, align, fsync=cfg.fsync, batch_bytes=_STREAM_BATCH, fast=cfg.fast_pickle
+            )
 
         try:
             atomic_write(final, _naming_final(final, write_stream), fsync=cfg.fsync)

@@ -65,6 +65,11 @@ class Config:
         checksum: Check CRC-32s when loading; record them in safetensors metadata when saving
             (torch zip files always carry their zip CRC-32s).
         max_async: Asynchronous saves executed concurrently; later ones queue; >= 1.
+        fast_pickle: Pickle plain tensors and lay out torch zip records with fastpersist's
+            own code, which produces torch's bytes (checked against torch once per
+            process, with torch's own path as the automatic fallback); ``False``:
+            torch's ``Tensor.__reduce_ex__`` and ``PyTorchFileWriter`` (slower when a
+            state has many tensors).
     """
 
     engine: str = "auto"
@@ -76,6 +81,7 @@ class Config:
     fsync: bool = True
     checksum: bool = True
     max_async: int = 2
+    fast_pickle: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -147,7 +153,7 @@ def _validate_field(name: str, value: Any) -> None:
     if name == "engine":
         if value not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {value!r}")
-    elif name in ("direct", "fsync", "checksum"):
+    elif name in ("direct", "fsync", "checksum", "fast_pickle"):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
     else:
@@ -290,6 +296,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "FASTPERSIST_MAX_ASYNC", "max_async", _parse_int, "integer >= 1",
         "Asynchronous saves executed concurrently; later ones queue behind them.",
+    ),
+    EnvVar(
+        "FASTPERSIST_FAST_PICKLE", "fast_pickle", parse_bool, "boolean",
+        "Pickle plain tensors and lay out torch zip records with fastpersist's own code (the "
+        "bytes torch writes; checked against torch's own path once per process, which is used "
+        "instead if they differ). Off: torch's `Tensor.__reduce_ex__` and zip writer, slower "
+        "for states of many tensors.",
     ),
     EnvVar(
         "FASTPERSIST_PATCH_TORCH_SAVE", None, parse_bool, "boolean",

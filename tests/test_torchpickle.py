@@ -543,3 +543,49 @@ def test_saved_data_pkl_equals_torch_save(tmp_path):
     with zipfile.ZipFile(ours) as z:
         assert z.testzip() is None
     _assert_tensors_equal(torch.load(ours, weights_only=True), torch.load(ref, weights_only=True))
+
+
+@pytest.mark.parametrize("how", ["config", "env"])
+def test_fast_pickle_off_uses_torchs_reductions_and_writer(tmp_path, monkeypatch, how):
+    from fastpersist.formats import torchstream, zipwriter
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("fastpersist's own pickling/layout used although fast_pickle is off")
+
+    monkeypatch.setattr(torchpickle, "fast_capture_module", must_not_run)
+    monkeypatch.setattr(torchstream, "_OurRecords", must_not_run)
+    used = []
+    real_records = torchstream._TorchRecords
+
+    def torch_records(*args, **kwargs):
+        used.append(1)
+        return real_records(*args, **kwargs)
+
+    monkeypatch.setattr(torchstream, "_TorchRecords", torch_records)
+    state = _round_trip_state()
+    path = tmp_path / "torchs.pt"
+    if how == "config":
+        fastpersist.save(state, path, config=fastpersist.Config(fast_pickle=False))
+    else:
+        monkeypatch.setenv("FASTPERSIST_FAST_PICKLE", "0")
+        assert fastpersist.Config.from_env().fast_pickle is False
+        fastpersist.save(state, path, config=fastpersist.Config.from_env())
+    assert used
+    stock = torch.load(path, weights_only=True)
+    _assert_tensors_equal(stock, state)
+    monkeypatch.undo()
+    # the fast path writes the same file, serialization id aside
+    fast = tmp_path / "fast.pt"
+    fastpersist.save(state, fast)
+    assert _member(fast, "data.pkl") == _member(path, "data.pkl")
+    a, b = bytearray(path.read_bytes()), bytearray(fast.read_bytes())
+    for data, p in ((a, path), (b, fast)):
+        for off, n in zipwriter.mask_serialization_id(zipwriter_reader(data), len(data)):
+            data[off : off + n] = bytes(n)
+    assert a == b
+
+
+def zipwriter_reader(data):
+    from fastpersist.formats.zipindex import buffer_reader
+
+    return buffer_reader(bytes(data))

@@ -302,6 +302,7 @@ def stream_torch(
     host_bytes: Callable[[torch.UntypedStorage, list[Any]], int],
     capture_module: Callable[..., Any],
     crcs_before_final: Callable[[], dict[int, int]] = dict,
+    fast_layout: bool = True,
 ) -> StreamResult:
     """Serialize ``obj`` with torch's ``_save``, emitting batches of the file as it grows.
 
@@ -310,6 +311,8 @@ def stream_torch(
     pending; 0 means one final batch. Before the final batch,
     ``crcs_before_final()`` must return the CRC of every payload emitted in earlier
     batches (payload index -> crc): they go straight into the central directory.
+    ``fast_layout``: lay out the records with :class:`MinizLayout` when it matches
+    torch's writer here; False: always through torch's ``PyTorchFileWriter``.
     """
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
@@ -317,7 +320,9 @@ def stream_torch(
         raise UnsupportedLayoutError("torch.serialization._save has an unknown signature")
     rec = BlockRecorder()
     records: Any = (
-        _OurRecords(rec, alignment) if alignment <= 65536 and layout_matches_torch() else _TorchRecords(rec, alignment)
+        _OurRecords(rec, alignment)
+        if fast_layout and alignment <= 65536 and layout_matches_torch()
+        else _TorchRecords(rec, alignment)
     )
     payloads: list[_Payload] = []
     emitted: set[str] = set()

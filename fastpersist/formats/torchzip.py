@@ -33,7 +33,7 @@ import torch
 
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats.base import WritePlan
-from fastpersist.formats.torchpickle import pick_capture_module
+from fastpersist.formats.torchpickle import capture_module, pick_capture_module
 from fastpersist.formats.zipindex import ZipIndex, buffer_reader, fd_reader, parse_zip_index, read_central_directory
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def _record_key(name: str) -> Optional[str]:
     return None
 
 
-def plan_torch(obj: Any, alignment: int) -> WritePlan:
+def plan_torch(obj: Any, alignment: int, *, fast: bool = True) -> WritePlan:
     """Lay out ``obj`` as a torch zip file whose storages start at multiples of ``alignment``.
 
     The layout is the streaming one of :mod:`fastpersist.formats.torchstream`
@@ -83,7 +83,7 @@ def plan_torch(obj: Any, alignment: int) -> WritePlan:
     from fastpersist.formats.torchstream import stream_torch
 
     batches: list[Any] = []
-    result = _run_stream(obj, alignment, batches.append, 0, stream_torch)
+    result = _run_stream(obj, alignment, batches.append, 0, stream_torch, fast=fast)
     (b,) = batches
     names = [result.names[k] for k in b.payloads]
     return WritePlan(
@@ -96,7 +96,9 @@ def plan_torch(obj: Any, alignment: int) -> WritePlan:
     )
 
 
-def _run_stream(obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any = dict) -> Any:
+def _run_stream(
+    obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any = dict, fast: bool = True
+) -> Any:
     """``stream_torch`` with this module's capture pickler and host staging.
 
     Python's cyclic garbage collector is paused meanwhile (and restored after):
@@ -106,7 +108,7 @@ def _run_stream(obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: A
     the next collection after the save finds whatever cycles were made.
     """
     with _gc_paused():
-        return _run_stream_inner(obj, alignment, emit, batch_bytes, stream, crcs)
+        return _run_stream_inner(obj, alignment, emit, batch_bytes, stream, crcs, fast)
 
 
 @contextlib.contextmanager
@@ -120,7 +122,9 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _run_stream_inner(obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any) -> Any:
+def _run_stream_inner(
+    obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any, fast: bool
+) -> Any:
     try:
         return stream(
             obj,
@@ -128,8 +132,9 @@ def _run_stream_inner(obj: Any, alignment: int, emit: Any, batch_bytes: int, str
             emit,
             batch_bytes=batch_bytes,
             host_bytes=_host_bytes,
-            capture_module=pick_capture_module,
+            capture_module=pick_capture_module if fast else capture_module,
             crcs_before_final=crcs,
+            fast_layout=fast,
         )
     except RuntimeError as e:
         if "skip_data" in str(e):
@@ -137,7 +142,9 @@ def _run_stream_inner(obj: Any, alignment: int, emit: Any, batch_bytes: int, str
         raise
 
 
-def stream_save_torch(obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool, batch_bytes: int) -> None:
+def stream_save_torch(
+    obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool, batch_bytes: int, fast: bool = True
+) -> None:
     """Write ``obj`` to ``path`` in torch's zip format while it is being pickled.
 
     Batches of ``batch_bytes`` go to the native writer asynchronously as soon as
@@ -169,7 +176,7 @@ def stream_save_torch(obj: Any, path: str, handle: Any, alignment: int, *, fsync
             submitted.append((op, batch.payloads))
 
     try:
-        result = _run_stream(obj, alignment, emit, batch_bytes, stream_torch, collect)
+        result = _run_stream(obj, alignment, emit, batch_bytes, stream_torch, collect, fast)
         del result
     finally:
         if handle.pending():
