@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fastpersist
+from fastpersist.bench.state import iter_tensors
 from fastpersist.formats import torchpickle
 from fastpersist.formats.torchpickle import capture_module, data_pkl, fast_capture_module
 
@@ -437,21 +438,8 @@ def _round_trip_state():
     return state
 
 
-def _flat_tensors(obj, prefix="", out=None):
-    out = {} if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _flat_tensors(v, f"{prefix}/{k}", out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _flat_tensors(v, f"{prefix}/{i}", out)
-    return out
-
-
 def _assert_tensors_equal(got, want):
-    g, w = _flat_tensors(got), _flat_tensors(want)
+    g, w = dict(iter_tensors(got)), dict(iter_tensors(want))
     assert g.keys() == w.keys()
     for k in w:
         assert g[k].dtype == w[k].dtype, k
