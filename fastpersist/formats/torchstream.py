@@ -247,7 +247,7 @@ class _OurRecords:
     """Records laid out by :class:`~fastpersist.formats.zipwriter.MinizLayout` (same bytes, no callbacks)."""
 
     def __init__(self, rec: BlockRecorder, alignment: int) -> None:
-        self._layout = MinizLayout(rec, alignment, _version_record())
+        self._layout = MinizLayout(rec, alignment, torch_version_record())
 
     def add_payload(self, name: str, n: int) -> tuple[int, int]:
         return self._layout.add_payload(name, n)
@@ -262,15 +262,6 @@ class _OurRecords:
             full = e.name.decode("utf-8")
             out[full.split("/", 1)[1]] = (full, e.cd_crc_field)
         return out
-
-
-_VERSION: list[bytes] = []
-
-
-def _version_record() -> bytes:
-    if not _VERSION:
-        _VERSION.append(torch_version_record())
-    return _VERSION[0]
 
 
 class _ZipProxy:

@@ -24,6 +24,7 @@ record aside, and the planner only uses this module when they agree.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import struct
@@ -198,8 +199,9 @@ class MinizLayout:
         return b"%020d%020d" % (int.from_bytes(h.digest(), "little") % 10**20, pkl_crc)
 
 
+@functools.cache
 def torch_version_record() -> bytes:
-    """The ``version`` record torch's writer produces (``b"3\\n"`` for torch 2.x)."""
+    """The ``version`` record torch's writer produces (``b"3\\n"`` for torch 2.x; computed once)."""
     import torch
 
     buf = io.BytesIO()
