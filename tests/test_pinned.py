@@ -306,3 +306,21 @@ def test_as_bytes_cuda() -> None:
     b = fio.as_bytes(t)
     assert b.is_cuda and b.data_ptr() == t.data_ptr()
     assert b.cpu().numpy().tobytes() == t.cpu().numpy().tobytes()
+
+
+def test_program_exiting_with_loaded_tensors_alive_prints_no_leak_report(tmp_path):
+    # Loaded tensors are views of a PinnedBuffer; a script that still holds them at
+    # exit must not get nanobind's "leaked instances" report on stderr.
+    script = (
+        "import torch, fastpersist\n"
+        f"path = {str(tmp_path / 'x.pt')!r}\n"
+        "fastpersist.save({'w': torch.arange(1000.0), 'b': torch.ones(3)}, path)\n"
+        "state = fastpersist.load(path)\n"
+        "view = fastpersist.io.as_bytes(state['w'])\n"
+        "assert torch.equal(state['w'], torch.arange(1000.0))\n"
+        "print('OK')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "OK"
+    assert "leak" not in res.stderr, res.stderr

@@ -128,6 +128,14 @@ NB_MODULE(_native, m) {
   m.doc() = "fastpersist native core (engines, executor, pinned memory). See _native.pyi.";
   m.attr("__version__") = "0.1.0";
   m.attr("ENGINES") = nb::make_tuple("aio", "psync", "cufile");
+  // Tensors returned by fastpersist.load are views of a PinnedBuffer; a script that
+  // still holds them when Python exits keeps the buffer alive through interpreter
+  // teardown, which nanobind would report as "leaked instances" on stderr of every
+  // such program. That is expected lifetime, not a leak. Debug builds can define
+  // FASTPERSIST_LEAK_WARNINGS to get nanobind's report back.
+#ifndef FASTPERSIST_LEAK_WARNINGS
+  nb::set_leak_warnings(false);
+#endif
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
