@@ -81,6 +81,7 @@ class Handle:
         threads: int = 2,            # fill/copy worker threads (and psync I/O threads)
         direct: bool = True,         # use O_DIRECT when the filesystem allows it
         max_async: int = 2,          # async ops executed concurrently; others queue
+        stage_reads: bool = False,   # reads: every chunk through the staging ring, then copied out
     ) -> None: ...
     @property
     def engine(self) -> str: ...        # as requested ("auto" stays "auto")
@@ -92,6 +93,8 @@ class Handle:
     def threads(self) -> int: ...
     @property
     def direct(self) -> bool: ...
+    @property
+    def stage_reads(self) -> bool: ...
     @property
     def last_engine(self) -> str: ...   # engine actually used by the last completed op ("aio", "psync", "psync-buffered")
 

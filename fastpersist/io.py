@@ -327,6 +327,9 @@ class IOHandle:
         direct: use O_DIRECT where the filesystem accepts it; where it refuses
             (tmpfs, some network filesystems) the engine falls back to buffered I/O.
         max_async: async operations executed concurrently; later ones queue.
+        stage_reads: reads land in a staging buffer and are copied out, even when
+            they could go straight into the destination (see
+            :attr:`fastpersist.Config.read_staging`; :meth:`from_config` resolves it).
 
     Files: a path given to :meth:`pwrite` is opened with ``O_CREAT | O_TRUNC``,
     i.e. **truncated** first, unless ``truncate=False`` (then it is created if
@@ -355,6 +358,7 @@ class IOHandle:
         direct: bool = True,
         *,
         max_async: int = 2,
+        stage_reads: bool = False,
     ) -> None:
         _check_positive_int("queue_depth", queue_depth)
         _check_positive_int("threads", threads)
@@ -371,6 +375,7 @@ class IOHandle:
             threads=threads,
             direct=direct,
             max_async=max_async,
+            stage_reads=stage_reads,
         )
 
     @classmethod
@@ -382,6 +387,7 @@ class IOHandle:
         cfg = _config.get_default() if config is None else config
         kw = dict(cfg.handle_kwargs())
         kw["block_size"] = kw.pop("chunk_size")
+        kw["stage_reads"] = cfg.stages_reads()
         return cls(**kw)
 
     # -- settings ------------------------------------------------------------------
@@ -395,6 +401,11 @@ class IOHandle:
     def last_engine(self) -> str:
         """Engine that ran the last completed op: ``"aio"``, ``"psync"``, ``"psync-buffered"``..."""
         return str(self._h.last_engine)
+
+    @property
+    def stage_reads(self) -> bool:
+        """Whether reads go through the staging buffers (copied out) instead of straight to their destination."""
+        return bool(self._h.stage_reads)
 
     @property
     def block_size(self) -> int:

@@ -581,7 +581,10 @@ def _load_overlapped(
     buf = _file_buffer(path, size, False)
     slotted = predicted if checksum else []
     extents = _whole_file_extents(buf.ptr, size, slotted)
-    reader_handle = _native.Handle(handle.engine, handle.chunk_size, handle.queue_depth, handle.threads, handle.direct)
+    reader_handle = _native.Handle(
+        handle.engine, handle.chunk_size, handle.queue_depth, handle.threads, handle.direct,
+        stage_reads=handle.stage_reads,
+    )
     reader_handle.submit_read(path, extents, len(slotted))
     data = torch.frombuffer(buf, dtype=torch.uint8, count=size)
     try:

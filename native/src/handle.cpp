@@ -29,7 +29,7 @@ File open_target(const Target& t, bool write, bool truncate, bool direct) {
 }  // namespace
 
 Handle::Handle(std::string engine, size_t chunk_size, unsigned queue_depth, unsigned threads,
-               bool direct, unsigned max_async)
+               bool direct, unsigned max_async, bool stage_reads)
     : pool_(std::max(threads, 1u)), cache_(round_chunk(chunk_size)) {
   if (engine != "auto" && engine != "aio" && engine != "psync" && engine != "cufile") {
     throw ArgError("engine must be 'auto', 'aio', 'psync' or 'cufile', not '" + engine + "'");
@@ -40,6 +40,7 @@ Handle::Handle(std::string engine, size_t chunk_size, unsigned queue_depth, unsi
   opt_.queue_depth = queue_depth;
   opt_.threads = std::max(threads, 1u);
   opt_.direct = direct;
+  opt_.stage_reads = stage_reads;
   for (unsigned i = 0; i < std::max(max_async, 1u); ++i) workers_.emplace_back([this] { worker(); });
 }
 

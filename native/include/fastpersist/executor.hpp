@@ -38,6 +38,11 @@ struct ExecOptions {
   bool direct = true;
   bool fsync = false;
   bool preallocate = false;  // fallocate the written range first (writes to a path)
+  // Reads: land every chunk in a staging buffer of the ring and copy it out, even
+  // when it could go straight to its destination. Under a hypervisor the host's
+  // copy into guest memory is far faster into a small, reused ring than into a
+  // multi-GiB destination (docs/benchmarks.md, "Staged reads").
+  bool stage_reads = false;
 };
 
 struct ExecResult {

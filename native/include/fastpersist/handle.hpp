@@ -35,7 +35,7 @@ struct OpSpec {
 class Handle {
  public:
   Handle(std::string engine, size_t chunk_size, unsigned queue_depth, unsigned threads,
-         bool direct, unsigned max_async);
+         bool direct, unsigned max_async, bool stage_reads = false);
   ~Handle();
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
@@ -52,6 +52,7 @@ class Handle {
   unsigned queue_depth() const { return opt_.queue_depth; }
   unsigned threads() const { return opt_.threads; }
   bool direct() const { return opt_.direct; }
+  bool stage_reads() const { return opt_.stage_reads; }
   std::string last_engine();
 
  private:
