@@ -29,8 +29,8 @@ def _fresh_default(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_defaults() -> None:
     assert Config() == Config(
-        engine="auto", chunk_size=8 << 20, queue_depth=8, read_queue_depth=16, threads=2, direct=True, fsync=True,
-        checksum=True, max_async=2,
+        engine="auto", chunk_size=8 << 20, queue_depth=8, read_queue_depth=16, read_staging="auto", threads=2,
+        direct=True, fsync=True, checksum=True, max_async=2,
     )
 
 
@@ -46,6 +46,8 @@ def test_defaults() -> None:
         ({"max_async": 0}, "max_async"),
         ({"engine": "uring"}, "engine"),
         ({"engine": "AIO"}, "engine"),
+        ({"read_staging": "yes"}, "read_staging"),
+        ({"read_staging": True}, "read_staging"),
     ],
 )
 def test_invalid_values_are_refused(changes: dict, message: str) -> None:
@@ -84,6 +86,50 @@ def test_handle_kwargs_build_a_native_handle() -> None:
     assert (h.engine, h.chunk_size, h.queue_depth, h.threads, h.direct) == ("psync", 1 << 20, 4, 3, False)
     reader = native.Handle(**cfg.replace(read_queue_depth=6).handle_kwargs(read=True))
     assert (reader.engine, reader.queue_depth, reader.threads) == ("psync", 6, 3)
+    for mode, staged in (("on", True), ("off", False)):
+        kw = cfg.replace(read_staging=mode).handle_kwargs(read=True)
+        assert kw["stage_reads"] is staged and native.Handle(**kw).stage_reads is staged
+    assert "stage_reads" not in cfg.replace(read_staging="on").handle_kwargs()  # writers never stage reads
+
+
+@pytest.mark.parametrize("hypervisor", [True, False])
+def test_auto_read_staging_follows_the_hypervisor_flag(monkeypatch: pytest.MonkeyPatch, hypervisor: bool) -> None:
+    monkeypatch.setattr(fpconfig, "under_hypervisor", lambda: hypervisor)
+    assert Config().stages_reads() is hypervisor
+    assert Config().handle_kwargs(read=True)["stage_reads"] is hypervisor
+    assert Config(read_staging="on").stages_reads() is True
+    assert Config(read_staging="off").stages_reads() is False
+
+
+KVM_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge hypervisor lahf_lm abm
+bugs\t\t: spectre_v1
+
+processor\t: 1
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge hypervisor lahf_lm abm
+"""
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        (KVM_CPUINFO, True),
+        (KVM_CPUINFO.replace(" hypervisor", ""), False),
+        ("flags\t\t: fpu hypervisorx vme\n", False),  # whole words only
+        ("model name\t: hypervisor edition\nflags\t: fpu\n", False),  # only the flags line counts
+        ("", False),  # no /proc/cpuinfo (or not Linux)
+        ("Features\t: fp asimd evtstrm\n", False),  # arm64 has no such flag
+    ],
+)
+def test_cpu_flags_say_hypervisor(text: str, expected: bool) -> None:
+    assert fpconfig.cpu_flags_say_hypervisor(text) is expected
+
+
+def test_under_hypervisor_reads_this_machine() -> None:
+    with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+        expected = fpconfig.cpu_flags_say_hypervisor(f.read())
+    assert fpconfig.under_hypervisor() is expected
 
 
 # ---------------------------------------------------------------------------
@@ -137,11 +183,20 @@ def test_every_variable_applies() -> None:
         "FASTPERSIST_FSYNC": "no",
         "FASTPERSIST_CHECKSUM": "0",
         "FASTPERSIST_MAX_ASYNC": "3",
+        "FASTPERSIST_READ_STAGING": "Off",
     }
     assert Config.from_env(environ=env) == Config(
-        engine="psync", chunk_size=1 << 20, queue_depth=16, read_queue_depth=32, threads=4, direct=False, fsync=False,
-        checksum=False, max_async=3,
+        engine="psync", chunk_size=1 << 20, queue_depth=16, read_queue_depth=32, read_staging="off", threads=4,
+        direct=False, fsync=False, checksum=False, max_async=3,
     )
+
+
+@pytest.mark.parametrize(
+    "raw,expected", [("auto", "auto"), (" AUTO ", "auto"), ("on", "on"), ("1", "on"), ("true", "on"), ("off", "off"),
+                     ("0", "off"), ("no", "off")],
+)
+def test_read_staging_spellings(raw: str, expected: str) -> None:
+    assert Config.from_env(environ={"FASTPERSIST_READ_STAGING": raw}).read_staging == expected
 
 
 def test_unset_or_empty_keeps_base() -> None:
@@ -166,6 +221,7 @@ def test_unset_or_empty_keeps_base() -> None:
         ("FASTPERSIST_FSYNC", "2"),
         ("FASTPERSIST_CHECKSUM", "y"),
         ("FASTPERSIST_MAX_ASYNC", "0"),
+        ("FASTPERSIST_READ_STAGING", "sometimes"),
     ],
 )
 def test_invalid_variable_names_variable_and_value(var: str, raw: str) -> None:
@@ -291,3 +347,31 @@ def test_loads_and_verify_use_the_read_queue_depth(tmp_path, monkeypatch: pytest
     assert torch.equal(fastpersist.load(path, config=cfg)["w"], state["w"])
     assert fastpersist.verify(path, config=cfg).ok
     assert made and set(made) == {5}
+
+
+@pytest.mark.parametrize("mode,staged", [("on", True), ("off", False)])
+def test_loads_and_verify_honour_read_staging(tmp_path, monkeypatch: pytest.MonkeyPatch, mode: str, staged: bool) -> None:
+    native = pytest.importorskip("fastpersist._native", reason="native extension not built")
+    import torch
+
+    import fastpersist
+    from fastpersist import api
+
+    made: list[bool] = []
+    real = native.Handle
+
+    def recording_handle(*args, **kwargs):
+        h = real(*args, **kwargs)
+        made.append(h.stage_reads)
+        return h
+
+    cfg = Config(read_staging=mode, chunk_size=64 << 10)
+    path = tmp_path / "c.pt"
+    state = {"w": torch.arange(100_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
+    fastpersist.save(state, path, config=cfg)
+    monkeypatch.setattr(native, "Handle", recording_handle)
+    monkeypatch.setattr(api, "_handles", {})
+    got = fastpersist.load(path, config=cfg)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    assert fastpersist.verify(path, config=cfg).ok
+    assert made and set(made) == {staged}  # also the overlapped loader's own reader handle
