@@ -525,3 +525,13 @@ def test_run_io_bench_records_an_unusable_engine(tmp_path) -> None:
     (run,) = res.runs
     assert run.error and "bogus" in run.error and not run.write_s
     assert res.best() == (None, None)
+
+
+def test_describe_engine_names_the_read_path() -> None:
+    from fastpersist import Config
+    from fastpersist.bench.save_bench import describe_engine
+
+    assert "(reads 16, staged)" in describe_engine(Config(read_staging="on"))
+    assert "(reads 4, zero-copy)" in describe_engine(Config(read_staging="off", read_queue_depth=4))
+    auto = describe_engine(Config())
+    assert ("staged, read_staging auto" in auto) is Config().stages_reads()

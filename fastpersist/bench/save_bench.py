@@ -269,11 +269,17 @@ def describe_engine(config: Any = None) -> str:
         return f"unavailable ({exc})"
     settings = (
         f"(available: {', '.join(avail)}), chunk {cfg.chunk_size >> 10} KiB, queue depth {cfg.queue_depth} "
-        f"(reads {cfg.read_queue_depth}), threads {cfg.threads}, direct {'on' if cfg.direct else 'off'}"
+        f"(reads {cfg.read_queue_depth}, {_staging_text(cfg)}), threads {cfg.threads}, "
+        f"direct {'on' if cfg.direct else 'off'}"
     )
     if cfg.engine == "auto":
         return f"auto -> psync {settings}"
     return f"{cfg.engine} {settings}"
+
+
+def _staging_text(cfg: Any) -> str:
+    mode = "staged" if cfg.stages_reads() else "zero-copy"
+    return f"{mode}, read_staging {cfg.read_staging}" if cfg.read_staging == "auto" else mode
 
 
 def build_workload(size: int, small_tensors: Optional[int], seed: int) -> tuple[Any, dict[str, Any]]:
