@@ -96,7 +96,8 @@ class Config:
             (``O_DIRECT`` DMA, no copy); ``"on"``: through a ring of
             ``read_queue_depth`` staging buffers of ``chunk_size`` bytes, copied out by
             the worker threads; ``"auto"`` (default): ``"on"`` under a hypervisor
-            (:func:`under_hypervisor`), ``"off"`` on bare metal.
+            (:func:`under_hypervisor`), ``"off"`` on bare metal. Only ``O_DIRECT``
+            reads are staged (a buffered read already copies out of the page cache).
         threads: Worker threads that fill staging buffers (and do the I/O for ``psync``); >= 1.
         direct: Use ``O_DIRECT`` where the filesystem accepts it (bypasses the page cache).
         fsync: ``fsync`` the file and its directory before a save is reported complete.
@@ -347,7 +348,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "threads. `auto`: `on` under a hypervisor (the `hypervisor` flag in /proc/cpuinfo), "
         "where the host copies a virtual disk's data into guest memory and that copy was 1.45x "
         "faster into a small reused ring than into a multi-GiB destination on the reference VM "
-        "(docs/benchmarks.md, \"Staged reads\"); `off` on bare metal.",
+        "(docs/benchmarks.md, \"Staged reads\"); `off` on bare metal. Only O_DIRECT reads are "
+        "staged: a buffered read is already a copy out of the page cache.",
     ),
     EnvVar(
         "FASTPERSIST_THREADS", "threads", _parse_int, "integer >= 1",

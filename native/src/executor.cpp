@@ -522,7 +522,7 @@ ExecResult execute_read(const File& f, const std::vector<Extent>& extents, int n
       c.need_end = std::min<uint64_t>(o + c.len, re);
       while (k < j && extents[k].off + extents[k].len <= o) ++k;
       c.ext_begin = k;
-      c.zero_copy = !opt.stage_reads && maps_contiguously(extents, k, o, o + c.len) &&
+      c.zero_copy = !(opt.stage_reads && direct) && maps_contiguously(extents, k, o, o + c.len) &&
                     sys::aligned(extents[k].ptr + (o - extents[k].off), a);
       chunks.push_back(c);
     }

@@ -41,7 +41,8 @@ struct ExecOptions {
   // Reads: land every chunk in a staging buffer of the ring and copy it out, even
   // when it could go straight to its destination. Under a hypervisor the host's
   // copy into guest memory is far faster into a small, reused ring than into a
-  // multi-GiB destination (docs/benchmarks.md, "Staged reads").
+  // multi-GiB destination (docs/benchmarks.md, "Staged reads"). Only O_DIRECT
+  // reads are staged: a buffered read is a copy out of the page cache already.
   bool stage_reads = false;
 };
 
