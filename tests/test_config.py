@@ -321,23 +321,31 @@ def test_markdown_command_prints_the_page() -> None:
     assert out.stdout == fpconfig.markdown()
 
 
-def test_loads_and_verify_use_the_read_queue_depth(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _record_new_handles(monkeypatch: pytest.MonkeyPatch, prop: str) -> list:
+    """From now on, every native Handle made appends its ``prop`` to the returned
+    list (and fastpersist's cache of handles starts empty)."""
     native = pytest.importorskip("fastpersist._native", reason="native extension not built")
-    import torch
-
-    import fastpersist
     from fastpersist import api
 
-    made: list[int] = []
+    made: list = []
     real = native.Handle
 
     def recording_handle(*args, **kwargs):
         h = real(*args, **kwargs)
-        made.append(h.queue_depth)
+        made.append(getattr(h, prop))
         return h
 
     monkeypatch.setattr(native, "Handle", recording_handle)
     monkeypatch.setattr(api, "_handles", {})
+    return made
+
+
+def test_loads_and_verify_use_the_read_queue_depth(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    import fastpersist
+
+    made = _record_new_handles(monkeypatch, "queue_depth")
     cfg = Config(queue_depth=3, read_queue_depth=5, chunk_size=64 << 10)
     path = tmp_path / "c.pt"
     state = {"w": torch.arange(100_000, dtype=torch.float32)}
@@ -351,26 +359,15 @@ def test_loads_and_verify_use_the_read_queue_depth(tmp_path, monkeypatch: pytest
 
 @pytest.mark.parametrize("mode,staged", [("on", True), ("off", False)])
 def test_loads_and_verify_honour_read_staging(tmp_path, monkeypatch: pytest.MonkeyPatch, mode: str, staged: bool) -> None:
-    native = pytest.importorskip("fastpersist._native", reason="native extension not built")
     import torch
 
     import fastpersist
-    from fastpersist import api
-
-    made: list[bool] = []
-    real = native.Handle
-
-    def recording_handle(*args, **kwargs):
-        h = real(*args, **kwargs)
-        made.append(h.stage_reads)
-        return h
 
     cfg = Config(read_staging=mode, chunk_size=64 << 10)
     path = tmp_path / "c.pt"
     state = {"w": torch.arange(100_000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)}
     fastpersist.save(state, path, config=cfg)
-    monkeypatch.setattr(native, "Handle", recording_handle)
-    monkeypatch.setattr(api, "_handles", {})
+    made = _record_new_handles(monkeypatch, "stage_reads")
     got = fastpersist.load(path, config=cfg)
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
     assert fastpersist.verify(path, config=cfg).ok
