@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-depths", type=_ints, default=[4, 8, 16], help="I/Os in flight (default: 4,8,16)")
     p.add_argument("--threads", type=_ints, default=[1, 2], help="worker threads (default: 1,2)")
     p.add_argument("--direct", choices=("on", "off", "both"), default="on", help="O_DIRECT (default: on)")
+    p.add_argument("--read-staging", choices=("auto", "on", "off", "both"), default="auto",
+                   help="reads through the staging ring and copied out (on), straight into the destination "
+                   "(off), both, or what loads do on this machine (auto, the default; see read_staging in "
+                   "docs/config.md)")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per configuration (default: 3)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
     p.add_argument("--no-fio", action="store_true", help="do not measure fio's ceiling")
@@ -226,9 +230,11 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
     if bad:
         raise UsageError(f"--engines: unknown engine(s) {', '.join(bad)} (use aio, psync, cufile, auto)")
     direct = {"on": [True], "off": [False], "both": [True, False]}[args.direct]
+    staging = {"auto": None, "on": [True], "off": [False], "both": [False, True]}[args.read_staging]
     result = run_io_bench(
         args.dir, size=args.size, engines=args.engines, block_sizes=args.block_sizes,
-        queue_depths=args.queue_depths, threads=args.threads, direct_modes=direct, repeat=args.repeat,
+        queue_depths=args.queue_depths, threads=args.threads, direct_modes=direct, stage_modes=staging,
+        repeat=args.repeat,
         fio=not args.no_fio, progress=not args.no_progress,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout

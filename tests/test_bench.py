@@ -492,14 +492,15 @@ def test_run_io_bench(tmp_path) -> None:
     engines = _cpu_engines()
     res = run_io_bench(
         str(tmp_path), size=2 * MiB + 4096, engines=engines, block_sizes=(MiB,), queue_depths=(2, 4),
-        threads=(1, 2), direct_modes=(True, False), repeat=2, fio=HAVE_FIO,
+        threads=(1, 2), direct_modes=(True, False), stage_modes=(False, True), repeat=2, fio=HAVE_FIO,
         fio_block_sizes=(MiB,), fio_iodepths=(4,), progress=False,
     )
     d = json.loads(json.dumps(res.to_dict()))
     assert d["benchmark"] == "io" and d["size_bytes"] == 2 * MiB + 4096
-    assert len(d["runs"]) == len(engines) * 2 * 2 * 2
-    assert {(r["engine"], r["direct"], r["queue_depth"], r["threads"]) for r in d["runs"]} == {
-        (e, dio, q, t) for e in engines for dio in (True, False) for q in (2, 4) for t in (1, 2)
+    assert len(d["runs"]) == len(engines) * 2 * 2 * 2 * 2
+    assert {(r["engine"], r["direct"], r["queue_depth"], r["threads"], r["stage_reads"]) for r in d["runs"]} == {
+        (e, dio, q, t, s) for e in engines for dio in (True, False) for q in (2, 4) for t in (1, 2)
+        for s in (False, True)
     }
     for r in d["runs"]:
         assert r["error"] is None, r
@@ -517,6 +518,20 @@ def test_run_io_bench(tmp_path) -> None:
     png = str(tmp_path / "io.png")
     plot_io(res, png)
     _assert_png(png)
+
+
+@pytest.mark.parametrize("mode,staged", [("on", True), ("off", False)])
+def test_run_io_bench_reads_like_loads_by_default(tmp_path, mode, staged) -> None:
+    from fastpersist import config as fpconfig
+
+    with fpconfig.override(read_staging=mode):
+        res = run_io_bench(str(tmp_path), size=MiB, engines=("psync",), block_sizes=(MiB,), queue_depths=(2,),
+                           threads=(1,), repeat=1, fio=False, progress=False)
+    (run,) = res.runs
+    assert run.config.stage_reads is staged and run.verified is True
+    out = io.StringIO()
+    print_io_report(res, out)
+    assert f"reads {'staged' if staged else 'direct'}" in out.getvalue()
 
 
 def test_run_io_bench_records_an_unusable_engine(tmp_path) -> None:

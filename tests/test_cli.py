@@ -159,6 +159,7 @@ def test_verify_directory_is_a_usage_error(tmp_path) -> None:
         ["bench", "save", "--dir", ".", "--repeat", "0"],
         ["bench", "io", "--dir", ".", "--block-sizes", "1000"],
         ["bench", "io", "--dir", ".", "--direct", "maybe"],
+        ["bench", "io", "--dir", ".", "--read-staging", "sometimes"],
         ["bench", "io", "--dir", ".", "--queue-depths", "4,x"],
     ],
 )
@@ -241,7 +242,7 @@ def test_bench_io_smoke(tmp_path, capsys) -> None:
     work = tmp_path / "disk"
     work.mkdir()
     argv = ["bench", "io", "--dir", str(work), "--size", "2MiB", "--engines", engines, "--block-sizes", "1M",
-            "--queue-depths", "4", "--threads", "1,2", "--direct", "both", "--repeat", "1",
+            "--queue-depths", "4", "--threads", "1,2", "--direct", "both", "--read-staging", "both", "--repeat", "1",
             "--json", js, "--plot", png, "--no-progress"]
     if not fio_executable():
         argv.append("--no-fio")
@@ -251,7 +252,8 @@ def test_bench_io_smoke(tmp_path, capsys) -> None:
     with open(js, encoding="utf-8") as f:
         data = json.load(f)
     assert data["benchmark"] == "io" and data["size_bytes"] == 2 * MiB
-    assert len(data["runs"]) == len(engines.split(",")) * 2 * 2
+    assert len(data["runs"]) == len(engines.split(",")) * 2 * 2 * 2
+    assert sorted(r["stage_reads"] for r in data["runs"]).count(True) == len(data["runs"]) // 2
     for r in data["runs"]:
         assert r["error"] is None and r["verified"] is True
         assert r["write_gbps"][0] > 0 and r["read_gbps"][0] > 0

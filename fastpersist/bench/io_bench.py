@@ -1,6 +1,7 @@
 """Raw I/O benchmark (like DeepSpeed's ``ds_io``): one large file, every engine setting.
 
-For each configuration (engine x block size x queue depth x threads x O_DIRECT)
+For each configuration (engine x block size x queue depth x threads x O_DIRECT x
+staged reads)
 one ``size``-byte file is written from a pinned host tensor through
 :class:`fastpersist.io.IOHandle` (the write includes the file's ``fsync``), its
 pages are dropped from the page cache (``posix_fadvise DONTNEED``), and it is
@@ -40,6 +41,7 @@ class IOConfig:
     queue_depth: int
     threads: int
     direct: bool
+    stage_reads: bool = False  #: reads through the staging ring, copied out (``Config.read_staging``)
 
 
 @dataclass
@@ -131,11 +133,14 @@ def io_configs(
     queue_depths: Sequence[int],
     threads: Sequence[int],
     direct_modes: Sequence[bool],
+    stage_modes: Sequence[bool] = (False,),
 ) -> list[IOConfig]:
     """Cartesian product of the settings, in a stable order."""
     return [
-        IOConfig(engine=e, block_size=bs, queue_depth=qd, threads=t, direct=d)
-        for e, d, bs, qd, t in itertools.product(engines, direct_modes, block_sizes, queue_depths, threads)
+        IOConfig(engine=e, block_size=bs, queue_depth=qd, threads=t, direct=d, stage_reads=s)
+        for e, d, bs, qd, t, s in itertools.product(
+            engines, direct_modes, block_sizes, queue_depths, threads, stage_modes
+        )
     ]
 
 
@@ -168,6 +173,7 @@ def _one_config(
             queue_depth=cfg.queue_depth,
             threads=cfg.threads,
             direct=cfg.direct,
+            stage_reads=cfg.stage_reads,
         )
         directory = os.path.dirname(path)
         for i in range(repeat):
@@ -204,6 +210,7 @@ def run_io_bench(
     queue_depths: Sequence[int] = (4, 8, 16),
     threads: Sequence[int] = (1, 2),
     direct_modes: Sequence[bool] = (True,),
+    stage_modes: Optional[Sequence[bool]] = None,
     repeat: int = 3,
     fio: bool = True,
     fio_block_sizes: Sequence[int] = fio_mod.DEFAULT_BLOCK_SIZES,
@@ -215,14 +222,20 @@ def run_io_bench(
 
     A configuration that fails (e.g. an engine this machine lacks) is recorded
     with its error and the sweep goes on. ``fio=False`` skips the fio ceiling.
-    Files are created in ``directory`` and removed afterwards.
+    ``stage_modes``: whether reads are staged (each value a sweep axis); ``None``:
+    what loads do here (:meth:`fastpersist.Config.stages_reads` of the default
+    configuration). Files are created in ``directory`` and removed afterwards.
     """
     if size <= 0:
         raise ValueError(f"size must be positive, got {size}")
     if repeat <= 0:
         raise ValueError(f"repeat must be positive, got {repeat}")
     machine = collect_machine_info(directory)
-    configs = io_configs(engines, block_sizes, queue_depths, threads, direct_modes)
+    if stage_modes is None:
+        from fastpersist.config import get_default
+
+        stage_modes = (get_default().stages_reads(),)
+    configs = io_configs(engines, block_sizes, queue_depths, threads, direct_modes, stage_modes)
     if not configs:
         raise ValueError("no configuration to run (empty engine/block size/queue depth/thread list)")
     from fastpersist.io import pinned_empty
@@ -239,7 +252,7 @@ def run_io_bench(
         for cfg in configs:
             bar.set_description(
                 f"{cfg.engine} bs={cfg.block_size >> 10}K qd={cfg.queue_depth} t={cfg.threads} "
-                f"{'direct' if cfg.direct else 'buffered'}"
+                f"{'direct' if cfg.direct else 'buffered'}{' staged' if cfg.stage_reads else ''}"
             )
             before = bar.n
             run = _one_config(cfg, path, src, dst, repeat, lambda: bar.update(1))

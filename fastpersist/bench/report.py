@@ -156,7 +156,7 @@ def print_io_report(result: IOBenchResult, out: Optional[TextIO] = None) -> None
     for r in d["runs"]:
         name = r["engine"] if r["engine_used"] in (None, r["engine"]) else f"{r['engine']} ({r['engine_used']})"
         cfg = [name, format_block(r["block_size"]), str(r["queue_depth"]), str(r["threads"]),
-               "on" if r["direct"] else "off"]
+               "on" if r["direct"] else "off", "staged" if r["stage_reads"] else "direct"]
         if r["error"] and not r["write_seconds"]:
             rows.append(cfg + ["-", "-", "-", "-", "-", "-", "failed"])
             continue
@@ -167,10 +167,10 @@ def print_io_report(result: IOBenchResult, out: Optional[TextIO] = None) -> None
         ])
     if result.fio is not None and (result.fio.write_gbps or result.fio.read_gbps):
         f = result.fio
-        rows.append(["fio (ceiling)", "", "", "", "on" if (f.best_write and f.best_write.direct) else "",
+        rows.append(["fio (ceiling)", "", "", "", "on" if (f.best_write and f.best_write.direct) else "", "",
                      "", _num(f.write_gbps), "1.00x" if f.write_gbps else "-",
                      "", _num(f.read_gbps), "1.00x" if f.read_gbps else "-", ""])
-    headers = ["engine", "block", "qd", "threads", "O_DIRECT", "write GB/s (runs)", "write median",
+    headers = ["engine", "block", "qd", "threads", "O_DIRECT", "reads", "write GB/s (runs)", "write median",
                "vs fio", "read GB/s (runs)", "read median", "vs fio", "data"]
     render_table("Write (incl. fsync) / cold read of one file", headers, rows, out)
     _print_fio(result.fio, out)
@@ -178,14 +178,15 @@ def print_io_report(result: IOBenchResult, out: Optional[TextIO] = None) -> None
         if r.error:
             c = r.config
             print(f"Error      : {c.engine} block {format_block(c.block_size)} qd {c.queue_depth} "
-                  f"threads {c.threads} direct {'on' if c.direct else 'off'}: {r.error}", file=out)
+                  f"threads {c.threads} direct {'on' if c.direct else 'off'}"
+                  f"{' staged' if c.stage_reads else ''}: {r.error}", file=out)
     best_w, best_r = result.best()
     if best_w is not None and best_r is not None:
         c, e = best_w.config, best_r.config
         print(f"Best write : {best_w.write_median_gbps:.2f} GB/s with {c.engine}, block {format_block(c.block_size)}, "
               f"qd {c.queue_depth}, threads {c.threads}", file=out)
         print(f"Best read  : {best_r.read_median_gbps:.2f} GB/s with {e.engine}, block {format_block(e.block_size)}, "
-              f"qd {e.queue_depth}, threads {e.threads}", file=out)
+              f"qd {e.queue_depth}, threads {e.threads}, reads {'staged' if e.stage_reads else 'direct'}", file=out)
     for note in result.notes:
         print(f"Note       : {note}", file=out)
 
@@ -265,7 +266,7 @@ def plot_io(result: IOBenchResult, path: str) -> None:
     runs = [r for r in result.runs if r.write_s]
     labels = [
         f"{r.config.engine}\n{format_block(r.config.block_size)} qd{r.config.queue_depth} "
-        f"t{r.config.threads}{'' if r.config.direct else ' buf'}"
+        f"t{r.config.threads}{'' if r.config.direct else ' buf'}{' stg' if r.config.stage_reads else ''}"
         for r in runs
     ]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(runs) + 3), 4.8))
