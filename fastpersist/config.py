@@ -98,6 +98,8 @@ class Config:
             the worker threads; ``"auto"`` (default): ``"on"`` under a hypervisor
             (:func:`under_hypervisor`), ``"off"`` on bare metal. Only ``O_DIRECT``
             reads are staged (a buffered read already copies out of the page cache).
+            The ring costs ``read_queue_depth x chunk_size`` bytes (128 MiB by
+            default), which the reading handle keeps for its next read.
         threads: Worker threads that fill staging buffers (and do the I/O for ``psync``); >= 1.
         direct: Use ``O_DIRECT`` where the filesystem accepts it (bypasses the page cache).
         fsync: ``fsync`` the file and its directory before a save is reported complete.
@@ -349,7 +351,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "where the host copies a virtual disk's data into guest memory and that copy was 1.45x "
         "faster into a small reused ring than into a multi-GiB destination on the reference VM "
         "(docs/benchmarks.md, \"Staged reads\"); `off` on bare metal. Only O_DIRECT reads are "
-        "staged: a buffered read is already a copy out of the page cache.",
+        "staged: a buffered read is already a copy out of the page cache. The ring costs "
+        "`read_queue_depth` x `chunk_size` bytes (128 MiB by default), kept by the reading handle for its next read.",
     ),
     EnvVar(
         "FASTPERSIST_THREADS", "threads", _parse_int, "integer >= 1",
