@@ -56,8 +56,9 @@ def under_hypervisor() -> bool:
     ``/proc/cpuinfo``, which x86 guests of KVM, Xen, Hyper-V and VMware report).
 
     ``read_staging="auto"`` stages reads there: a virtual disk's data is copied into
-    guest memory by the host, and on the reference VM that copy ran 1.45x faster
-    into a small reused ring than into a multi-GiB destination. Read once per process.
+    guest memory by the host, and on the reference VM loads ran 1.4-1.6x faster
+    through a small staging ring than straight into their multi-GiB destination.
+    Read once per process.
     """
     return cpu_flags_say_hypervisor(_read_cpuinfo())
 
@@ -348,8 +349,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "How reads reach their destination. `off`: straight into it with O_DIRECT, no copy. "
         "`on`: through a ring of `read_queue_depth` staging buffers, copied out by the worker "
         "threads. `auto`: `on` under a hypervisor (the `hypervisor` flag in /proc/cpuinfo), "
-        "where the host copies a virtual disk's data into guest memory and that copy was 1.45x "
-        "faster into a small reused ring than into a multi-GiB destination on the reference VM "
+        "where the host copies a virtual disk's data into guest memory and loads ran 1.4-1.6x "
+        "faster through a small staging ring than straight into their multi-GiB destination on the reference VM "
         "(docs/benchmarks.md, \"Staged reads\"); `off` on bare metal. Only O_DIRECT reads are "
         "staged: a buffered read is already a copy out of the page cache. The ring costs "
         "`read_queue_depth` x `chunk_size` bytes (128 MiB by default), kept by the reading handle for its next read.",
