@@ -9,16 +9,26 @@ class FastPersistError(Exception):
     """Base class of fastpersist's own errors."""
 
 
-class ZipFormatError(FastPersistError, ValueError):
-    """A file is not a consistent zip archive (truncated, corrupt, or not a zip at all).
-
-    ``path`` and ``offset`` name where the inconsistency was found.
+class CheckpointFormatError(FastPersistError, ValueError):
+    """A checkpoint file is malformed: truncated, corrupt, lying about its sizes, or
+    not a checkpoint at all. The one exception type every reader (``load``,
+    ``verify``, ``fastpersist.io`` helpers) raises for bad *content*; I/O failures
+    stay ``OSError``. ``path`` names the file and ``offset`` (when known) the byte
+    where the problem was found; the message says what is wrong.
     """
 
     def __init__(self, message: str, path: Optional[str] = None, offset: Optional[int] = None) -> None:
         super().__init__(message)
         self.path = path
         self.offset = offset
+
+
+class ZipFormatError(CheckpointFormatError):
+    """A file is not a consistent zip archive (truncated, corrupt, or not a zip at all),
+    or a torch checkpoint whose records contradict each other or its pickle.
+
+    ``path`` and ``offset`` name where the inconsistency was found.
+    """
 
 
 class ChecksumError(FastPersistError, ValueError):

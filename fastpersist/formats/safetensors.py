@@ -32,7 +32,7 @@ from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 
-from fastpersist.errors import ChecksumError, FastPersistError
+from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.base import PATCH_HEX8, WritePlan
 
 __all__ = [
@@ -97,12 +97,11 @@ del _rank, _code, _attr, _bits, _dt
 _PACKED = "F4"  # the one sub-byte dtype: header shape's last dim is twice torch's
 
 
-class SafetensorsFormatError(FastPersistError, ValueError):
+class SafetensorsFormatError(CheckpointFormatError):
     """A file is not a valid safetensors file; ``path`` names it."""
 
-    def __init__(self, message: str, path: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.path = path
+    def __init__(self, message: str, path: Optional[str] = None, offset: Optional[int] = None) -> None:
+        super().__init__(message, path, offset)
 
 
 class _Reader(Protocol):
