@@ -239,6 +239,8 @@ class CentralEntry:
     compressed_size: int
     crc32: int
     flags: int
+    method: int = 0  #: compression method (0 = stored)
+    uncompressed_size: int = 0
 
 
 def read_central_directory(read_at: ReadAt, size: int, path: str = "<buffer>") -> tuple[int, list[CentralEntry]]:
@@ -247,8 +249,8 @@ def read_central_directory(read_at: ReadAt, size: int, path: str = "<buffer>") -
     cd_off, cd_size, n_total, _eocd, _z = _locate_central_directory(read_at, size, path)
     cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
     return cd_off, [
-        CentralEntry(name, cd_off + pos, hoff, csize, crc, flags)
-        for pos, name, flags, _m, crc, csize, _u, hoff in _iter_central_directory(cd, cd_off, n_total, path)
+        CentralEntry(name, cd_off + pos, hoff, csize, crc, flags, method, usize)
+        for pos, name, flags, method, crc, csize, usize, hoff in _iter_central_directory(cd, cd_off, n_total, path)
     ]
 
 
