@@ -4,16 +4,37 @@ Whatever goes wrong before the rename (an I/O error, a full disk, an exception i
 the caller's writer, ``KeyboardInterrupt``), the temporary file is removed and the
 file already at the final path, if any, is left exactly as it was. A process
 killed outright (``SIGKILL``, power loss) can leave a ``.NAME.fp-tmp-*`` file
-behind in the directory, never a partial file under the final name.
+behind in the directory, never a partial file under the final name; the next save
+into that directory removes it once it is certain that no process is still
+writing it (see :func:`clean_stale_temps`).
+
+Targets (:func:`resolve_target`): symbolic links are followed; an existing target
+must be a regular file (a device, FIFO or socket is refused with
+:class:`UnsupportedTargetError`: a rename would replace the device node itself),
+writable by this process (a write-protected file raises ``PermissionError`` as
+``torch.save``'s ``open(path, "wb")`` does, and stays untouched), in a directory
+this process may create files in.
+
+Temporary names (:func:`temp_path_for`) are
+``.NAME.fp-tmp-PID-HOST-START-RANDOM``: the writer's pid, a tag of this machine's
+boot and pid namespace (``HOST``), the writer's start time (``START``, field 22 of
+``/proc/PID/stat``, hex) and 32 random bits. ``NAME`` is shortened (at a
+character boundary) so the whole name fits the filesystem's ``NAME_MAX``: any
+name ``torch.save`` accepts can be saved to.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import logging
 import os
+import re
 import secrets
 import stat
-from typing import Callable, TypeVar, Union
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, TypeVar, Union
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +43,52 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 #: marker inside temporary names, so that leftovers are easy to recognise
 TMP_MARKER = ".fp-tmp-"
+
+#: Seconds a leftover temporary file whose writer cannot be checked (written on
+#: another machine or boot, in another pid namespace, by another user, by an
+#: earlier release, whose names record no boot, or on a system without ``/proc``)
+#: must stay unmodified before a save removes it. A save in progress modifies its
+#: temporary file continually, so an hour without a write means its writer is
+#: gone (or hung) even allowing for clock skew between NFS/Lustre clients.
+FOREIGN_TMP_GRACE_S = 3600.0
+
+_HOST_HEX = 10  # length of the HOST field (hex digits)
+_UNKNOWN_HOST = "0" * _HOST_HEX  # written when this process cannot identify its boot / pid namespace
+
+# .NAME.fp-tmp-PID-HOST-START-RANDOM (this release) and .NAME.fp-tmp-PID-RANDOM (earlier ones)
+_TMP_RE = re.compile(
+    r"\.(?P<name>.*)\.fp-tmp-(?P<pid>[0-9]{1,10})-(?P<host>[0-9a-f]{%d})-(?P<start>[0-9a-f]{1,16})-[0-9a-f]{8}"
+    % _HOST_HEX,
+    re.DOTALL,
+)
+_OLD_TMP_RE = re.compile(r"\.(?P<name>.*)\.fp-tmp-(?P<pid>[0-9]{1,10})-[0-9a-f]{8}", re.DOTALL)
+
+
+class UnsupportedTargetError(OSError):
+    """The save target exists and is not a regular file (a character or block device,
+    a FIFO, a socket). ``fastpersist.save`` replaces files by renaming a temporary
+    file over them, which would replace the device node or pipe itself; use
+    ``torch.save`` to write *into* devices and pipes (a patched ``torch.save`` does
+    that on its own). ``errno`` is ``EINVAL``, ``filename`` the target."""
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "not a regular file"
+
+
+def _writable(path: str, mode: int) -> bool:
+    """``access(2)`` with the effective ids, which is what ``open``/``rename`` are checked against."""
+    if os.access in os.supports_effective_ids:
+        return os.access(path, mode, effective_ids=True)
+    return os.access(path, mode)  # pragma: no cover - not on Linux
 
 
 def resolve_target(path: PathLike) -> str:
@@ -34,6 +101,10 @@ def resolve_target(path: PathLike) -> str:
         TypeError: ``path`` is not a str or os.PathLike.
         IsADirectoryError: ``path`` is an existing directory.
         FileNotFoundError: the parent directory does not exist.
+        UnsupportedTargetError: ``path`` is a device, FIFO or socket.
+        PermissionError: ``path`` is write-protected (``EACCES``, like ``torch.save``;
+            a process that may bypass permissions, root, proceeds as torch would), or
+            the directory does not let this process create the temporary file.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"expected a file path (str or os.PathLike), got {type(path).__name__}")
@@ -45,13 +116,242 @@ def resolve_target(path: PathLike) -> str:
     parent = os.path.dirname(p)
     if not os.path.isdir(parent):
         raise FileNotFoundError(2, "Parent directory does not exist; create it before saving", parent)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsupportedTargetError(
+                errno.EINVAL,
+                f"Save target is {_kind(st.st_mode)}, not a regular file: fastpersist.save replaces a file "
+                "atomically (temporary file + rename) and would replace the node itself; use torch.save to "
+                "write into devices/pipes",
+                p,
+            )
+        if not _writable(p, os.W_OK):
+            raise PermissionError(
+                errno.EACCES,
+                "Permission denied: the existing file is write-protected (torch.save would fail to open it "
+                "too); the old file is untouched. Make it writable (chmod u+w) or remove it to replace it",
+                p,
+            )
+    if not _writable(parent, os.W_OK | os.X_OK):
+        raise PermissionError(
+            errno.EACCES,
+            "Permission denied: cannot create files in this directory; fastpersist.save writes a temporary "
+            "file next to the target and renames it, so it needs write access to the directory",
+            parent,
+        )
     return p
 
 
+# ---- temporary names and their owners -------------------------------------------------
+
+_identity_cache: dict[int, tuple[str, str]] = {}
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+
+
+def _parse_stat(text: Optional[str]) -> Optional[list[str]]:
+    if text is None:
+        return None
+    # comm (field 2) is in parentheses and may contain anything; the rest follows the last ')'
+    rest = text[text.rfind(")") + 1:].split()
+    return rest if len(rest) >= 20 else None
+
+
+def _stat_fields(pid: int) -> Optional[list[str]]:
+    """Fields 3.. of ``/proc/PID/stat`` (state first), or None if there is no such process."""
+    return _parse_stat(_read_text(f"/proc/{pid}/stat"))
+
+
+def _host_tag() -> str:
+    """A tag of this boot and pid namespace: pids are comparable only between processes that share both."""
+    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    if not boot or not boot.strip() or not pidns:
+        return _UNKNOWN_HOST
+    tag = hashlib.sha256(f"{boot.strip()}|{pidns}".encode()).hexdigest()[:_HOST_HEX]
+    return tag if tag != _UNKNOWN_HOST else "1" + tag[1:]
+
+
+def _identity() -> tuple[str, str]:
+    """(HOST, START) of this process; cached per pid (a forked child computes its own)."""
+    pid = os.getpid()
+    got = _identity_cache.get(pid)
+    if got is None:
+        host = _host_tag()
+        text = _read_text("/proc/self/stat")
+        fields = _parse_stat(text)
+        # /proc/self must be this process: a /proc of another pid namespace would mislead
+        if host == _UNKNOWN_HOST or fields is None or text.split(None, 1)[0] != str(pid):
+            got = (_UNKNOWN_HOST, "0")
+        else:
+            try:
+                got = (host, format(int(fields[19]), "x"))
+            except ValueError:  # pragma: no cover - malformed /proc
+                got = (_UNKNOWN_HOST, "0")
+        _identity_cache.clear()
+        _identity_cache[pid] = got
+    return got
+
+
+def _name_max(directory: str) -> int:
+    try:
+        value = int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+    return value if value > 0 else 255
+
+
+def _shorten(name: str, max_bytes: int) -> str:
+    """``name`` cut to at most ``max_bytes`` bytes (filesystem encoding) at a character boundary."""
+    raw = os.fsencode(name)
+    if len(raw) <= max_bytes:
+        return name
+    if max_bytes <= 0:
+        return ""
+    cut = max_bytes
+    while cut > 0 and (raw[cut] & 0xC0) == 0x80:  # do not split a UTF-8 sequence
+        cut -= 1
+    return os.fsdecode(raw[:cut])
+
+
 def temp_path_for(final: str) -> str:
-    """A fresh temporary name in the directory of ``final``: ``.NAME.fp-tmp-PID-RANDOM``."""
+    """A fresh temporary name in the directory of ``final``: ``.NAME.fp-tmp-PID-HOST-START-RANDOM``.
+
+    ``NAME`` is shortened so the name fits the directory's ``NAME_MAX`` (255 bytes
+    on common filesystems).
+    """
     directory, name = os.path.split(final)
-    return os.path.join(directory, f".{name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}")
+    host, start = _identity()
+    suffix = f"{TMP_MARKER}{os.getpid()}-{host}-{start}-{secrets.token_hex(4)}"
+    room = _name_max(directory) - 1 - len(suffix)
+    return os.path.join(directory, f".{_shorten(name, room)}{suffix}")
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """A temporary file of a fastpersist save found in a directory (see :func:`scan_temps`)."""
+
+    path: str
+    name: str  #: the (possibly shortened) name of the file it was to replace
+    size: int
+    mtime: float
+    pid: int  #: the writer's pid (in its own pid namespace)
+    state: str  #: "live" (writer running here), "stale" (writer gone here), "foreign" (cannot tell)
+    removable: bool  #: whether the next save into this directory removes it
+    reason: str  #: why, in words
+
+
+def _classify(pid: int, host: Optional[str], start: Optional[str], st: os.stat_result, now: float,
+              grace: float) -> tuple[str, bool, str]:
+    age = now - st.st_mtime
+    mine_host, _ = _identity()
+    checkable = (
+        host is not None
+        and host == mine_host
+        and mine_host != _UNKNOWN_HOST
+        and start not in (None, "0")
+        # other users' processes may be hidden (/proc mounted with hidepid): only root or the
+        # file's owner can tell "gone" from "invisible"
+        and (os.geteuid() == 0 or st.st_uid == os.geteuid())
+    )
+    if checkable:
+        fields = _stat_fields(pid)
+        if fields is None:
+            return "stale", True, f"process {pid} has exited"
+        if fields[0] in ("Z", "X"):
+            return "stale", True, f"process {pid} has exited (zombie)"
+        try:
+            live_start = format(int(fields[19]), "x")
+        except ValueError:  # pragma: no cover - malformed /proc
+            live_start = None
+        if live_start is not None and live_start != start:
+            return "stale", True, f"process {pid} has exited (its pid was reused)"
+        return "live", False, f"process {pid} is still running"
+    if host is None:
+        why = "written by an earlier fastpersist release"
+    elif host != mine_host or mine_host == _UNKNOWN_HOST:
+        why = "written on another machine, boot or pid namespace"
+    else:
+        why = "owned by another user"
+    if age > grace:
+        return "foreign", True, f"{why}; unmodified for {age:.0f} s (more than {grace:.0f} s)"
+    return "foreign", False, f"{why}; modified {max(age, 0.0):.0f} s ago (removed after {grace:.0f} s unmodified)"
+
+
+def scan_temps(directory: str, *, grace: float = FOREIGN_TMP_GRACE_S, now: Optional[float] = None) -> list[TempFile]:
+    """Temporary files of fastpersist saves in ``directory``, each with its owner's state.
+
+    Only regular files (never symbolic links) whose names match the temporary-name
+    pattern exactly are listed. A file written by a process of this boot and pid
+    namespace (and of this user, or when running as root) is ``"live"`` while that
+    process runs (same pid *and* start time) and ``"stale"`` once it has exited;
+    any other file is ``"foreign"`` and counts as abandoned when unmodified for
+    ``grace`` seconds. Raises ``OSError`` if the directory cannot be listed.
+    """
+    now = time.time() if now is None else now
+    found = []
+    with os.scandir(directory) as it:
+        for entry in it:
+            if TMP_MARKER not in entry.name or not entry.name.startswith("."):
+                continue
+            m = _TMP_RE.fullmatch(entry.name)
+            old = None if m else _OLD_TMP_RE.fullmatch(entry.name)
+            if m is None and old is None:
+                continue
+            try:
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if m is not None:
+                pid, host, start, name = int(m["pid"]), m["host"], m["start"], m["name"]
+            else:
+                pid, host, start, name = int(old["pid"]), None, None, old["name"]
+            state, removable, reason = _classify(pid, host, start, st, now, grace)
+            found.append(TempFile(entry.path, name, st.st_size, st.st_mtime, pid, state, removable, reason))
+    found.sort(key=lambda t: t.path)
+    return found
+
+
+def clean_stale_temps(directory: str, *, grace: float = FOREIGN_TMP_GRACE_S) -> list[str]:
+    """Remove the temporary files of saves that can no longer finish (see :func:`scan_temps`).
+
+    Called at the start of every save into ``directory``. Never raises: problems are
+    logged at debug level. Returns the paths removed.
+    """
+    removed = []
+    try:
+        temps = scan_temps(directory, grace=grace)
+    except Exception as e:  # noqa: BLE001 - cleanup must never fail a save
+        log.debug("cannot scan %s for leftover temporary files: %s", directory, e)
+        return removed
+    for t in temps:
+        if not t.removable:
+            continue
+        try:
+            os.unlink(t.path)  # unlink never follows a symbolic link
+        except FileNotFoundError:
+            continue
+        except Exception as e:  # noqa: BLE001
+            log.debug("cannot remove leftover temporary file %s: %s", t.path, e)
+            continue
+        log.debug("removed leftover temporary file %s (%s bytes): %s", t.path, t.size, t.reason)
+        removed.append(t.path)
+    return removed
 
 
 def fsync_path(path: str) -> None:
@@ -111,10 +411,14 @@ def atomic_write(path: PathLike, write: Callable[[str], T], *, fsync: bool = Tru
     On any exception (including ``KeyboardInterrupt``) the temporary file is
     removed and the exception re-raised; the previous file at ``path`` is untouched.
 
+    Before writing, leftover temporary files of killed saves in the same directory
+    are removed (:func:`clean_stale_temps`).
+
     Returns:
         Whatever ``write`` returned.
     """
     final = resolve_target(path)
+    clean_stale_temps(os.path.dirname(final))
     tmp = temp_path_for(final)
     try:
         result = write(tmp)

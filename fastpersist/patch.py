@@ -14,6 +14,12 @@ or ``os.PathLike``) and torch's default arguments go to :func:`fastpersist.save`
 arguments the fast path does not implement (a custom ``pickle_module``, a
 ``pickle_protocol`` other than torch's default, ``_use_new_zipfile_serialization=False``,
 ``_disable_byteorder_record=True``) go to the original functions unchanged.
+A path that ``torch.save`` writes *into* rather than replaces also goes to the
+original ``torch.save``: an existing device, FIFO or socket (``torch.save(x,
+"/dev/null")`` keeps working and ``/dev/null`` stays a device), and a writable file
+in a directory this process cannot create files in (fastpersist's atomic
+replacement needs a temporary file beside the target; torch overwrites in place).
+A write-protected file raises ``PermissionError`` either way, as with torch.
 ``torch.save`` always writes torch's zip format, whatever the file name; ``torch.load``
 of a ``.safetensors`` name is left to the original (whose handling depends on the
 torch version). Setting ``FASTPERSIST_PATCH_TORCH_SAVE=1`` patches at
@@ -24,13 +30,17 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
+import stat
 import threading
 from typing import Any, Callable, Optional
 
 import torch
 
 __all__ = ["is_patched", "patch_torch_save", "unpatch_torch_save"]
+
+log = logging.getLogger(__name__)
 
 _ENV_VAR = "FASTPERSIST_PATCH_TORCH_SAVE"
 _MARK = "_fastpersist_original"  # attribute of our wrappers: the function they replaced
@@ -70,11 +80,33 @@ def _save_fast_path(args: tuple, kwargs: dict) -> Optional[inspect.BoundArgument
     return bound
 
 
+def _written_in_place(f: Any) -> Optional[str]:
+    """Why ``torch.save`` must write into the existing ``f`` instead of fastpersist replacing
+    it (a device, FIFO or socket; a directory that refuses new files), or None."""
+    path = os.path.abspath(os.fspath(f))
+    try:
+        st = os.stat(path)  # follows symbolic links, like open()
+    except OSError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        return "not a regular file (device, FIFO or socket)"
+    directory = os.path.dirname(os.path.realpath(path))
+    if os.path.isdir(directory):
+        check = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
+        if not os.access(directory, os.W_OK | os.X_OK, **check):
+            return "its directory does not allow creating the temporary file"
+    return None
+
+
 def _make_save(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def save(*args: Any, **kwargs: Any) -> Any:
         bound = _save_fast_path(args, kwargs)
         if bound is None:
+            return original(*args, **kwargs)
+        why = _written_in_place(bound.arguments["f"])
+        if why is not None:
+            log.debug("torch.save(%r): %s; using torch's own save", bound.arguments["f"], why)
             return original(*args, **kwargs)
         from fastpersist.api import save as fast_save
 
