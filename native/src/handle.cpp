@@ -2,14 +2,18 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <new>
+#include <stdexcept>
+#include <string>
 
 #include "fastpersist/crc32.hpp"
 #include "fastpersist/cuda_rt.hpp"
 #include "fastpersist/error.hpp"
+#include "fastpersist/fork.hpp"
 
 namespace fastpersist {
 
@@ -30,45 +34,74 @@ File open_target(const Target& t, bool write, bool truncate, bool direct) {
 
 Handle::Handle(std::string engine, size_t chunk_size, unsigned queue_depth, unsigned threads,
                bool direct, unsigned max_async, bool stage_reads)
-    : pool_(std::max(threads, 1u)), cache_(round_chunk(chunk_size)) {
+    : max_async_(std::max(max_async, 1u)) {
+  opt_.chunk_size = round_chunk(chunk_size);
   if (engine != "auto" && engine != "aio" && engine != "psync" && engine != "cufile") {
     throw ArgError("engine must be 'auto', 'aio', 'psync' or 'cufile', not '" + engine + "'");
   }
   if (queue_depth == 0) throw ArgError("queue_depth must be >= 1");
   opt_.engine = std::move(engine);
-  opt_.chunk_size = cache_.size();
   opt_.queue_depth = queue_depth;
   opt_.threads = std::max(threads, 1u);
   opt_.direct = direct;
   opt_.stage_reads = stage_reads;
-  for (unsigned i = 0; i < std::max(max_async, 1u); ++i) workers_.emplace_back([this] { worker(); });
+  st_.store(new State(this, opt_.threads, opt_.chunk_size, max_async_, fork_generation()));
 }
 
 Handle::~Handle() {
+  State* s = st_.load();
+  // A State built before a fork belongs to the parent: its mutexes may be held and
+  // its condition variables waited on by threads that don't exist in this process,
+  // so stopping/joining/destroying it would hang. Leak it (fork.hpp).
+  if (s->gen == fork_generation()) delete s;
+}
+
+Handle::State::State(Handle* h, unsigned threads, size_t chunk_size, unsigned max_async, uint64_t g)
+    : owner(h), gen(g), pool(threads), cache(chunk_size) {
+  for (unsigned i = 0; i < max_async; ++i) workers.emplace_back([this] { worker(); });
+}
+
+Handle::State::~State() {
   {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lk(mu);
+    stop = true;
   }
-  cv_work_.notify_all();
-  for (auto& t : workers_) t.join();
+  cv_work.notify_all();
+  for (auto& t : workers) t.join();
+}
+
+Handle::State& Handle::state() {
+  const uint64_t gen = fork_generation();
+  State* s = st_.load(std::memory_order_acquire);
+  while (s->gen != gen) {
+    // First use in a forked child. Read only what is safe to read of the parent's
+    // State without its lock (immutable fields and atomics) and build a new one.
+    auto* fresh = new State(this, opt_.threads, opt_.chunk_size, max_async_, gen);
+    fresh->orphaned = s->uncollected.load();
+    fresh->orphaned_pid = static_cast<uint64_t>(::getppid());
+    if (st_.compare_exchange_strong(s, fresh, std::memory_order_acq_rel)) return *fresh;  // old one leaked
+    delete fresh;  // another thread of this child was first; s is now its State
+  }
+  return *s;
 }
 
 std::vector<uint32_t> Handle::run(const OpSpec& op) {
-  if (opt_.engine == "cufile") return run_cufile(op);
+  State& s = state();
+  if (opt_.engine == "cufile") return run_cufile(op, s);
   File f = open_target(op.target, op.write, op.truncate, opt_.direct);
   ExecOptions o = opt_;
   o.fsync = op.fsync;
   o.preallocate = op.write && op.target.fd < 0;
-  ExecResult r = op.write ? execute_write(f, op.extents, op.patches, op.nslots, o, pool_, cache_)
-                          : execute_read(f, op.extents, op.nslots, o, pool_, cache_);
+  ExecResult r = op.write ? execute_write(f, op.extents, op.patches, op.nslots, o, s.pool, s.cache)
+                          : execute_read(f, op.extents, op.nslots, o, s.pool, s.cache);
   {
-    std::lock_guard<std::mutex> lk(mu_);
-    last_engine_ = r.engine;
+    std::lock_guard<std::mutex> lk(s.mu);
+    s.last_engine = r.engine;
   }
   return std::move(r.crcs);
 }
 
-std::vector<uint32_t> Handle::run_cufile(const OpSpec& op) {
+std::vector<uint32_t> Handle::run_cufile(const OpSpec& op, State& s) {
   if (op.nslots > 0 || !op.patches.empty()) {
     throw ArgError("the cufile engine moves device memory directly: checksums and patches need host bytes");
   }
@@ -81,59 +114,74 @@ std::vector<uint32_t> Handle::run_cufile(const OpSpec& op) {
     }
   }
   if (op.write && op.fsync) f.sync();
-  std::lock_guard<std::mutex> lk(mu_);
-  last_engine_ = "cufile";
+  std::lock_guard<std::mutex> lk(s.mu);
+  s.last_engine = "cufile";
   return {};
 }
 
 uint64_t Handle::submit(OpSpec op) {
+  State& s = state();
   auto a = std::make_shared<AsyncOp>();
   a->spec = std::move(op);
   {
-    std::lock_guard<std::mutex> lk(mu_);
-    a->id = next_id_++;
-    ops_.push_back(a);
-    queue_.push_back(a);
+    std::lock_guard<std::mutex> lk(s.mu);
+    a->id = next_id_.fetch_add(1);
+    s.ops.push_back(a);
+    s.uncollected.store(s.ops.size());
+    s.queue.push_back(a);
   }
-  cv_work_.notify_one();
+  s.cv_work.notify_one();
   return a->id;
 }
 
-void Handle::worker() {
+void Handle::State::worker() {
   for (;;) {
     std::shared_ptr<AsyncOp> a;
     {
-      std::unique_lock<std::mutex> lk(mu_);
-      cv_work_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      a = queue_.front();
-      queue_.pop_front();
+      std::unique_lock<std::mutex> lk(mu);
+      cv_work.wait(lk, [&] { return stop || !queue.empty(); });
+      if (queue.empty()) return;
+      a = queue.front();
+      queue.pop_front();
     }
     std::vector<uint32_t> crcs;
     std::exception_ptr err;
     try {
-      crcs = run(a->spec);
+      crcs = owner->run(a->spec);
     } catch (...) {
       err = std::current_exception();
     }
     {
-      std::lock_guard<std::mutex> lk(mu_);
+      std::lock_guard<std::mutex> lk(mu);
       a->crcs = std::move(crcs);
       a->err = err;
       a->done = true;
     }
-    cv_done_.notify_all();
+    cv_done.notify_all();
   }
 }
 
 std::vector<std::pair<uint64_t, std::vector<uint32_t>>> Handle::wait() {
+  State& s = state();
   std::vector<std::shared_ptr<AsyncOp>> ops;
+  size_t orphaned = 0;
+  uint64_t parent = 0;
   {
-    std::unique_lock<std::mutex> lk(mu_);
-    cv_done_.wait(lk, [&] {
-      return std::all_of(ops_.begin(), ops_.end(), [](const auto& a) { return a->done; });
+    std::unique_lock<std::mutex> lk(s.mu);
+    s.cv_done.wait(lk, [&] {
+      return std::all_of(s.ops.begin(), s.ops.end(), [](const auto& a) { return a->done; });
     });
-    ops.swap(ops_);
+    ops.swap(s.ops);
+    s.uncollected.store(s.ops.size());
+    std::swap(orphaned, s.orphaned);
+    parent = s.orphaned_pid;
+  }
+  if (orphaned) {
+    throw std::runtime_error(
+        "wait(): " + std::to_string(orphaned) + " asynchronous operation(s) submitted before this process "
+        "was forked from pid " + std::to_string(parent) + " were not collected there; they run in the "
+        "parent only (reads land in the parent's memory, not this process's), so their results are "
+        "undefined here and are dropped. Collect them with wait() before fork().");
   }
   std::vector<std::pair<uint64_t, std::vector<uint32_t>>> out;
   for (auto& a : ops) {
@@ -157,11 +205,12 @@ std::vector<uint32_t> Handle::crc32_ranges(const std::vector<std::pair<uint64_t,
       pieces.push_back({i, o, std::min(kPiece, ranges[i].second - o), 0});
     }
   }
+  ThreadPool& pool = state().pool;
   TaskGroup tasks;
-  const size_t nt = std::max<size_t>(1, pool_.size());
+  const size_t nt = std::max<size_t>(1, pool.size());
   for (size_t t = 0; t < nt; ++t) {
     tasks.add();
-    pool_.submit([&, t] {
+    pool.submit([&, t] {
       for (size_t k = t; k < pieces.size(); k += nt) {
         Piece& p = pieces[k];
         p.crc = crc32(0, reinterpret_cast<const char*>(ranges[p.range].first) + p.off, p.len);
@@ -176,18 +225,20 @@ std::vector<uint32_t> Handle::crc32_ranges(const std::vector<std::pair<uint64_t,
 }
 
 size_t Handle::pending() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return ops_.size();
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.mu);
+  return s.ops.size() + s.orphaned;
 }
 
 std::string Handle::last_engine() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return last_engine_;
+  State& s = state();
+  std::lock_guard<std::mutex> lk(s.mu);
+  return s.last_engine;
 }
 
 // ---------------------------------------------------------------- pinned ----
 
-PinnedBuffer::PinnedBuffer(size_t nbytes, size_t alignment, bool lock) : n_(nbytes) {
+PinnedBuffer::PinnedBuffer(size_t nbytes, size_t alignment, bool lock) : n_(nbytes), gen_(fork_generation()) {
   if (alignment < 64 || (alignment & (alignment - 1))) {
     throw ArgError("alignment must be a power of two >= 64");
   }
@@ -215,7 +266,9 @@ PinnedBuffer::PinnedBuffer(size_t nbytes, size_t alignment, bool lock) : n_(nbyt
 }
 
 PinnedBuffer::~PinnedBuffer() {
-  if (cuda_) cuda_host_unregister(ptr_);
+  // A forked child must not call CUDA for its parent's registration (fork.hpp);
+  // mlock is not inherited by a child, munlock is then a harmless no-op.
+  if (cuda_ && gen_ == fork_generation()) cuda_host_unregister(ptr_);
   if (locked_) ::munlock(ptr_, cap_);
   if (map_) {
     ::munmap(map_, map_len_);
@@ -225,7 +278,11 @@ PinnedBuffer::~PinnedBuffer() {
 }
 
 bool PinnedBuffer::cuda_register() {
-  if (!cuda_) cuda_ = cuda_host_register(ptr_, cap_);
+  if (cuda_ && gen_ != fork_generation()) return false;  // the parent's registration, not usable here
+  if (!cuda_) {
+    cuda_ = cuda_host_register(ptr_, cap_);
+    gen_ = fork_generation();
+  }
   return cuda_;
 }
 

@@ -1,6 +1,7 @@
 #include "fastpersist/sys.hpp"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -94,6 +95,19 @@ struct EnvFault {
   }
 };
 EnvFault g_env_fault;
+
+// Fork safety (see fork.hpp): a worker thread may hold the fault lock at the
+// moment another thread forks; the child would then find it locked forever.
+// The forking thread takes it first (held only for a few instructions by
+// anyone), so the child's copy of the state is consistent, and both sides
+// release it afterwards (the child's only thread is the replica of the one
+// that took it).
+void fault_lock() { state().mu.lock(); }
+void fault_unlock() { state().mu.unlock(); }
+struct FaultForkHandlers {
+  FaultForkHandlers() { ::pthread_atfork(&fault_lock, &fault_unlock, &fault_unlock); }
+};
+FaultForkHandlers g_fault_fork_handlers;
 
 }  // namespace
 

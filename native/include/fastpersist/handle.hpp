@@ -1,7 +1,8 @@
 // An I/O handle: engine settings, a worker pool, reusable staging buffers,
-// and a queue of asynchronous operations.
+// and a queue of asynchronous operations. Fork-safe: see fork.hpp.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "fastpersist/executor.hpp"
+#include "fastpersist/fork.hpp"
 
 namespace fastpersist {
 
@@ -63,20 +65,39 @@ class Handle {
     std::exception_ptr err;
     bool done = false;
   };
-  void worker();
-  std::vector<uint32_t> run_cufile(const OpSpec& op);
+  // Everything that belongs to one process: threads, locks, queues, staging
+  // buffers. Built by the constructor, and again by the first use in a forked
+  // child; the parent's copy is then leaked, never touched (fork.hpp).
+  struct State {
+    State(Handle* h, unsigned threads, size_t chunk_size, unsigned max_async, uint64_t gen);
+    ~State();  // stops and joins the workers: only in the generation that built it
+    State(const State&) = delete;
+    State& operator=(const State&) = delete;
+    void worker();
+
+    Handle* owner;
+    const uint64_t gen;  // fork_generation() of the process that built it
+    ThreadPool pool;
+    BufferCache cache;
+    std::mutex mu;
+    std::condition_variable cv_work, cv_done;
+    std::deque<std::shared_ptr<AsyncOp>> queue;   // not started
+    std::vector<std::shared_ptr<AsyncOp>> ops;    // submitted, not collected
+    std::atomic<size_t> uncollected{0};           // ops.size(), readable without mu after fork
+    size_t orphaned = 0;  // ops a parent submitted and had not collected when it forked us
+    uint64_t orphaned_pid = 0;
+    bool stop = false;
+    std::string last_engine = "none";
+    std::vector<std::thread> workers;  // last member: started once the rest exists
+  };
+  // This process's State: rebuilt on the first call after a fork.
+  State& state();
+  std::vector<uint32_t> run_cufile(const OpSpec& op, State& s);
 
   ExecOptions opt_;
-  ThreadPool pool_;
-  BufferCache cache_;
-  std::mutex mu_;
-  std::condition_variable cv_work_, cv_done_;
-  std::deque<std::shared_ptr<AsyncOp>> queue_;   // not started
-  std::vector<std::shared_ptr<AsyncOp>> ops_;    // submitted, not collected
-  uint64_t next_id_ = 1;
-  bool stop_ = false;
-  std::string last_engine_ = "none";
-  std::vector<std::thread> workers_;
+  unsigned max_async_;
+  std::atomic<uint64_t> next_id_{1};  // unique across forks: a child's ids never repeat its parent's
+  std::atomic<State*> st_{nullptr};
 };
 
 // Page-aligned host memory, mlock'ed when possible, optionally CUDA-registered.
@@ -89,7 +110,7 @@ class PinnedBuffer {
   char* data() const { return ptr_; }
   size_t size() const { return n_; }
   bool locked() const { return locked_; }
-  bool cuda_registered() const { return cuda_; }
+  bool cuda_registered() const { return cuda_ && gen_ == fork_generation(); }
   bool cuda_register();
 
  private:
@@ -102,6 +123,7 @@ class PinnedBuffer {
   size_t cap_ = 0;
   bool locked_ = false;
   bool cuda_ = false;
+  uint64_t gen_ = 0;  // fork_generation() that allocated it (and registered it with CUDA)
 };
 
 }  // namespace fastpersist
