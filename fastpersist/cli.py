@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import traceback
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from fastpersist.bench.units import parse_int_list, parse_size, parse_size_list
 
@@ -83,9 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("info", parents=[debug], help="version, engines, O_DIRECT and storage of a directory")
-    p.add_argument("--dir", default=".", help="directory whose filesystem to describe (default: .)")
+    p = sub.add_parser("info", parents=[debug],
+                       help="version, engines, O_DIRECT and storage of a directory, leftover temporary files")
+    p.add_argument("--dir", default=".", help="directory whose filesystem to describe and whose leftover "
+                   "temporary files (.NAME.fp-tmp-*) to list (default: .)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--clean", action="store_true",
+                   help="remove the leftover temporary files that the next save would remove")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("verify", parents=[debug], help="checksum every byte of a checkpoint")
@@ -154,6 +158,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     from fastpersist.bench.machine import collect_machine_info
 
     info = collect_machine_info(args.dir)
+    temps, temps_error = _temp_files(args.dir)
+    removed: list[str] = []
+    if args.clean and temps is not None:
+        from fastpersist.commit import clean_stale_temps
+
+        removed = clean_stale_temps(args.dir)
     compiled: Optional[list[str]] = None
     native_version: Optional[str] = None
     try:
@@ -166,6 +176,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.json:
         data = info.to_dict()
         data.update({"engines_compiled": compiled, "native_version": native_version})
+        data["temp_files"] = None if temps is None else [
+            {"path": t.path, "size": t.size, "pid": t.pid, "state": t.state, "age_s": round(_age(t), 1),
+             "removed_by_next_save": t.removable, "removed": t.path in removed, "reason": t.reason}
+            for t in temps
+        ]
+        if temps_error:
+            data["temp_files_error"] = temps_error
         print(json.dumps(data, indent=2))
         return 0
     print(f"fastpersist {info.fastpersist_version}" + (f" (native {native_version})" if native_version else ""))
@@ -173,7 +190,53 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"Compiled   : {', '.join(compiled)}")
     for line in info.summary_lines():
         print(line)
+    for line in _temp_lines(temps, temps_error, removed, args.clean):
+        print(line)
     return 0
+
+
+if TYPE_CHECKING:
+    from fastpersist.commit import TempFile
+
+
+def _temp_files(directory: str) -> tuple[Optional[list], Optional[str]]:
+    """Leftover temporary files of saves in ``directory`` (None and why, if it cannot be listed)."""
+    from fastpersist.commit import scan_temps
+
+    try:
+        return scan_temps(directory), None
+    except OSError as exc:
+        return None, str(exc)
+
+
+def _age(t: "TempFile") -> float:
+    import time
+
+    return max(0.0, time.time() - t.mtime)
+
+
+def _temp_lines(temps: Optional[list], error: Optional[str], removed: list[str], clean: bool) -> list[str]:
+    from fastpersist.bench.units import format_bytes
+
+    if temps is None:
+        return [f"Temp files : cannot list ({error})"]
+    if not temps:
+        return ["Temp files : none (no leftovers of interrupted saves)"]
+    total = sum(t.size for t in temps)
+    n_removable = sum(t.removable for t in temps)
+    lines = [f"Temp files : {len(temps)} leftover{'s' if len(temps) != 1 else ''} of saves, "
+             f"{format_bytes(total)}; {n_removable} removed by the next save here"
+             + (f", {len(removed)} removed now (--clean)" if clean else "")]
+    for t in temps:
+        if t.path in removed:
+            action = "removed"
+        elif t.removable:
+            action = "next save removes it"
+        else:
+            action = "kept"
+        lines.append(f"  {os.path.basename(t.path)}")
+        lines.append(f"    {format_bytes(t.size)}, pid {t.pid}, {t.state}, {action}: {t.reason}")
+    return lines
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -1,0 +1,332 @@
+"""Leftover temporary files of killed saves (issue 9, item 7): a later save into the
+same directory removes those whose writer is certainly gone, never one still being
+written (here or on another machine), and ``fastpersist info --dir`` lists them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import commit
+from fastpersist.cli import main
+from fastpersist.commit import FOREIGN_TMP_GRACE_S, TMP_MARKER, clean_stale_temps, scan_temps, temp_path_for
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="owner checks need Linux /proc")
+
+
+def _leftovers(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if TMP_MARKER in p.name)
+
+
+def _make(directory, name: str, size: int = 10, age: float = 0.0) -> str:
+    path = os.path.join(directory, name)
+    with open(path, "wb") as f:
+        f.write(b"x" * size)
+    if age:
+        t = time.time() - age
+        os.utime(path, (t, t))
+    return path
+
+
+def _own_fields() -> tuple[str, str]:
+    host, start = commit._identity()
+    assert host != commit._UNKNOWN_HOST and start != "0"
+    return host, start
+
+
+def _save_other(directory) -> None:
+    """A save of another checkpoint into the same directory (this is what triggers cleanup)."""
+    fastpersist.save({"other": torch.ones(4)}, os.path.join(directory, "other.pt"))
+
+
+# ---- a real SIGKILL mid-save ---------------------------------------------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, torch, fastpersist
+    state = {"big": torch.full((50 * 1024 * 1024,), 7.0), "step": 2}   # 200 MiB
+    cfg = fastpersist.Config(chunk_size=256 << 10, queue_depth=2, threads=1, fsync=True)
+    print("ready", flush=True)
+    fastpersist.save(state, sys.argv[1], config=cfg)
+    print("saved", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_leftover_is_removed_by_next_save(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save({"old": torch.arange(1000), "step": 1}, path)
+    before = path.read_bytes()
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 120
+        temp = None
+        while temp is None and time.monotonic() < deadline and child.poll() is None:
+            names = _leftovers(tmp_path)
+            if names and os.path.getsize(tmp_path / names[0]) > (8 << 20):
+                temp = names[0]
+            else:
+                time.sleep(0.0005)
+        assert temp is not None, f"no temporary file seen in time (child exit {child.poll()})"
+        assert f"{TMP_MARKER}{child.pid}-" in temp
+        # while the writer runs, its file is live and survives a save next to it
+        [t] = scan_temps(str(tmp_path))
+        assert (t.state, t.removable, t.pid) == ("live", False, child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        # not reaped yet: a zombie cannot write any more, so its file is already stale
+        deadline = time.monotonic() + 30
+        while scan_temps(str(tmp_path))[0].state != "stale" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scan_temps(str(tmp_path))[0].state == "stale"
+        assert child.wait(60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    [t] = scan_temps(str(tmp_path))
+    assert (t.state, t.removable, t.pid) == ("stale", True, child.pid) and t.size > (8 << 20)
+    assert "exited" in t.reason
+
+    _save_other(tmp_path)  # a save of anything in that directory cleans up
+    assert _leftovers(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "other.pt"]
+    assert path.read_bytes() == before  # the previous checkpoint is untouched and loadable
+    got = fastpersist.load(path)
+    assert torch.equal(got["old"], torch.arange(1000)) and got["step"] == 1
+    assert torch.equal(torch.load(path)["old"], torch.arange(1000))
+
+
+# ---- live writers are never touched ----------------------------------------------
+
+
+def test_own_live_temp_is_kept(tmp_path):
+    tmp = temp_path_for(str(tmp_path / "ckpt.pt"))
+    _make(tmp_path, os.path.basename(tmp), age=10 * FOREIGN_TMP_GRACE_S)  # even if old
+    [t] = scan_temps(str(tmp_path))
+    assert (t.state, t.removable, t.pid) == ("live", False, os.getpid())
+    _save_other(tmp_path)
+    assert os.path.exists(tmp)
+    assert clean_stale_temps(str(tmp_path)) == []
+    assert os.path.exists(tmp)
+
+
+_SLEEPER = textwrap.dedent(
+    """
+    import sys, time
+    from fastpersist.commit import temp_path_for
+    tmp = temp_path_for(sys.argv[1])
+    with open(tmp, "wb") as f:
+        f.write(b"partial")
+    print(tmp, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_sleeping_child_temp_is_kept_until_it_dies(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", _SLEEPER, str(tmp_path / "ckpt.pt")],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        tmp = child.stdout.readline().strip()
+        assert tmp and os.path.exists(tmp)
+        _save_other(tmp_path)
+        assert os.path.exists(tmp)
+        [t] = scan_temps(str(tmp_path))
+        assert (t.state, t.pid) == ("live", child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    _save_other(tmp_path)
+    assert not os.path.exists(tmp)
+
+
+def test_reused_pid_is_stale(tmp_path):
+    host, start = _own_fields()
+    other_start = format(int(start, 16) + 1, "x")
+    name = f".ckpt.pt{TMP_MARKER}{os.getpid()}-{host}-{other_start}-0123abcd"
+    _make(tmp_path, name)
+    [t] = scan_temps(str(tmp_path))
+    assert (t.state, t.removable) == ("stale", True) and "reused" in t.reason
+    _save_other(tmp_path)
+    assert _leftovers(tmp_path) == []
+
+
+def test_dead_pid_same_boot_is_stale(tmp_path):
+    host, _ = _own_fields()
+    pid = _dead_pid()
+    name = f".ckpt.pt{TMP_MARKER}{pid}-{host}-1234-0123abcd"
+    _make(tmp_path, name)  # young: the owner check needs no grace period
+    _save_other(tmp_path)
+    assert _leftovers(tmp_path) == []
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+# ---- other machines, boots, namespaces, releases: the mtime rule -----------------
+
+
+@pytest.mark.parametrize("host", ["abcdef0123", commit._UNKNOWN_HOST])
+def test_foreign_young_kept_old_removed(tmp_path, host):
+    if host == commit._identity()[0]:
+        pytest.skip("collides with this machine's tag")
+    pid = os.getpid()  # whatever the pid: on another machine it says nothing about our processes
+    young = _make(tmp_path, f".a.pt{TMP_MARKER}{pid}-{host}-99-0123abcd", age=FOREIGN_TMP_GRACE_S - 120)
+    old = _make(tmp_path, f".b.pt{TMP_MARKER}{pid}-{host}-99-4567abcd", age=FOREIGN_TMP_GRACE_S + 120)
+    states = {os.path.basename(t.path): (t.state, t.removable) for t in scan_temps(str(tmp_path))}
+    assert states == {os.path.basename(young): ("foreign", False), os.path.basename(old): ("foreign", True)}
+    _save_other(tmp_path)
+    assert os.path.exists(young) and not os.path.exists(old)
+
+
+def test_old_release_names_follow_the_mtime_rule(tmp_path):
+    dead = _dead_pid()
+    young = _make(tmp_path, f".a.pt{TMP_MARKER}{dead}-0123abcd", age=60)
+    old = _make(tmp_path, f".b.pt{TMP_MARKER}{dead}-4567abcd", age=FOREIGN_TMP_GRACE_S + 60)
+    _save_other(tmp_path)
+    assert os.path.exists(young) and not os.path.exists(old)
+
+
+def test_other_users_files_follow_the_mtime_rule(tmp_path, monkeypatch):
+    """Another user's processes may be invisible in /proc (hidepid): their files wait for the grace period."""
+    host, _ = _own_fields()
+    name = f".ckpt.pt{TMP_MARKER}{_dead_pid()}-{host}-1234-0123abcd"
+    path = _make(tmp_path, name)
+    uid = os.stat(path).st_uid
+    monkeypatch.setattr(os, "geteuid", lambda: uid + 1)
+    [t] = scan_temps(str(tmp_path))
+    assert (t.state, t.removable) == ("foreign", False) and "another user" in t.reason
+
+
+def test_without_proc_identity_only_the_mtime_rule(tmp_path, monkeypatch):
+    monkeypatch.setattr(commit, "_identity_cache", {os.getpid(): (commit._UNKNOWN_HOST, "0")})
+    tmp = temp_path_for(str(tmp_path / "ckpt.pt"))
+    assert f"-{commit._UNKNOWN_HOST}-0-" in os.path.basename(tmp)
+    _make(tmp_path, os.path.basename(tmp))
+    dead = _make(tmp_path, f".x.pt{TMP_MARKER}{_dead_pid()}-{commit._UNKNOWN_HOST}-0-0123abcd")
+    assert all(not t.removable for t in scan_temps(str(tmp_path)))
+    clean_stale_temps(str(tmp_path))
+    assert os.path.exists(tmp) and os.path.exists(dead)
+
+
+# ---- only our files, never through links ---------------------------------------------
+
+
+def test_only_exact_regular_files_are_removed(tmp_path):
+    host, _ = _own_fields()
+    dead = _dead_pid()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "precious.pt"
+    target.write_bytes(b"keep me")
+    keep = [
+        f"ckpt.pt{TMP_MARKER}{dead}-{host}-1234-0123abcd",  # no leading dot
+        f".ckpt.pt{TMP_MARKER}{dead}-{host}-1234-0123abcd.bak",  # trailing text
+        f".ckpt.pt{TMP_MARKER}{dead}-{host}-1234-0123ABCD",  # not our hex
+        f".ckpt.pt{TMP_MARKER}{dead}-0123abcdz",
+        "notes.txt",
+    ]
+    for name in keep:
+        _make(tmp_path, name, age=FOREIGN_TMP_GRACE_S * 2)
+    link = tmp_path / f".link.pt{TMP_MARKER}{dead}-{host}-1234-0123abcd"
+    link.symlink_to(target)
+    os.utime(link, (0, 0), follow_symlinks=False)
+    directory = tmp_path / f".dir.pt{TMP_MARKER}{dead}-{host}-1234-0123abcd"
+    directory.mkdir()
+    assert scan_temps(str(tmp_path)) == []
+    _save_other(tmp_path)
+    for name in keep:
+        assert (tmp_path / name).exists(), name
+    assert link.is_symlink() and directory.is_dir() and target.read_bytes() == b"keep me"
+
+
+def test_cleanup_never_raises(tmp_path, monkeypatch):
+    assert clean_stale_temps(str(tmp_path / "missing")) == []
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(commit, "scan_temps", broken)
+    assert clean_stale_temps(str(tmp_path)) == []
+    _save_other(tmp_path)  # a save is not disturbed by a failing cleanup
+    assert (tmp_path / "other.pt").exists()
+
+
+def test_names_round_trip_through_the_pattern(tmp_path):
+    for name in ["ckpt.pt", "a" * 250 + ".pt", "é" * 126 + ".pt", "x.fp-tmp-1-deadbeef.pt", "new\nline.pt"]:
+        tmp = os.path.basename(temp_path_for(str(tmp_path / name)))
+        assert commit._TMP_RE.fullmatch(tmp), tmp
+
+
+# ---- fastpersist info --dir -------------------------------------------------------
+
+
+def _populate(tmp_path) -> dict:
+    host, _ = _own_fields()
+    live = temp_path_for(str(tmp_path / "live.pt"))
+    _make(tmp_path, os.path.basename(live), size=1000)
+    stale = _make(tmp_path, f".stale.pt{TMP_MARKER}{_dead_pid()}-{host}-1234-0123abcd", size=2000)
+    young = _make(tmp_path, f".young.pt{TMP_MARKER}4242-abcdef0123-99-0123abcd", size=3000, age=60)
+    old = _make(tmp_path, f".old.pt{TMP_MARKER}4343-abcdef0123-99-0123abcd", size=4000,
+                age=FOREIGN_TMP_GRACE_S + 60)
+    return {"live": live, "stale": stale, "young": young, "old": old}
+
+
+def test_info_lists_leftovers(tmp_path, capsys):
+    if commit._identity()[0] == "abcdef0123":
+        pytest.skip("collides with this machine's tag")
+    files = _populate(tmp_path)
+    assert main(["info", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Temp files : 4 leftovers" in out and "2 removed by the next save" in out
+    lines = out.splitlines()
+
+    def detail(path):
+        i = lines.index("  " + os.path.basename(path))
+        return lines[i + 1]
+
+    assert f"pid {os.getpid()}, live, kept" in detail(files["live"])
+    assert "stale, next save removes it" in detail(files["stale"]) and "exited" in detail(files["stale"])
+    assert "pid 4242, foreign, kept" in detail(files["young"])
+    assert "pid 4343, foreign, next save removes it" in detail(files["old"])
+    assert all(os.path.exists(p) for p in files.values())  # listing removes nothing
+
+
+def test_info_json_and_clean(tmp_path, capsys):
+    if commit._identity()[0] == "abcdef0123":
+        pytest.skip("collides with this machine's tag")
+    files = _populate(tmp_path)
+    assert main(["info", "--dir", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by_path = {t["path"]: t for t in data["temp_files"]}
+    assert set(by_path) == set(files.values())
+    assert (by_path[files["live"]]["state"], by_path[files["live"]]["removed_by_next_save"]) == ("live", False)
+    assert by_path[files["live"]]["pid"] == os.getpid() and by_path[files["live"]]["size"] == 1000
+    assert (by_path[files["stale"]]["state"], by_path[files["stale"]]["removed_by_next_save"]) == ("stale", True)
+    assert by_path[files["young"]]["removed_by_next_save"] is False
+    assert by_path[files["old"]]["removed_by_next_save"] is True
+
+    assert main(["info", "--dir", str(tmp_path), "--clean"]) == 0
+    out = capsys.readouterr().out
+    assert "2 removed now (--clean)" in out
+    assert os.path.exists(files["live"]) and os.path.exists(files["young"])
+    assert not os.path.exists(files["stale"]) and not os.path.exists(files["old"])
+
+
+def test_info_without_leftovers(tmp_path, capsys):
+    assert main(["info", "--dir", str(tmp_path)]) == 0
+    assert "Temp files : none" in capsys.readouterr().out
