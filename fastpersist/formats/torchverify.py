@@ -1,17 +1,60 @@
 """Verify a ``torch.save`` zip checkpoint without loading it.
 
-Every record's bytes are read natively (read-and-discard extents with CRC slots)
-and compared with the CRC-32 recorded in the central directory.
+:func:`check_torch` answers two questions about a file:
+
+* **Is it a loadable torch checkpoint?** The zip index is parsed strictly
+  (:mod:`fastpersist.formats.zipindex`: encryption, other disks, entry counts,
+  names, local headers, extents, overlaps), then the records torch's reader
+  needs are looked up the way it looks them up: every entry under one archive
+  folder, ``data.pkl``, a ``version`` it accepts, a sane ``byteorder``, and every
+  storage that ``data.pkl`` references (found by walking the pickle's opcodes
+  with :mod:`pickletools`, never executing it) present as ``data/<key>`` with
+  exactly the bytes the pickle claims.
+* **Are its bytes the ones written?** Every record's CRC-32 is computed (stored
+  records natively, read-and-discard extents with CRC slots; deflated records
+  inflated with :mod:`zlib`) and compared with the central directory; data
+  descriptors and local headers must repeat it.
+
+A file with no CRCs at all (the legacy, pre-zip ``torch.save`` format) is
+reported as *unchecked* (:attr:`TorchCheck.checked` false), not as intact.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import os
+import pickletools
+import re
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from fastpersist.errors import ZipFormatError
-from fastpersist.formats.zipindex import ZipIndex, buffer_reader, fd_reader, parse_zip_index
+from fastpersist.formats.zipindex import ZipEntry, ZipIndex, buffer_reader, fd_reader, parse_zip_index
+
+#: The first bytes of a legacy (``_use_new_zipfile_serialization=False``) torch file:
+#: protocol 2 and the magic number ``0x1950a86a20f9469cfc6c`` as a LONG1.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19."
+_LOCAL_SIG = b"PK\x03\x04"
+#: What ``std::stoull`` (torch's version parser) accepts: optional space and sign, digits.
+_VERSION_RE = re.compile(rb"\A[ \t\n\v\f\r]*([+-]?)([0-9]+)")
+#: Largest record read into memory to parse it (data.pkl, version, byteorder).
+_MAX_SMALL_RECORD = 1 << 30
+
+
+@dataclass
+class TorchCheck:
+    """What ``check_torch`` looked at.
+
+    ``checked`` is false when the file carries no checksums to compare (a legacy
+    torch file): then ``problems`` says so and nothing was verified.
+    """
+
+    problems: list[str]
+    records: int = 0
+    nbytes: int = 0
+    checked: bool = True
 
 
 def _native_read(handle: Any, path: str, extents: list[tuple[int, int, int, int]], nslots: int) -> list[int]:
@@ -24,77 +67,340 @@ def _native_read(handle: Any, path: str, extents: list[tuple[int, int, int, int]
         raise type(e)(e.errno, e.strerror or str(e), path) from e
 
 
-def _read_extents(index: ZipIndex) -> tuple[list[tuple[int, int, int, int]], list[str]]:
-    """Read-and-discard extents, one CRC slot per non-empty record."""
-    records = sorted((e for e in index.entries if e.compressed_size > 0), key=lambda e: e.data_offset)
-    extents: list[tuple[int, int, int, int]] = []
-    names: list[str] = []
-    pos = 0
-    for e in records:
-        if e.data_offset < pos:
-            raise ZipFormatError(
-                f"{index.path}: record {e.name} at {e.data_offset} overlaps the previous one",
-                index.path,
-                e.data_offset,
-            )
-        extents.append((e.data_offset, 0, e.compressed_size, len(names)))
-        names.append(e.name)
-        pos = e.data_end
-    return extents, names
+def _stored_extents(index: ZipIndex) -> tuple[list[tuple[int, int, int, int]], list[ZipEntry]]:
+    """Read-and-discard extents, one CRC slot per non-empty stored record."""
+    records = sorted(
+        (e for e in index.entries if e.compressed_size > 0 and e.method == 0), key=lambda e: e.data_offset
+    )
+    return [(e.data_offset, 0, e.compressed_size, slot) for slot, e in enumerate(records)], records
 
 
-def _crc_problems(index: ZipIndex, names: list[str], crcs: list[int]) -> list[str]:
-    problems = []
-    for name, crc in zip(names, crcs):
-        entry = index.by_name[name]
-        if entry.method != 0:
-            continue  # CRC of compressed records is over the inflated bytes; torch never compresses
-        if crc != entry.crc32:
-            problems.append(
-                f"{name}: CRC-32 mismatch (computed {crc:08x}, recorded {entry.crc32:08x}) "
-                f"in bytes [{entry.data_offset}, {entry.data_end})"
-            )
+def _crc_mismatch(e: ZipEntry, crc: int) -> str:
+    return (
+        f"{e.name}: CRC-32 mismatch (computed {crc:08x}, recorded {e.crc32:08x}) "
+        f"in bytes [{e.data_offset}, {e.data_end})"
+    )
+
+
+def _inflate(read_at: Any, e: ZipEntry, sink: Any) -> None:
+    """Inflate a deflated record in steps, passing each piece of output to ``sink``.
+
+    Raises:
+        ZipFormatError: the data is not valid deflate data of exactly
+            ``uncompressed_size`` bytes.
+    """
+    step = 1 << 20
+    d = zlib.decompressobj(-15)
+    produced = 0
+    pos = e.data_offset
+    end = e.data_end
+
+    def feed(chunk: bytes) -> None:
+        nonlocal produced
+        while chunk:
+            try:
+                out = d.decompress(chunk, step)
+            except zlib.error as exc:
+                raise ZipFormatError(f"{e.name}: deflate data is corrupt ({exc})", offset=e.data_offset) from None
+            produced += len(out)
+            if produced > e.uncompressed_size:
+                break
+            sink(out)
+            chunk = d.unconsumed_tail
+
+    while pos < end and not d.eof and produced <= e.uncompressed_size:
+        chunk = read_at(pos, min(step, end - pos))
+        if not chunk:
+            break
+        pos += len(chunk)
+        feed(chunk)
+    if produced != e.uncompressed_size or not d.eof:
+        raise ZipFormatError(
+            f"{e.name}: deflate data holds {produced}{'' if d.eof else '+'} bytes, the central directory says "
+            f"{e.uncompressed_size}",
+            offset=e.data_offset,
+        )
+
+
+def _inflated_crc(read_at: Any, e: ZipEntry) -> int:
+    crc = 0
+
+    def sink(b: bytes) -> None:
+        nonlocal crc
+        crc = zlib.crc32(b, crc)
+
+    _inflate(read_at, e, sink)
+    return crc
+
+
+def _record_bytes(read_at: Any, e: ZipEntry) -> bytes:
+    if e.uncompressed_size > _MAX_SMALL_RECORD:
+        raise ZipFormatError(f"{e.name}: {e.uncompressed_size} bytes, too large to parse", offset=e.data_offset)
+    if e.method == 8:
+        parts: list[bytes] = []
+        _inflate(read_at, e, parts.append)
+        return b"".join(parts)
+    return read_at(e.data_offset, e.compressed_size)
+
+
+@functools.lru_cache(maxsize=None)
+def max_file_format_version() -> int:
+    """The newest archive ``version`` this torch's reader accepts (probed once)."""
+    import zipfile
+
+    import torch
+
+    best = 10  # torch 2.x
+    for v in range(best + 1, 64):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            z.writestr("a/version", f"{v}\n")
+        try:
+            torch._C.PyTorchFileReader(io.BytesIO(buf.getvalue()))
+        except Exception:  # noqa: BLE001 - torch's refusal is RuntimeError; anything else ends the probe too
+            break
+        best = v
+    return best
+
+
+def _element_size(module: str, name: str) -> Optional[int]:
+    """Bytes per element of the storage class ``module.name`` (``torch.FloatStorage``...),
+    looked up as an attribute of torch (nothing is imported or called); None if unknown."""
+    import torch
+
+    if module != "torch" or not name.endswith("Storage") or not name.isidentifier():
+        return None
+    cls = getattr(torch, name, None)
+    if cls is None:
+        return None
+    if cls is torch.UntypedStorage:
+        return 1
+    dtype = getattr(cls, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return None
+    return torch._utils._element_size(dtype)
+
+
+class _Mark:
+    pass
+
+
+_MARK = _Mark()
+_UNKNOWN = object()
+_STRING_OPS = {
+    "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
+    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
+}
+_INT_OPS = {"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"}
+
+
+def storage_references(pickle_bytes: bytes) -> list[tuple[str, str, int, Any]]:
+    """``(key, storage class "module name", numel, location)`` of every persistent id
+    a torch pickle references, found by walking its opcodes (nothing is executed).
+
+    Raises:
+        ValueError: the pickle cannot be parsed, or a persistent id is not a
+            ``('storage', <class>, key, location, numel)`` tuple torch can load.
+    """
+    stack: list[Any] = []
+    memo: dict[int, Any] = {}
+    refs: list[tuple[str, str, int, Any]] = []
+
+    def pop_to_mark() -> list[Any]:
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] is _MARK:
+                items = stack[i + 1 :]
+                del stack[i:]
+                return items
+        raise ValueError("no MARK on the stack")
+
+    def pop() -> Any:
+        if not stack or stack[-1] is _MARK:
+            raise ValueError("stack underflow")
+        return stack.pop()
+
+    for op, arg, pos in pickletools.genops(io.BytesIO(pickle_bytes)):
+        name = op.name
+        if name in _STRING_OPS:
+            stack.append(arg.decode("ascii", "replace") if isinstance(arg, bytes) else arg)
+        elif name in _INT_OPS:
+            stack.append(arg)
+        elif name == "MARK":
+            stack.append(_MARK)
+        elif name == "GLOBAL":
+            stack.append(("global", arg))
+        elif name == "STACK_GLOBAL":
+            n, m = pop(), pop()
+            stack.append(("global", f"{m} {n}") if isinstance(m, str) and isinstance(n, str) else _UNKNOWN)
+        elif name == "TUPLE":
+            stack.append(tuple(pop_to_mark()))
+        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
+            n = int(name[-1])
+            items = [pop() for _ in range(n)][::-1]
+            stack.append(tuple(items))
+        elif name == "EMPTY_TUPLE":
+            stack.append(())
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            if not stack:
+                raise ValueError(f"memo put on an empty stack at byte {pos}")
+            memo[arg] = stack[-1]
+        elif name == "MEMOIZE":
+            if not stack:
+                raise ValueError(f"memoize on an empty stack at byte {pos}")
+            memo[len(memo)] = stack[-1]
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            if arg not in memo:
+                raise ValueError(f"memo key {arg} read before it was written (byte {pos})")
+            stack.append(memo[arg])
+        elif name in ("PERSID", "BINPERSID"):
+            pid = arg if name == "PERSID" else pop()
+            refs.append(_storage_ref(pid, pos))
+            stack.append(_UNKNOWN)
+        elif name == "STOP":
+            break
+        else:  # generic stack effect from pickletools' description of the opcode
+            before = op.stack_before
+            if pickletools.markobject in before:
+                k = before.index(pickletools.markobject)
+                pop_to_mark()
+                for _ in range(k):
+                    pop()
+            else:
+                for _ in before:
+                    pop()
+            for item in op.stack_after:
+                stack.append(_MARK if item is pickletools.markobject else _UNKNOWN)
+    return refs
+
+
+def _storage_ref(pid: Any, pos: int) -> tuple[str, str, int, Any]:
+    if (
+        isinstance(pid, tuple)
+        and len(pid) == 5
+        and pid[0] == "storage"
+        and isinstance(pid[1], tuple)
+        and len(pid[1]) == 2
+        and pid[1][0] == "global"
+        and isinstance(pid[2], str)
+        and isinstance(pid[4], int)
+        and not isinstance(pid[4], bool)
+    ):
+        return pid[2], pid[1][1], pid[4], pid[3]
+    shown = tuple("?" if x is _UNKNOWN else x for x in pid) if isinstance(pid, tuple) else pid
+    raise ValueError(f"persistent id at byte {pos} is not a ('storage', type, key, location, numel) tuple: {shown!r}")
+
+
+def _structure_problems(path: str, index: ZipIndex, read_at: Any) -> list[str]:
+    """Whether torch's reader would find every record it needs (see the module docstring)."""
+    entries = index.entries
+    if not entries:
+        return [f"{path}: the archive has no records (an empty zip is not a torch checkpoint)"]
+    first = entries[0].name
+    if "/" not in first:
+        return [f"{path}: record {first!r} is not in an archive folder (torch needs <folder>/data.pkl, ...)"]
+    prefix = first.split("/", 1)[0] + "/"
+    problems = [
+        f"{path}: record {e.name!r} is outside the archive folder {prefix!r} (torch refuses such archives)"
+        for e in entries
+        if not e.name.startswith(prefix)
+    ]
+    by_short = {e.name[len(prefix) :]: e for e in entries if e.name.startswith(prefix)}
+
+    def record(short: str, required: bool) -> Optional[bytes]:
+        e = by_short.get(short)
+        if e is None:
+            if required:
+                problems.append(f"{path}: record {prefix}{short} is missing (torch needs it)")
+            return None
+        if e.is_directory:
+            problems.append(f"{e.name}: marked as a directory (torch cannot read it)")
+            return None
+        try:
+            return _record_bytes(read_at, e)
+        except ZipFormatError as exc:
+            problems.append(str(exc))
+            return None
+
+    vshort = ".data/version" if ".data/version" in by_short else "version"
+    version = record(vshort, True)
+    if version is not None:
+        m = _VERSION_RE.match(version)
+        top = max_file_format_version()
+        if m is None:
+            problems.append(f"{prefix}{vshort}: holds {version[:20]!r}, not a version number")
+        else:
+            v = int(m.group(2)) * (-1 if m.group(1) == b"-" else 1)
+            if not 1 <= v <= top:
+                problems.append(f"{prefix}{vshort}: format version {v} is not one torch reads (1 to {top})")
+    order = record("byteorder", False)
+    if order is not None and order not in (b"little", b"big"):
+        problems.append(f"{prefix}byteorder: holds {order[:20]!r}, not 'little' or 'big'")
+    pickles = ["data.pkl"] + (["constants.pkl"] if "constants.pkl" in by_short else [])
+    seen: dict[str, int] = {}
+    for pkl_name in pickles:
+        pkl = record(pkl_name, True)
+        if pkl is None:
+            continue
+        try:
+            refs = storage_references(pkl)
+        except ValueError as exc:
+            problems.append(f"{prefix}{pkl_name}: cannot be parsed as a pickle ({exc})")
+            continue
+        for key, cls, numel, _loc in refs:
+            size = _element_size(*cls.split(" ", 1)) if " " in cls else None
+            if size is None:
+                problems.append(f"{prefix}{pkl_name}: references storage {key!r} of unknown type {cls!r}")
+                continue
+            if numel < 0:
+                problems.append(f"{prefix}{pkl_name}: claims {numel} elements for storage {key!r}")
+                continue
+            nbytes = numel * size
+            if key in seen:  # torch loads a key once, with the size of its first reference
+                continue
+            seen[key] = nbytes
+            e = by_short.get(f"data/{key}")
+            if e is None:
+                problems.append(f"{path}: record {prefix}data/{key} is missing (storage {key!r} of {prefix}{pkl_name})")
+            elif e.is_directory:
+                problems.append(f"{e.name}: marked as a directory (torch cannot read it)")
+            elif e.uncompressed_size != nbytes:
+                problems.append(
+                    f"{e.name}: holds {e.uncompressed_size} bytes but {prefix}{pkl_name} claims "
+                    f"{nbytes} ({numel} x {size}-byte elements of {cls.split(' ')[-1]})"
+                )
     return problems
 
 
-@dataclass
-class TorchCheck:
-    """What ``verify_torch`` looked at."""
-
-    problems: list[str]
-    records: int = 0
-    nbytes: int = 0
-
-
 def verify_torch(path: str, handle: Any) -> list[str]:
-    """Problems found in the torch zip file at ``path`` (empty list: every record checks out).
-
-    Every record's bytes (storages and metadata alike) are read and checksummed
-    natively (read-and-discard extents with CRC slots) and compared with the
-    central directory; data descriptors must repeat the central directory's CRC.
-    """
+    """Problems found in the torch zip file at ``path`` (empty list: every record checks out)."""
     return check_torch(path, handle).problems
 
 
 def check_torch(path: str, handle: Any) -> TorchCheck:
-    """Like :func:`verify_torch`, also counting the records and bytes checked."""
-    fd = os.open(path, os.O_RDONLY)
+    """Check that ``path`` is a loadable torch zip checkpoint whose records match their CRCs.
+
+    Never raises for bad content (every problem is in ``problems``); ``OSError`` for I/O.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
         read_at = fd_reader(fd)
+        head = read_at(0, len(_LEGACY_MAGIC))
+        if size == 0:
+            return TorchCheck([f"{path}: the file is empty"])
+        if head[:4] != _LOCAL_SIG:
+            if head == _LEGACY_MAGIC:
+                return TorchCheck(
+                    [f"{path}: not a zip archive (legacy torch.save format); it has no checksums to verify"],
+                    checked=False,
+                )
+            return TorchCheck([f"{path}: not a torch checkpoint (it does not start with a zip local header)"])
         try:
             index = parse_zip_index(read_at, size, path)
         except ZipFormatError as e:
-            head = read_at(0, 4)
-            if head != b"PK\x03\x04" and size:
-                return TorchCheck(
-                    [f"{path}: not a zip archive (legacy torch.save format?); it has no checksums to verify"]
-                )
             return TorchCheck([str(e)])
-        problems: list[str] = []
+        problems = _structure_problems(path, index, read_at)
         for e in index.entries:
-            if e.method != 0:
-                problems.append(f"{e.name}: compressed record (method {e.method}), not written by torch.save")
             stored = []
             for off in e.crc_field_offsets[1:]:
                 raw = read_at(off, 4)
@@ -103,17 +409,25 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
                 problems.append(
                     f"{e.name}: data descriptor CRC {stored[0]:08x} differs from central directory {e.crc32:08x}"
                 )
-            if e.descriptor_offset is None and stored and stored[0] not in (0, e.crc32):
+            if e.descriptor_offset is None and stored and stored[0] != e.crc32:
                 problems.append(
                     f"{e.name}: local header CRC {stored[0]:08x} differs from central directory {e.crc32:08x}"
                 )
-            if e.compressed_size == 0 and e.crc32 != 0:
+            if e.uncompressed_size == 0 and e.crc32 != 0:
                 problems.append(f"{e.name}: empty record with non-zero CRC {e.crc32:08x}")
+            if e.method == 8:  # deflated (valid for torch.load): CRC over the inflated bytes
+                try:
+                    crc = _inflated_crc(read_at, e)
+                except ZipFormatError as exc:
+                    problems.append(str(exc))
+                else:
+                    if crc != e.crc32:
+                        problems.append(_crc_mismatch(e, crc))
     finally:
         os.close(fd)
-    extents, names = _read_extents(index)
-    crcs = _native_read(handle, path, extents, len(names)) if extents else []
-    problems += _crc_problems(index, names, crcs)
+    extents, records = _stored_extents(index)
+    crcs = _native_read(handle, path, extents, len(records)) if extents else []
+    problems += [_crc_mismatch(e, crc) for e, crc in zip(records, crcs) if crc != e.crc32]
     return TorchCheck(problems, records=len(index.entries), nbytes=sum(e.compressed_size for e in index.entries))
 
 

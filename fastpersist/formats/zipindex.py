@@ -44,6 +44,13 @@ _LOCAL = struct.Struct("<4s5H3L2H")  # 30 bytes
 _U32_MAX = 0xFFFFFFFF
 _U16_MAX = 0xFFFF
 _FLAG_DESCRIPTOR = 0x0008
+#: general purpose flags no reader of torch files supports: encrypted (bit 0),
+#: compressed patch data (bit 5), strong encryption (bit 6), masked local headers (bit 13)
+_FLAGS_UNSUPPORTED = 0x0001 | 0x0020 | 0x0040 | 0x2000
+_FLAG_UTF8 = 0x0800
+_DOS_DIRECTORY = 0x10
+#: compression methods torch's reader (miniz) extracts: stored, deflated
+METHODS_SUPPORTED = (0, 8)
 _ZIP64_EXTRA_ID = 0x0001
 #: offset of the crc32 field inside a central directory entry / a local header
 CD_CRC_FIELD = 16
@@ -69,6 +76,18 @@ class ZipEntry:
     #: where the record's CRC-32 is stored in the file: central directory, and
     #: the data descriptor or (without one) the local header
     crc_field_offsets: tuple[int, ...] = ()
+    #: external file attributes from the central directory (bit 0x10: MS-DOS directory)
+    external_attr: int = 0
+
+    @property
+    def is_directory(self) -> bool:
+        """Whether torch's reader (miniz) would treat the entry as a directory and refuse to extract it."""
+        return self.name.endswith("/") or bool(self.external_attr & _DOS_DIRECTORY)
+
+    @property
+    def record_end(self) -> int:
+        """One past the record's last byte (its data descriptor included)."""
+        return self.data_end + self.descriptor_size
 
     @property
     def cd_crc_offset(self) -> int:
@@ -120,6 +139,14 @@ def _read_exact(read_at: ReadAt, path: str, offset: int, length: int, what: str)
     if len(data) != length:
         raise _fail(path, offset, f"file truncated while reading {what} ({len(data)} of {length} bytes)")
     return data
+
+
+def _u16(buf: bytes, pos: int) -> int:
+    return int.from_bytes(buf[pos : pos + 2], "little")
+
+
+def _u32(buf: bytes, pos: int) -> int:
+    return int.from_bytes(buf[pos : pos + 4], "little")
 
 
 def _zip64_extra(extra: bytes, need: list[str], path: str, offset: int) -> dict[str, int]:
@@ -178,55 +205,120 @@ def _descriptor(
 
 
 def _locate_central_directory(read_at: ReadAt, size: int, path: str) -> tuple[int, int, int, int, bool]:
-    """``(cd_offset, cd_size, entries, eocd_offset, zip64)`` from the (zip64) end records."""
+    """``(cd_offset, cd_size, entries, eocd_offset, zip64)`` from the (zip64) end records.
+
+    As strict as torch's reader (miniz) and stricter where miniz is lenient: one disk
+    only, entry counts that agree, the central directory inside the file and
+    directly before the (zip64) end records.
+    """
     eocd_off, tail = _find_eocd(read_at, size, path)
     tail_start = size - len(tail)
     (_, disk, cd_disk, n_disk, n_total, cd_size, cd_off, _clen) = _EOCD.unpack_from(tail, eocd_off - tail_start)
     zip64 = False
+    cd_end = eocd_off  # where the central directory must end
     loc_off = eocd_off - _ZIP64_LOCATOR.size
     if loc_off >= 0:
         loc = read_at(loc_off, _ZIP64_LOCATOR.size)
         if len(loc) == _ZIP64_LOCATOR.size and loc[:4] == _ZIP64_LOCATOR_SIG:
             zip64 = True
-            _, _, z64_off, _ = _ZIP64_LOCATOR.unpack(loc)
+            _, z64_disk, z64_off, n_disks = _ZIP64_LOCATOR.unpack(loc)
+            if z64_disk != 0 or n_disks != 1:
+                raise _fail(path, loc_off, f"zip64 locator names disk {z64_disk} of {n_disks} (multi-disk archives are not supported)")
             if z64_off + _ZIP64_EOCD.size > loc_off:
                 raise _fail(path, loc_off, f"zip64 locator points past itself ({z64_off})")
             rec = _read_exact(read_at, path, z64_off, _ZIP64_EOCD.size, "zip64 end of central directory")
             if rec[:4] != _ZIP64_EOCD_SIG:
                 raise _fail(path, z64_off, "bad zip64 end of central directory signature")
-            (_, _, _, _, disk, cd_disk, n_disk, n_total, cd_size, cd_off) = _ZIP64_EOCD.unpack(rec)
-    if disk != 0 or cd_disk != 0 or n_disk != n_total:
-        raise _fail(path, eocd_off, "multi-disk archives are not supported")
+            (_, rec_size, _vm, _vn, disk64, cd_disk64, n_disk64, n_total64, cd_size64, cd_off64) = _ZIP64_EOCD.unpack(rec)
+            if z64_off + 12 + rec_size != loc_off:
+                raise _fail(path, z64_off, f"zip64 end of central directory claims {rec_size} bytes, "
+                            f"but the locator follows at {loc_off}")
+            # the 32-bit fields must repeat the zip64 ones, or say "see zip64" (all ones)
+            for what, v32, v64, sat in (
+                ("disk number", disk, disk64, _U16_MAX), ("central directory disk", cd_disk, cd_disk64, _U16_MAX),
+                ("entries on this disk", n_disk, n_disk64, _U16_MAX), ("total entries", n_total, n_total64, _U16_MAX),
+                ("central directory size", cd_size, cd_size64, _U32_MAX),
+                ("central directory offset", cd_off, cd_off64, _U32_MAX),
+            ):
+                if v32 != v64 and v32 != sat:
+                    raise _fail(path, eocd_off, f"end record's {what} ({v32}) contradicts the zip64 end record ({v64})")
+            disk, cd_disk, n_disk, n_total, cd_size, cd_off = disk64, cd_disk64, n_disk64, n_total64, cd_size64, cd_off64
+            cd_end = z64_off
+    if disk != 0 or cd_disk != 0:
+        raise _fail(path, eocd_off, f"disk numbers {disk}/{cd_disk} (multi-disk archives are not supported)")
+    if n_disk != n_total:
+        raise _fail(path, eocd_off, f"{n_disk} entries on this disk but {n_total} in total (multi-disk archive?)")
     if cd_off + cd_size > size:
         raise _fail(
             path, eocd_off, f"central directory [{cd_off}, {cd_off + cd_size}) lies past the end of file ({size} bytes)"
         )
+    if cd_off + cd_size != cd_end:
+        raise _fail(
+            path, eocd_off, f"central directory [{cd_off}, {cd_off + cd_size}) does not end where the end records "
+            f"start ({cd_end}): its offset or size is wrong"
+        )
+    if n_total * _CD.size > cd_size:
+        raise _fail(path, eocd_off, f"{n_total} entries cannot fit in a {cd_size}-byte central directory")
     return cd_off, cd_size, n_total, eocd_off, zip64
 
 
-def _iter_central_directory(cd: bytes, cd_off: int, n_total: int, path: str) -> Iterator[tuple[int, str, int, int, int, int, int, int]]:
-    """``(pos, name, flags, method, crc, csize, usize, header_offset)`` of each central
-    directory entry (zip64 extra fields applied); ``pos`` is relative to ``cd_off``."""
+def _iter_central_directory(
+    cd: bytes, cd_off: int, n_total: int, path: str
+) -> Iterator[tuple[int, str, int, int, int, int, int, int, bytes, int]]:
+    """``(pos, name, flags, method, crc, csize, usize, header_offset, raw_name,
+    external_attr)`` of each central directory entry (zip64 extra fields applied);
+    ``pos`` is relative to ``cd_off``.
+
+    Refuses what torch's reader refuses (encryption, unsupported methods, other
+    disks, a stored record whose sizes differ, a record running past the central
+    directory) and what makes names ambiguous (undecodable or duplicate names);
+    the entries must fill the central directory exactly (the end record's count).
+    """
     pos = 0
-    for _ in range(n_total):
+    seen: set[str] = set()
+    for i in range(n_total):
         here = cd_off + pos
         if pos + _CD.size > len(cd) or cd[pos : pos + 4] != _CD_SIG:
-            raise _fail(path, here, "bad central directory entry signature")
+            raise _fail(path, here, f"bad central directory entry signature (entry {i} of {n_total})")
         fields = _CD.unpack_from(cd, pos)
         flags, method, crc, csize, usize, nlen, xlen, clen, dstart = fields[3:5] + fields[7:14]
         hoff = fields[16]
         name_b = cd[pos + 46 : pos + 46 + nlen]
         extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
-        if len(name_b) != nlen or len(extra) != xlen:
+        if pos + 46 + nlen + xlen + clen > len(cd):
             raise _fail(path, here, "central directory entry runs past the directory")
         need = [k for k, v in (("usize", usize), ("csize", csize), ("hoff", hoff)) if v == _U32_MAX]
         if dstart == _U16_MAX:
             need.append("disk")
         big = _zip64_extra(extra, need, path, here)
         usize, csize, hoff = big.get("usize", usize), big.get("csize", csize), big.get("hoff", hoff)
-        name = name_b.decode("utf-8" if flags & 0x0800 else "cp437")
-        yield pos, name, flags, method, crc, csize, usize, hoff
+        dstart = big.get("disk", dstart)
+        try:
+            name = name_b.decode("utf-8" if flags & _FLAG_UTF8 else "cp437")
+        except UnicodeDecodeError as exc:
+            raise _fail(path, here + 46 + exc.start, f"entry name {name_b!r} is not valid UTF-8") from None
+        if flags & _FLAGS_UNSUPPORTED:
+            raise _fail(path, here + 8, f"entry {name!r} is encrypted or uses unsupported features (flags {flags:#06x})")
+        if method not in METHODS_SUPPORTED:
+            raise _fail(path, here + 10, f"entry {name!r} uses unsupported compression method {method}")
+        if method == 0 and csize != usize:
+            raise _fail(path, here + 20, f"stored entry {name!r} has compressed size {csize} != uncompressed size {usize}")
+        if usize and not csize:
+            raise _fail(path, here + 20, f"entry {name!r} claims {usize} bytes from 0 compressed bytes")
+        if dstart != 0:
+            raise _fail(path, here + 34, f"entry {name!r} starts on disk {dstart} (multi-disk archives are not supported)")
+        if hoff + _LOCAL.size + nlen + csize > cd_off:
+            raise _fail(path, here + 42, f"record {name!r} at {hoff} ({csize} bytes) runs into the central directory at {cd_off}")
+        if name in seen:
+            raise _fail(path, here, f"duplicate entry name {name!r}")
+        seen.add(name)
+        yield pos, name, flags, method, crc, csize, usize, hoff, name_b, fields[15]
         pos += 46 + nlen + xlen + clen
+    if pos != len(cd):
+        raise _fail(
+            path, cd_off + pos, f"the end record counts {n_total} entries but the {len(cd)}-byte central directory "
+            f"holds more ({len(cd) - pos} bytes left over)"
+        )
 
 
 @dataclass
@@ -250,7 +342,7 @@ def read_central_directory(read_at: ReadAt, size: int, path: str = "<buffer>") -
     cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
     return cd_off, [
         CentralEntry(name, cd_off + pos, hoff, csize, crc, flags, method, usize)
-        for pos, name, flags, method, crc, csize, usize, hoff in _iter_central_directory(cd, cd_off, n_total, path)
+        for pos, name, flags, method, crc, csize, usize, hoff, _raw, _x in _iter_central_directory(cd, cd_off, n_total, path)
     ]
 
 
@@ -272,17 +364,31 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
     cd = _read_exact(read_at, path, cd_off, cd_size, "central directory")
 
     entries: list[ZipEntry] = []
-    for pos, name, flags, method, crc, csize, usize, hoff in _iter_central_directory(cd, cd_off, n_total, path):
+    for pos, name, flags, method, crc, csize, usize, hoff, raw_name, external in _iter_central_directory(
+        cd, cd_off, n_total, path
+    ):
         here = cd_off + pos
-        if hoff + _LOCAL.size > cd_off:
-            raise _fail(path, here, f"local header of {name!r} at {hoff} lies past the central directory")
         local = _read_exact(read_at, path, hoff, _LOCAL.size, f"local header of {name!r}")
-        (sig, _lv, lflags, _lm, _lt, _ld, _lcrc, _lcs, _lus, lnlen, lxlen) = _LOCAL.unpack(local)
+        (sig, _lv, lflags, lmethod, _lt, _ld, lcrc, lcsize, lusize, lnlen, lxlen) = _LOCAL.unpack(local)
         if sig != _LOCAL_SIG:
             raise _fail(path, hoff, f"bad local header signature for {name!r}")
+        lname = _read_exact(read_at, path, hoff + _LOCAL.size, lnlen, f"local name of {name!r}")
+        if lname != raw_name:
+            raise _fail(path, hoff + _LOCAL.size, f"local header names {lname!r}, the central directory {raw_name!r}")
+        if lflags != flags or lmethod != method:
+            raise _fail(
+                path, hoff + 6, f"local header of {name!r} says flags {lflags:#06x} method {lmethod}, the central "
+                f"directory flags {flags:#06x} method {method}"
+            )
         data_off = hoff + _LOCAL.size + lnlen + lxlen
         if data_off + csize > cd_off:
             raise _fail(path, data_off, f"data of {name!r} ({csize} bytes) runs past the central directory at {cd_off}")
+        lvalues = (lcrc, lcsize, lusize)
+        cvalues = (crc, csize, usize)
+        for what, lv, cv in zip(("CRC-32", "compressed size", "size"), lvalues, cvalues):
+            ok = lv == cv or (lflags & _FLAG_DESCRIPTOR and lv == 0) or (what != "CRC-32" and lv == _U32_MAX)
+            if not ok:
+                raise _fail(path, hoff + 14, f"local header of {name!r} says {what} {lv}, the central directory {cv}")
         crc_fields: tuple[int, ...]
         desc_off: Optional[int] = None
         desc_size = 0
@@ -290,6 +396,8 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
             desc_off = data_off + csize
             prefer64 = csize >= _U32_MAX or usize >= _U32_MAX or hoff >= _U32_MAX
             desc_size, desc_crc = _descriptor(read_at, path, desc_off, csize, usize, prefer64)
+            if desc_off + desc_size > cd_off:
+                raise _fail(path, desc_off, f"data descriptor of {name!r} runs into the central directory at {cd_off}")
             crc_fields = (cd_off + pos + CD_CRC_FIELD, desc_crc)
         else:
             crc_fields = (cd_off + pos + CD_CRC_FIELD, hoff + LOCAL_CRC_FIELD)
@@ -303,12 +411,21 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
                 crc32=crc,
                 method=method,
                 flags=lflags,
-                cd_offset=cd_off + pos,
+                cd_offset=here,
                 descriptor_offset=desc_off,
                 descriptor_size=desc_size,
                 crc_field_offsets=crc_fields,
+                external_attr=external,
             )
         )
+    previous: Optional[ZipEntry] = None
+    for e in sorted(entries, key=lambda e: (e.header_offset, e.record_end)):
+        if previous is not None and e.header_offset < previous.record_end:
+            raise _fail(
+                path, e.header_offset, f"record {e.name!r} [{e.header_offset}, {e.record_end}) overlaps record "
+                f"{previous.name!r} [{previous.header_offset}, {previous.record_end})"
+            )
+        previous = e
     return ZipIndex(
         path=path,
         file_size=size,
