@@ -84,6 +84,13 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def _read_only_fs(directory: str) -> bool:
+    try:
+        return bool(os.statvfs(directory).f_flag & getattr(os, "ST_RDONLY", 1))
+    except (OSError, AttributeError):
+        return False
+
+
 def _writable(path: str, mode: int) -> bool:
     """``access(2)`` with the effective ids, which is what ``open``/``rename`` are checked against."""
     if os.access in os.supports_effective_ids:
@@ -102,6 +109,7 @@ def resolve_target(path: PathLike) -> str:
         IsADirectoryError: ``path`` is an existing directory.
         FileNotFoundError: the parent directory does not exist.
         UnsupportedTargetError: ``path`` is a device, FIFO or socket.
+        OSError: ``EROFS``, the filesystem is mounted read-only.
         PermissionError: ``path`` is write-protected (``EACCES``, like ``torch.save``;
             a process that may bypass permissions, root, proceeds as torch would), or
             the directory does not let this process create the temporary file.
@@ -129,6 +137,9 @@ def resolve_target(path: PathLike) -> str:
                 "write into devices/pipes",
                 p,
             )
+    if _read_only_fs(parent):
+        raise OSError(errno.EROFS, "Read-only file system: cannot save here (the old file, if any, is untouched)", p)
+    if st is not None:
         if not _writable(p, os.W_OK):
             raise PermissionError(
                 errno.EACCES,

@@ -253,3 +253,14 @@ def test_temp_name_fits_and_is_cut_at_a_character_boundary(tmp_path):
     assert tmp.startswith(".😀") and TMP_MARKER in tmp
     short = os.path.basename(temp_path_for(str(tmp_path / "ckpt.pt")))
     assert short.startswith(".ckpt.pt" + TMP_MARKER)
+
+
+def test_read_only_filesystem_is_a_clear_error(tmp_path, monkeypatch):
+    from fastpersist import commit
+
+    path = tmp_path / "ckpt.pt"
+    monkeypatch.setattr(commit, "_read_only_fs", lambda directory: True)
+    with pytest.raises(OSError) as info:
+        fastpersist.save(_state(), path)
+    assert info.value.errno == errno.EROFS and info.value.filename == str(path)
+    assert not path.exists() and _leftovers(tmp_path) == []
