@@ -282,26 +282,53 @@ def _starts_with_zip_magic(path: str) -> bool:
 
 @dataclass
 class VerifyResult:
-    """Outcome of :func:`verify`. ``ok`` is true when no problem was found."""
+    """Outcome of :func:`verify`.
+
+    ``status`` is one of:
+
+    * ``"ok"``: the file is a loadable checkpoint and every byte matched the
+      checksum recorded when it was written (``ok`` is true);
+    * ``"corrupt"``: the file is damaged, malformed, or not a checkpoint at all
+      (``problems`` says what is wrong);
+    * ``"unchecked"``: the structure is valid as far as it can be checked, but the
+      file carries no checksums to compare its bytes with (a ``.safetensors``
+      file not written by fastpersist, or a legacy non-zip torch file);
+      ``problems`` says so. ``ok`` is false: nothing vouches for the bytes.
+
+    ``bool(result)`` is ``result.ok``.
+    """
 
     ok: bool
     path: str
     format: str
     records: int = 0  #: zip records or safetensors tensors checked
-    bytes: int = 0  #: payload bytes checksummed
+    bytes: int = 0  #: payload bytes checksummed (0 when none were)
     problems: list[str] = field(default_factory=list)
+    status: str = "ok"  #: "ok", "corrupt" or "unchecked"
+
+    @property
+    def checked(self) -> bool:
+        """Whether the file's bytes could be compared with recorded checksums."""
+        return self.status != "unchecked"
 
     def __bool__(self) -> bool:
         return self.ok
 
 
 def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
-    """Checksum every record of the checkpoint at ``path`` against the CRCs stored in it.
+    """Check that the file at ``path`` is a loadable checkpoint whose bytes match the
+    checksums stored in it.
 
-    Torch zip files: every record (tensor payloads, the pickle, small records) is
-    read natively and its CRC-32 compared with the central directory; data
-    descriptors must agree. ``.safetensors`` files written by fastpersist carry
-    per-tensor CRCs in their metadata (see ``fastpersist.formats.safetensors``).
+    Torch zip files: the zip index is checked as strictly as torch's reader would
+    (and more), the records torch needs are looked up (``data.pkl``, ``version``,
+    every storage the pickle references, with its size), and every record is read
+    natively and its CRC-32 compared with the central directory; data descriptors
+    must agree. ``.safetensors`` files: the header is validated (dtypes, shapes,
+    offsets, sizes); files written by fastpersist carry per-tensor CRCs in their
+    metadata and every tensor is checksummed; files without them are
+    ``"unchecked"``.
+
+    Malformed content never raises: it is a ``"corrupt"`` result naming the problem.
 
     Raises:
         FileNotFoundError / OSError: the file cannot be read.
@@ -311,22 +338,28 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
         raise FileNotFoundError(2, "No such file to verify", fspath)
     handle = _handle(_config(config), read=True)
     if fspath.endswith(".safetensors"):
-        from fastpersist.formats.safetensors import SafetensorsFormatError, read_header, verify_safetensors
+        from fastpersist.formats.safetensors import check_safetensors
 
-        problems = verify_safetensors(fspath, handle)
-        try:
-            header = read_header(fspath)
-            records, nbytes = len(header.tensors), sum(t.nbytes for t in header.tensors)
-        except SafetensorsFormatError:
-            records, nbytes = 0, 0
-        return VerifyResult(ok=not problems, path=fspath, format="safetensors", records=records, bytes=nbytes,
-                            problems=list(problems))
-    check = torchzip.check_torch(fspath, handle)
+        st = check_safetensors(fspath, handle)
+        status = "corrupt" if st.problems else ("ok" if st.checked else "unchecked")
+        problems = list(st.problems)
+        if status == "unchecked":
+            problems = [
+                f"{fspath}: no fastpersist checksums in this safetensors file (not written by fastpersist, or "
+                f"with checksums off): its structure is valid ({st.records} tensors), its bytes cannot be checked"
+            ]
+        return VerifyResult(ok=status == "ok", path=fspath, format="safetensors", records=st.records,
+                            bytes=st.nbytes, problems=problems, status=status)
+    from fastpersist.formats.torchverify import check_torch
+
+    check = check_torch(fspath, handle)
+    status = "unchecked" if not check.checked else ("corrupt" if check.problems else "ok")
     return VerifyResult(
-        ok=not check.problems,
+        ok=status == "ok",
         path=fspath,
         format="torch",
         records=check.records,
-        bytes=check.nbytes,
+        bytes=check.nbytes if check.checked else 0,
         problems=check.problems,
+        status=status,
     )

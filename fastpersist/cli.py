@@ -3,7 +3,10 @@
 Exit status: 0 success; 1 the command ran and found a problem (a checkpoint
 that fails verification, data read back that differs from what was written,
 fastpersist failing in a benchmark); 2 usage or I/O errors (bad arguments, a
-missing file, an unwritable directory). Errors print one line; ``--debug``
+missing file, an unwritable directory). ``verify`` also exits 3 (UNCHECKED) for a
+file whose structure is valid but which carries no checksums to compare (a
+safetensors file not written by fastpersist, a legacy torch file); malformed
+content is always 1 (FAILED), never 2. Errors print one line; ``--debug``
 prints the traceback too.
 """
 
@@ -92,7 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="remove the leftover temporary files that the next save would remove")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("verify", parents=[debug], help="checksum every byte of a checkpoint")
+    p = sub.add_parser(
+        "verify", parents=[debug], help="check a checkpoint is loadable and checksum every byte",
+        description="Check that a checkpoint is a loadable torch or safetensors file and that every byte matches "
+        "the checksum recorded when it was written.",
+        epilog="exit status: 0 OK (loadable, every checksum matches); 1 FAILED (corrupt, malformed, or not a "
+        "checkpoint); 3 UNCHECKED (valid structure but no checksums to compare: a safetensors file not written by "
+        "fastpersist, a legacy torch file); 2 usage or I/O error (missing file, unreadable).",
+    )
     p.add_argument("path", help="checkpoint file (.pt/.pth/.ckpt/.bin or .safetensors)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_verify)
@@ -240,7 +250,8 @@ def _temp_lines(temps: Optional[list], error: Optional[str], removed: list[str],
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``fastpersist verify PATH``: 0 intact, 1 problems found, 2 cannot read."""
+    """``fastpersist verify PATH``: 0 OK, 1 FAILED (corrupt or malformed), 3 UNCHECKED
+    (no checksums in the file), 2 cannot read it."""
     import fastpersist
     from fastpersist.errors import FastPersistError
 
@@ -251,22 +262,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise IsADirectoryError(21, "Is a directory (verify takes a checkpoint file)", path)
     try:
         result = fastpersist.verify(path)
-    except FastPersistError as exc:  # not a checkpoint at all, truncated zip, ...
-        data = {"ok": False, "path": path, "format": "unknown", "records": 0, "bytes": 0, "problems": [str(exc)]}
+    except (FastPersistError, UnicodeError) as exc:  # bad content that escaped verify: still FAILED, never 2
+        data = {"ok": False, "path": path, "format": "unknown", "records": 0, "bytes": 0, "problems": [str(exc)],
+                "status": "corrupt"}
     else:
-        data = dataclasses.asdict(result) if dataclasses.is_dataclass(result) else {
-            "ok": bool(result), "path": path, "problems": list(getattr(result, "problems", [])),
-        }
+        data = dataclasses.asdict(result)
+        data["status"] = result.status
+    status = data["status"]
     if args.json:
         print(json.dumps(data, indent=2))
-    elif data["ok"]:
+    elif status == "ok":
         print(f"OK: {path}: {data.get('records', 0)} records, {data.get('bytes', 0)} payload bytes checked "
               f"({data.get('format', '?')} format)")
+    elif status == "unchecked":
+        print(f"UNCHECKED: {path}: no checksums to verify ({data.get('format', '?')} format, "
+              f"{data.get('records', 0)} records)")
+        for problem in data["problems"]:
+            print(f"  - {problem}")
     else:
         print(f"FAILED: {path}: {len(data['problems'])} problem(s)")
         for problem in data["problems"]:
             print(f"  - {problem}")
-    return 0 if data["ok"] else 1
+    return {"ok": 0, "unchecked": 3}.get(status, 1)
 
 
 def _json_to_stdout(args: argparse.Namespace) -> bool:

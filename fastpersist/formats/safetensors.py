@@ -45,6 +45,8 @@ __all__ = [
     "plan_safetensors",
     "read_header",
     "verify_safetensors",
+    "check_safetensors",
+    "SafetensorsCheck",
 ]
 
 #: ``__metadata__`` key holding the per-tensor CRC-32s written by fastpersist.
@@ -363,12 +365,25 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     for key, value in pairs:
         if key in out:
             raise ValueError(f"duplicate key {key!r}")
+        for text in (key, value) if isinstance(value, str) else (key,):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate escape ("\\ud800"): not a Unicode string
+                raise ValueError(f"string {text!r} is not valid Unicode") from None
         out[key] = value
     return out
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _INT64_MAX
+
+
+#: Largest dimension, element count or offset: torch sizes are int64.
+_INT64_MAX = (1 << 63) - 1
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def parse_header(path: str, header_json: bytes, file_size: int) -> SafetensorsHeader:
@@ -383,7 +398,14 @@ def parse_header(path: str, header_json: bytes, file_size: int) -> SafetensorsHe
 
     data_start = _LEN.size + len(header_json)
     try:
-        head = json.loads(header_json.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        text = header_json.decode("utf-8")
+        # "-0" parses as a float (as serde_json, safetensors' parser, reads it): never a valid size
+        head = json.loads(
+            text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+            parse_int=lambda t: -0.0 if t == "-0" else int(t),
+        )
+    except RecursionError:
+        raise bad("the header JSON is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise bad(f"the header is not valid UTF-8 JSON ({exc})") from None
     if not isinstance(head, dict):
@@ -409,6 +431,8 @@ def parse_header(path: str, header_json: bytes, file_size: int) -> SafetensorsHe
         begin, end = offsets
         if end < begin:
             raise bad(f"tensor {name!r} has data_offsets {offsets} that end before they begin")
+        if math.prod(d for d in shape if d) > _INT64_MAX:
+            raise bad(f"tensor {name!r} has shape {shape} whose element count overflows 64 bits")
         bits = math.prod(shape) * _CODE_BITS[code]
         if bits % 8 or bits // 8 != end - begin or (code == _PACKED and (not shape or shape[-1] % 2)):
             raise bad(f"tensor {name!r}: {code} of shape {shape} does not fill data_offsets {offsets}")
@@ -563,6 +587,13 @@ def load_safetensors(
     else:
         handle.read(path, [(0, base_ptr, header.file_size, -1)], 0)
 
+    try:
+        return _tensors(header, base, device)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        raise SafetensorsFormatError(f"{path}: cannot make tensors of the header's dtypes and shapes ({exc})", path) from exc
+
+
+def _tensors(header: SafetensorsHeader, base: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     buffer = base.numpy()
     for entry in header.tensors:
@@ -583,6 +614,38 @@ def load_safetensors(
     return out
 
 
+@dataclass
+class SafetensorsCheck:
+    """What :func:`check_safetensors` found. ``checked`` is false when the file has
+    no fastpersist CRCs (only its structure was validated, its bytes were not)."""
+
+    problems: list[str]
+    records: int = 0  #: tensors in the header
+    nbytes: int = 0  #: payload bytes checksummed (0 when unchecked)
+    checked: bool = False
+
+
+def check_safetensors(path: Union[str, os.PathLike], handle: _Reader) -> SafetensorsCheck:
+    """Validate a safetensors file's structure and, if it carries fastpersist CRCs,
+    every tensor's bytes.
+
+    Raises:
+        OSError, EOFError: the file cannot be read (bad content never raises).
+    """
+    path = os.fspath(path)
+    try:
+        header = read_header(path)
+    except SafetensorsFormatError as exc:
+        return SafetensorsCheck([str(exc)], checked=True)
+    records = len(header.tensors)
+    if header.crcs is None:
+        return SafetensorsCheck([], records=records, checked=False)
+    extents, slots = _data_extents(header, lambda off: 0)
+    crcs = handle.read(path, extents, len(slots)) if extents else []
+    problems = [msg for _, msg in _crc_problems(header, slots, crcs)]
+    return SafetensorsCheck(problems, records=records, nbytes=sum(e.nbytes for e in slots), checked=True)
+
+
 def verify_safetensors(path: Union[str, os.PathLike], handle: _Reader) -> list[str]:
     """Check a safetensors file; return the problems found (empty: none).
 
@@ -590,21 +653,13 @@ def verify_safetensors(path: Union[str, os.PathLike], handle: _Reader) -> list[s
     holes or overlaps, file size). If fastpersist recorded CRC-32s, every tensor's
     bytes are read (one native read, discarded after checksumming) and compared,
     naming each tensor that differs. Files written by other tools carry no
-    checksums: only their structure can be checked (see :func:`has_checksums`).
+    checksums: only their structure can be checked, and an empty list then does
+    not vouch for the bytes (see :func:`check_safetensors`, :func:`has_checksums`).
 
     Raises:
         OSError, EOFError: the file cannot be read.
     """
-    path = os.fspath(path)
-    try:
-        header = read_header(path)
-    except SafetensorsFormatError as exc:
-        return [str(exc)]
-    if header.crcs is None:
-        return []
-    extents, slots = _data_extents(header, lambda off: 0)
-    crcs = handle.read(path, extents, len(slots)) if extents else []
-    return [msg for _, msg in _crc_problems(header, slots, crcs)]
+    return check_safetensors(path, handle).problems
 
 
 def has_checksums(path: Union[str, os.PathLike]) -> bool:
