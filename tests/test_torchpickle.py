@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import fastpersist
+from fastpersist import _compat
 from fastpersist.bench.state import iter_tensors
 from fastpersist.formats import torchpickle
 from fastpersist.formats.torchpickle import capture_module, data_pkl, fast_capture_module
@@ -407,7 +408,7 @@ def test_fast_pickling_ok_on_this_torch():
 
 
 def test_probe_failure_means_plain_module(monkeypatch):
-    monkeypatch.setattr(torchpickle, "_FAST_OK", None)
+    monkeypatch.setattr(_compat, "_RESULTS", {})  # probe again, restored after the test
 
     def broken(on_new=None):
         raise RuntimeError("this torch is different")
@@ -418,7 +419,7 @@ def test_probe_failure_means_plain_module(monkeypatch):
 
 
 def test_probe_mismatch_means_plain_module(monkeypatch):
-    monkeypatch.setattr(torchpickle, "_FAST_OK", None)
+    monkeypatch.setattr(_compat, "_RESULTS", {})
     monkeypatch.setattr(torchpickle, "fast_capture_module", lambda on_new=None: capture_module(on_new))
     real = torchpickle.data_pkl
     monkeypatch.setattr(
@@ -454,7 +455,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_forced_plain_pickling_still_round_trips(tmp_path, monkeypatch, assert_same):
-    monkeypatch.setattr(torchpickle, "_FAST_OK", False)
+    monkeypatch.setitem(_compat._RESULTS, "fast_pickle", _compat.Status(False, "forced by the test"))
 
     def must_not_run(on_new=None):
         raise AssertionError("fast module used although not verified")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import _native
+from fastpersist import _compat, _native
 from fastpersist.formats import torchstream, torchzip, zipwriter
 from fastpersist.formats.torchstream import BlockRecorder
 from fastpersist.formats.zipindex import parse_zip_index
@@ -328,7 +328,7 @@ def _use_writer(monkeypatch, ours: bool) -> None:
         assert zipwriter.layout_matches_torch()
         monkeypatch.setattr(torchstream, "_TorchRecords", refuse)
     else:
-        monkeypatch.setattr(zipwriter, "_OK", False)
+        monkeypatch.setitem(_compat._RESULTS, "zip_layout", _compat.Status(False, "forced by the test"))
         monkeypatch.setattr(torchstream, "_OurRecords", refuse)
 
 

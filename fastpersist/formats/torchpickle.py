@@ -21,6 +21,9 @@ The fast module is used only when :func:`fast_pickling_ok` has pickled a probe
 state (every dtype, views, shared storages, conj/neg bits, parameters, bare
 storages) both ways in this process and found the two ``data.pkl`` identical
 byte for byte; a torch whose serializer changed falls back to the plain one.
+That check is the ``fast_pickle`` feature of :mod:`fastpersist._compat`, which
+lists the private torch names the fast module uses; both modules install their
+``persistent_id`` through :func:`fastpersist._compat.set_persistent_id`.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ import collections
 import io
 import logging
 import pickle
-import threading
 import types
 import warnings
 import zipfile
 from typing import Any, Callable, Optional
 
 import torch
+
+from fastpersist import _compat
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ def capture_module(on_new: Optional[OnNew] = None) -> Any:
     torch's ``_save`` subclasses ``pickle_module.Pickler`` and overrides
     ``persistent_id`` with a method; the bound method is wrapped per instance through
     ``pickle.Pickler``'s C-level ``persistent_id`` attribute, which the C pickler
-    consults, so torch's own logic (storage dedup, keys, dtype checks) is unchanged.
+    consults (:func:`fastpersist._compat.set_persistent_id`), so torch's own logic (storage dedup, keys, dtype checks) is unchanged.
     ``on_new(key, untyped_storage)`` runs once per key, when it is first named.
     """
 
@@ -82,7 +86,7 @@ def capture_module(on_new: Optional[OnNew] = None) -> Any:
                         on_new(key, obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj)
                 return pid
 
-            pickle.Pickler.persistent_id.__set__(self, persistent_id)  # type: ignore[attr-defined]
+            _compat.set_persistent_id(self, persistent_id)
 
     return types.SimpleNamespace(__name__="fastpersist_capture", Pickler=CapturePickler, Unpickler=pickle.Unpickler)
 
@@ -195,7 +199,7 @@ def fast_capture_module(on_new: Optional[OnNew] = None) -> Any:
                     raise pickle.PicklingError(f"unexpected persistent id {pid!r} for {t.__name__}")
                 return None
 
-            pickle.Pickler.persistent_id.__set__(self, persistent_id)  # type: ignore[attr-defined]
+            _compat.set_persistent_id(self, persistent_id)
 
         def reducer_override(self, obj: Any) -> Any:
             # Tensor._reduce_ex_internal's last branch, for the tensors that reach it
@@ -271,32 +275,24 @@ def probe_state() -> Any:
 def data_pkl(obj: Any, pickle_module: Any = pickle) -> bytes:
     """The ``data.pkl`` record ``torch.save(obj, ...)`` writes with ``pickle_module``."""
     buf = io.BytesIO()
-    torch.save(obj, buf, pickle_module=pickle_module)
+    torch.serialization.save(obj, buf, pickle_module=pickle_module)
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
         (name,) = [n for n in z.namelist() if n.endswith("/data.pkl")]
         return z.read(name)
 
 
-_FAST_OK: Optional[bool] = None
-_FAST_LOCK = threading.Lock()
+def _compare_fast_pickling() -> None:
+    """The ``fast_pickle`` probe of :mod:`fastpersist._compat`: raises unless
+    :func:`fast_capture_module` writes torch's ``data.pkl`` for :func:`probe_state`."""
+    state = probe_state()
+    if data_pkl(state, fast_capture_module()) != data_pkl(state):
+        raise _compat.Unavailable("this torch's data.pkl differs from the fast pickler's")
 
 
 def fast_pickling_ok() -> bool:
-    """Whether :func:`fast_capture_module` writes the same ``data.pkl`` as torch here (checked once)."""
-    global _FAST_OK
-    if _FAST_OK is None:
-        with _FAST_LOCK:
-            if _FAST_OK is None:
-                try:
-                    state = probe_state()
-                    ok = data_pkl(state, fast_capture_module()) == data_pkl(state)
-                except Exception as e:  # any surprise: use torch's own pickling
-                    log.debug("fast pickling probe failed: %r", e)
-                    ok = False
-                if not ok:
-                    log.info("fastpersist: this torch's data.pkl differs from the fast pickler's; using torch's pickling")
-                _FAST_OK = ok
-    return _FAST_OK
+    """Whether :func:`fast_capture_module` writes the same ``data.pkl`` as torch here
+    (checked once per process, see :func:`fastpersist._compat.fast_pickle_ok`)."""
+    return _compat.fast_pickle_ok()
 
 
 def pick_capture_module(on_new: Optional[OnNew] = None) -> Any:

@@ -26,26 +26,32 @@ Payload CRCs are filled by native patches: the data descriptor of a payload lies
 the same batch as the payload (batches are cut at payload starts), and the central
 directory entries are patched in the last batch (with values from earlier batches
 written directly).
+
+Every private torch name used here (``_save``, ``skip_data``, the serialization
+config, ``PyTorchFileWriter``, the pickler's ``persistent_id`` slot) comes through
+:mod:`fastpersist._compat`, which probes it once; when one is unusable,
+:func:`stream_torch` raises :class:`~fastpersist.errors.UnsupportedLayoutError`
+before writing anything and ``fastpersist.save`` uses ``torch.save``.
 """
 
 from __future__ import annotations
 
 import bisect
-import inspect
 import struct
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
+from fastpersist import _compat
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats.base import PATCH_U32LE
 from fastpersist.formats.zipindex import CD_CRC_FIELD, central_directory_names
 from fastpersist.formats.zipwriter import MinizLayout, layout_matches_torch, torch_version_record
 
 _DESCRIPTOR_SIG = b"PK\x07\x08"
-_CONFIG_LOCK = threading.RLock()
+#: Serializes changes to torch's serialization config (``save.storage_alignment``).
+_CONFIG_LOCK = _compat.CONFIG_LOCK
 _BLOCK = 1 << 20
 _PAD_BYTES = bytearray(b"Z" * 65536)
 _PAD_BLOCK = (_PAD_BYTES, torch.frombuffer(_PAD_BYTES, dtype=torch.uint8))
@@ -197,14 +203,13 @@ class StreamResult:
 
 
 def _save_signature_ok() -> bool:
-    fn = getattr(torch.serialization, "_save", None)
-    if fn is None:
-        return False
-    try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return False
-    return params[:5] == ["obj", "zip_file", "pickle_module", "pickle_protocol", "_disable_byteorder_record"]
+    """Whether torch's private ``_save`` works as :func:`stream_torch` calls it
+    (the ``private_save`` feature of :mod:`fastpersist._compat`)."""
+    return _compat.ok("private_save")
+
+
+#: What :func:`stream_torch` needs of torch (see :mod:`fastpersist._compat`).
+_REQUIRED = ("private_save", "storage_alignment_config", "file_writer", "pickler_persistent_id")
 
 
 class _TorchRecords:
@@ -214,7 +219,7 @@ class _TorchRecords:
     def __init__(self, rec: BlockRecorder, alignment: int) -> None:
         self._rec = rec
         self._align = alignment
-        self._writer = torch._C.PyTorchFileWriter(rec, True, alignment)
+        self._writer = _compat.file_writer(rec, alignment)
 
     def add_payload(self, name: str, n: int) -> tuple[int, int]:
         rec = self._rec
@@ -307,8 +312,9 @@ def stream_torch(
     """
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
-    if not _save_signature_ok():
-        raise UnsupportedLayoutError("torch.serialization._save has an unknown signature")
+    for feature in _REQUIRED:
+        _compat.require(feature)  # UnsupportedLayoutError: the caller uses torch's writer
+    save = _compat.private_save()
     rec = BlockRecorder()
     records: Any = (
         _OurRecords(rec, alignment)
@@ -367,14 +373,12 @@ def stream_torch(
         if batch_bytes and off - state["start"] >= batch_bytes:
             cut(off, final=False)  # everything before this payload is final
 
-    from torch.utils.serialization import config as tconfig
-
     module = capture_module(on_storage)
     # _save records ".storage_alignment" from torch's (process-wide) config: it
     # must say what our writer does, or torch.load's calculate_storage_offsets
     # mode would compute wrong offsets. Planners take turns on the config.
-    with _CONFIG_LOCK, tconfig.patch({"save.storage_alignment": alignment}), torch.serialization.skip_data():
-        torch.serialization._save(obj, _ZipProxy(records, emitted), module, torch.serialization.DEFAULT_PROTOCOL, False)
+    with _compat.save_storage_alignment(alignment), _compat.skip_data():
+        save(obj, _ZipProxy(records, emitted), module, torch.serialization.DEFAULT_PROTOCOL, False)
 
     # Central directory CRCs: values of earlier batches now, patches for the rest.
     fields = records.finish()

@@ -19,7 +19,9 @@ The one record whose *content* differs from torch's writer is
 is 40 digits from BLAKE2 of the record names and the CRC-32 of ``data.pkl`` (torch
 only logs the id). :func:`layout_matches_torch` compares both writers on a probe
 sequence (empty, small, >4 GiB records, records past 4 GiB) byte for byte, that
-record aside, and the planner only uses this module when they agree.
+record aside, and the planner only uses this module when they agree (the
+``zip_layout`` feature of :mod:`fastpersist._compat`; torch's writer itself is
+reached through :func:`fastpersist._compat.file_writer`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import hashlib
 import io
 import struct
 import sys
-import threading
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
+
+from fastpersist import _compat
 
 _MAX32 = 0xFFFFFFFF
 _LOCAL = struct.Struct("<4s5H3L2H")  # 30 bytes
@@ -202,10 +205,8 @@ class MinizLayout:
 @functools.cache
 def torch_version_record() -> bytes:
     """The ``version`` record torch's writer produces (``b"3\\n"`` for torch 2.x; computed once)."""
-    import torch
-
     buf = io.BytesIO()
-    w = torch._C.PyTorchFileWriter(buf, True, 64)
+    w = _compat.file_writer(buf, 64)
     w.write_end_of_file()
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
         (name,) = [n for n in z.namelist() if n.endswith("/version")]
@@ -229,10 +230,8 @@ PROBE = (
 def run_layouts(seq: Any, alignment: int, sink_factory: Any) -> tuple[Any, Any, "MinizLayout"]:
     """``seq`` through torch's writer and through :class:`MinizLayout`, each into a
     fresh ``sink_factory()`` sink: ``(torch sink, our sink, our layout)``."""
-    import torch
-
     theirs = sink_factory()
-    w = torch._C.PyTorchFileWriter(theirs, True, alignment)
+    w = _compat.file_writer(theirs, alignment)
     ours = sink_factory()
     layout = MinizLayout(ours, alignment, torch_version_record())
     for name, item in seq:
@@ -258,18 +257,10 @@ def mask_serialization_id(read_at: Any, size: int) -> list[tuple[int, int]]:
     return [(e.data_offset, e.compressed_size)] + [(off, 4) for off in e.crc_field_offsets]
 
 
-_OK: Optional[bool] = None
-_LOCK = threading.Lock()
-
-
 def layout_matches_torch() -> bool:
-    """Whether :class:`MinizLayout` writes what this torch's writer writes (checked once per process)."""
-    global _OK
-    if _OK is None:
-        with _LOCK:
-            if _OK is None:
-                _OK = _probe()
-    return _OK
+    """Whether :class:`MinizLayout` writes what this torch's writer writes (checked
+    once per process, see :func:`fastpersist._compat.zip_layout_ok`)."""
+    return _compat.zip_layout_ok()
 
 
 def recorded_bytes(sink: Any, mask: bool = True) -> list[tuple[int, bytes]]:
@@ -291,14 +282,22 @@ def recorded_bytes(sink: Any, mask: bool = True) -> list[tuple[int, bytes]]:
 
 
 def _probe() -> bool:
+    """Both writers on :data:`PROBE` (and it less its last record) at two alignments:
+    True when the bytes agree; raises (``_compat.Unavailable`` naming the first
+    difference, or whatever torch's writer raised) otherwise."""
     from fastpersist.formats.torchstream import BlockRecorder
 
-    try:
-        for alignment in (64, 4096):
-            for seq in (PROBE, PROBE[:-1]):
-                theirs, ours, _ = run_layouts(seq, alignment, BlockRecorder)
-                if theirs.pos != ours.pos or recorded_bytes(theirs) != recorded_bytes(ours):
-                    return False
-        return True
-    except Exception:  # any surprise: keep torch's writer
-        return False
+    for alignment in (64, 4096):
+        for seq in (PROBE, PROBE[:-1]):
+            theirs, ours, _ = run_layouts(seq, alignment, BlockRecorder)
+            if theirs.pos != ours.pos:
+                raise _compat.Unavailable(
+                    f"MinizLayout wrote {ours.pos} bytes where PyTorchFileWriter wrote {theirs.pos} (alignment {alignment})"
+                )
+            a, b = recorded_bytes(theirs), recorded_bytes(ours)
+            if a != b:
+                where = next((x[0] for x, y in zip(a, b) if x != y), min(len(a), len(b)))
+                raise _compat.Unavailable(
+                    f"MinizLayout's bytes differ from PyTorchFileWriter's (alignment {alignment}, run at offset {where})"
+                )
+    return True
