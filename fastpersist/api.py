@@ -21,7 +21,7 @@ from typing import TypeVar, Any, Callable, Optional, Union
 import torch
 
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
-from fastpersist.errors import UnsupportedLayoutError
+from fastpersist.errors import UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats import torchstream, torchzip
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,20 @@ _TRUE = ("1", "y", "yes", "true")
 
 _handles: dict[tuple, Any] = {}
 _handles_lock = threading.Lock()
+
+
+def _forget_handles_in_child() -> None:
+    """A forked child starts with no cached handles and a fresh lock (a parent
+    thread may have held the old one at the fork). The native handles are
+    fork-safe on their own (``_native.pyi``); dropping them just lets the child
+    build its own threads once, when it first saves or loads."""
+    global _handles_lock
+    _handles_lock = threading.Lock()
+    _handles.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_handles_in_child)
 
 
 def _config(config: Any) -> Any:
@@ -250,8 +264,8 @@ def load(
         mmap = bool(tconfig.load.mmap)
     if mmap:
         return torch_load()
-    if not os.path.isfile(fspath) or not _starts_with_zip_magic(fspath) or not torchzip.fast_load_supported():
-        return torch_load()  # missing file, legacy format, ...: torch's behaviour and errors
+    if not os.path.isfile(fspath) or not torchzip.fast_load_supported():
+        return torch_load()  # missing file, directory, device ...: torch's behaviour and errors
     module = torch._weights_only_unpickler if wo else (pickle_module or pickle)
     if not wo:
         check_dill = getattr(torch.serialization, "_check_dill_version", None)
@@ -267,17 +281,20 @@ def load(
     except UnsupportedLayoutError as e:
         log.debug("fast load not possible for %s (%s); using torch.serialization.load", fspath, e)
         return torch_load()
+    except ZipFormatError as e:
+        # Our reader is stricter than torch's: torch's answer (its result or its
+        # error) decides; a file both refuse raises our error, which says what is wrong.
+        log.debug("%s: %s; asking torch.serialization.load", fspath, e)
+        try:
+            return torch_load()
+        except Exception as torch_error:
+            raise e from torch_error
     except pickle.UnpicklingError:
         if not wo:
             raise
         # torch.load explains weights-only refusals (which globals, how to allow them):
         # let it produce that message.
         return torch_load()
-
-
-def _starts_with_zip_magic(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
 
 
 @dataclass

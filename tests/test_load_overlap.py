@@ -1,4 +1,4 @@
-"""Loads whose unpickling overlaps the bulk read (torchzip._load_overlapped)."""
+"""Loads whose unpickling overlaps the bulk read (torchload._overlap_allowed decides)."""
 
 from __future__ import annotations
 
@@ -11,23 +11,23 @@ import torch
 import fastpersist
 from fastpersist import _native
 from fastpersist.errors import ChecksumError
-from fastpersist.formats import torchzip
+from fastpersist.formats import torchload
 from fastpersist.formats.zipindex import read_zip_index
 
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts overlapped attempts and how many produced the result."""
+    """Counts loads ("tried") and how many unpickled while reading ("used")."""
     seen = {"tried": 0, "used": 0}
-    real = torchzip._load_overlapped
+    real = torchload._overlap_allowed
 
     def wrapped(*args, **kwargs):
         seen["tried"] += 1
         out = real(*args, **kwargs)
-        seen["used"] += out is not None
+        seen["used"] += bool(out)
         return out
 
-    monkeypatch.setattr(torchzip, "_load_overlapped", wrapped)
+    monkeypatch.setattr(torchload, "_overlap_allowed", wrapped)
     return seen
 
 
@@ -51,11 +51,11 @@ def test_our_files_load_overlapped(tmp_path, spy, assert_same):
     assert out["view"].untyped_storage().data_ptr() == out["w3"].untyped_storage().data_ptr()
 
 
-def test_torch_save_layout_loads_sequentially(tmp_path, spy, assert_same):
+def test_torch_save_layout_loads_overlapped_too(tmp_path, spy, assert_same):
     s = state()
-    torch.save(s, tmp_path / "t.pt")  # data.pkl first: nothing to overlap
+    torch.save(s, tmp_path / "t.pt")  # data.pkl first: read on its own, then the payloads
     assert_same(fastpersist.load(tmp_path / "t.pt"), s)
-    assert spy["used"] == 0
+    assert spy == {"tried": 1, "used": 1}
 
 
 def test_sparse_tensors_wait_for_their_bytes(tmp_path, spy):
@@ -137,3 +137,69 @@ def test_unpickling_error_waits_for_the_read(tmp_path, spy):
         fastpersist.load(p, weights_only=True)  # refused by torch's weights-only unpickler
     out = fastpersist.load(p, weights_only=False)
     assert isinstance(out["custom"], Custom)
+
+
+class ReadsTensorInSetstate:
+    """User code that looks at tensor bytes while being unpickled (issue 9, case 1)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.total = float(t.sum())
+
+    def __getstate__(self) -> dict:
+        return {"t": self.t}
+
+    def __setstate__(self, state: dict) -> None:
+        self.t = state["t"]
+        self.total = float(self.t.sum())  # reads the storage bytes during unpickling
+
+
+def total_of(t: torch.Tensor) -> float:
+    return float(t.sum())
+
+
+class ReducesWithTensorSum:
+    """A ``__reduce__`` callable that reads a tensor's bytes while unpickling."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __reduce__(self):
+        return (total_of, (self.t,))
+
+
+@pytest.mark.parametrize("writer", ["fastpersist", "torch"])
+def test_setstate_sees_the_real_bytes(tmp_path, spy, writer):
+    t = torch.arange(1, 300_001, dtype=torch.float64)  # > 1 MiB: a buffer of its own
+    small = torch.arange(1, 101, dtype=torch.float32)
+    obj = {"big": ReadsTensorInSetstate(t), "small": ReadsTensorInSetstate(small), "r": ReducesWithTensorSum(t)}
+    p = tmp_path / "c.pt"
+    (fastpersist.save if writer == "fastpersist" else torch.save)(obj, p)
+    want = torch.load(p, weights_only=False)
+    got = fastpersist.load(p, weights_only=False)
+    assert got["big"].total == want["big"].total == float(t.sum())
+    assert got["small"].total == want["small"].total == float(small.sum())
+    assert got["r"] == want["r"] == float(t.sum())
+    assert spy["used"] == 0  # user globals in the pickle: read first
+
+
+def test_big_endian_files_read_first(tmp_path, spy):
+    """A byte swap reads storage bytes while unpickling: no overlap, torch's values."""
+    import zipfile
+
+    import numpy as np
+
+    src, p = tmp_path / "le.pt", tmp_path / "be.pt"
+    torch.save({"w": torch.arange(300_000, dtype=torch.int32)}, src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(p, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename and not info.filename.endswith("serialization_id"):
+                data = np.frombuffer(data, dtype="<i4").astype(">i4").tobytes()
+            zout.writestr(info.filename, data)
+    want = torch.load(p)
+    assert torch.equal(want["w"], torch.arange(300_000, dtype=torch.int32))
+    out = fastpersist.load(p)
+    assert torch.equal(out["w"], want["w"]) and spy["used"] == 0
