@@ -26,6 +26,7 @@ import io
 import os
 import pickletools
 import re
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -175,7 +176,9 @@ def _element_size(module: str, name: str) -> Optional[int]:
         return None
     if cls is torch.UntypedStorage:
         return 1
-    dtype = getattr(cls, "dtype", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated
+        dtype = getattr(cls, "dtype", None)
     if not isinstance(dtype, torch.dtype):
         return None
     return torch._utils._element_size(dtype)
@@ -305,6 +308,9 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any) -> list[str]:
         if not e.name.startswith(prefix)
     ]
     by_short = {e.name[len(prefix) :]: e for e in entries if e.name.startswith(prefix)}
+    # torch files have no directory entries; torch's reader refuses to extract any
+    # record marked as one (it reads .storage_alignment, .data/serialization_id, ...)
+    problems += [f"{e.name}: marked as a directory (torch cannot read it)" for e in entries if e.is_directory]
 
     def record(short: str, required: bool) -> Optional[bytes]:
         e = by_short.get(short)
@@ -313,7 +319,6 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any) -> list[str]:
                 problems.append(f"{path}: record {prefix}{short} is missing (torch needs it)")
             return None
         if e.is_directory:
-            problems.append(f"{e.name}: marked as a directory (torch cannot read it)")
             return None
         try:
             return _record_bytes(read_at, e)
@@ -362,7 +367,7 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any) -> list[str]:
             if e is None:
                 problems.append(f"{path}: record {prefix}data/{key} is missing (storage {key!r} of {prefix}{pkl_name})")
             elif e.is_directory:
-                problems.append(f"{e.name}: marked as a directory (torch cannot read it)")
+                pass  # reported above
             elif e.uncompressed_size != nbytes:
                 problems.append(
                     f"{e.name}: holds {e.uncompressed_size} bytes but {prefix}{pkl_name} claims "

@@ -179,8 +179,7 @@ def _find_eocd(read_at: ReadAt, size: int, path: str) -> tuple[int, bytes]:
     tail = _read_exact(read_at, path, tail_start, tail_len, "end of central directory")
     pos = tail.rfind(_EOCD_SIG)
     while pos >= 0:
-        comment_len = struct.unpack_from("<H", tail, pos + 20)[0] if pos + 22 <= len(tail) else -1
-        if pos + _EOCD.size + comment_len == len(tail):
+        if pos + _EOCD.size <= len(tail) and pos + _EOCD.size + _u16(tail, pos + 20) == len(tail):
             return tail_start + pos, tail
         pos = tail.rfind(_EOCD_SIG, 0, pos)
     raise _fail(path, size, "end of central directory record not found (truncated or not a zip file)")
