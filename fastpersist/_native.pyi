@@ -40,6 +40,26 @@ written as soon as the slot completes; ``ValueError`` if more than
 
 The caller keeps the memory behind every ``ptr`` alive and unchanged until the
 call returns (sync) or ``wait()`` returns (async).
+
+Fork
+----
+Everything here works in a child created by ``fork()`` (multiprocessing's
+"fork" start method, DataLoader workers, launchers), also when the fork happens
+while another thread of the parent is in the middle of an I/O. A ``Handle``
+keeps its worker threads, locks, async queue and staging buffers in one
+per-process block; its first use in a child (any method) builds a fresh block
+with new threads, and the parent's block is left alone and leaked (its locks
+may be held, and its condition variables waited on, by threads that do not
+exist in the child; joining or destroying them would hang). Destroying a
+``Handle`` in a child that never used it leaks the parent's block the same way.
+Linux AIO contexts are per operation, never inherited. Async ops the parent
+submitted and had not collected with ``wait()`` before the fork are not the
+child's (a read lands in the parent's memory only): the child's ``pending()``
+counts them and its first ``wait()`` raises ``RuntimeError`` naming how many,
+then forgets them. A ``PinnedBuffer`` registered with CUDA by the parent is not
+unregistered by a child (``cuda_registered`` is False there): CUDA itself cannot
+be used in a forked child of a process that initialised it. The mechanism
+(``pthread_atfork`` + a fork generation) is described in ``native/include/fastpersist/fork.hpp``.
 """
 
 from typing import Sequence, Union
@@ -71,7 +91,8 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine)."""
 
 class Handle:
-    """An I/O engine instance with its settings. Thread-safe for submit/wait."""
+    """An I/O engine instance with its settings. Thread-safe for submit/wait.
+    Fork-safe: rebuilds its threads on first use in a forked child (see "Fork" above)."""
 
     def __init__(
         self,
@@ -130,9 +151,12 @@ class Handle:
     def wait(self) -> list[tuple[int, list[int]]]:
         """Block until every submitted op has finished. Returns ``(op_id, crcs)`` of
         the ops completed since the last wait, in submission order. If any failed,
-        raises the first failure (after all have finished) and forgets the rest."""
+        raises the first failure (after all have finished) and forgets the rest.
+        In a forked child whose parent had uncollected ops at the fork, the first
+        ``wait()`` raises ``RuntimeError`` about them (see "Fork")."""
     def pending(self) -> int:
-        """Number of submitted ops not yet collected by ``wait``."""
+        """Number of submitted ops not yet collected by ``wait`` (in a forked child,
+        including the parent's uncollected ops until ``wait`` reports them)."""
     def crc32_ranges(self, ranges: Sequence[tuple[int, int]]) -> list[int]:
         """CRC-32 of each ``(ptr, length)`` host range, computed on the handle's
         threads (large ranges split and combined). GIL released."""

@@ -33,6 +33,7 @@ import math
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -83,6 +84,30 @@ def _native_module() -> Any:
             "with a C++17 compiler"
         ) from _NATIVE_IMPORT_ERROR
     return _native
+
+
+# ---- fork safety ------------------------------------------------------------------
+
+#: Every live IOHandle, so a forked child can reset their Python-side state.
+_live_handles: "weakref.WeakSet[IOHandle]" = weakref.WeakSet()
+
+
+def _reset_handles_in_child() -> None:
+    """``os.register_at_fork(after_in_child=...)``: make inherited IOHandles usable.
+
+    The native handle rebuilds its threads on first use in the child (see
+    ``_native.pyi``). Here: a fresh lock (a parent thread may have held the old one
+    at the fork), and the parent's uncollected async ops are forgotten (their bytes
+    move in the parent's memory only; the child's ``wait()`` raises RuntimeError
+    once to say so).
+    """
+    for h in list(_live_handles):
+        h._lock = threading.Lock()
+        h._ops = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_handles_in_child)
 
 
 # ---- engine and filesystem facts --------------------------------------------------
@@ -377,6 +402,7 @@ class IOHandle:
             max_async=max_async,
             stage_reads=stage_reads,
         )
+        _live_handles.add(self)
 
     @classmethod
     def from_config(cls, config: Any = None) -> IOHandle:
