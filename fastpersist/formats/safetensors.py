@@ -13,8 +13,10 @@ What fastpersist adds, within the format:
 * when checksums are on, ``__metadata__["fastpersist.crc32"]`` holds one CRC-32
   (8 lowercase hex digits, comma-separated) per tensor, in data order. The native
   writer fills them in while it streams the data (``PATCH_HEX8`` patches), so the
-  file is written in one pass. The key is reserved: a user metadata entry of that
-  name is dropped.
+  file is written in one pass. ``__metadata__["fastpersist.header_crc32"]`` holds a
+  CRC-32 of the header's meaning (tensor names, dtypes, shapes, offsets, other
+  metadata; :func:`header_crc32`), so a changed header is detected too. Both keys
+  are reserved: user metadata entries of those names are dropped.
 
 Tensors are written in the order ``safetensors.torch.save_file`` uses (wider dtypes
 first, then by name), so without metadata, checksums and extra alignment the bytes
@@ -37,6 +39,7 @@ from fastpersist.formats.base import PATCH_HEX8, WritePlan
 
 __all__ = [
     "CRC_METADATA_KEY",
+    "HEADER_CRC_METADATA_KEY",
     "DTYPE_CODES",
     "SafetensorsFormatError",
     "SafetensorsHeader",
@@ -51,6 +54,22 @@ __all__ = [
 
 #: ``__metadata__`` key holding the per-tensor CRC-32s written by fastpersist.
 CRC_METADATA_KEY = "fastpersist.crc32"
+#: ``__metadata__`` key holding a CRC-32 of the header's meaning (see :func:`header_crc32`):
+#: tensor names, dtypes, shapes, offsets and the other metadata entries.
+HEADER_CRC_METADATA_KEY = "fastpersist.header_crc32"
+_RESERVED_KEYS = (CRC_METADATA_KEY, HEADER_CRC_METADATA_KEY)
+
+
+def header_crc32(entries: dict[str, tuple[str, list[int], list[int]]], metadata: Optional[dict[str, str]]) -> int:
+    """CRC-32 of a canonical JSON of ``name -> (dtype, shape, data_offsets)`` and the
+    metadata entries other than fastpersist's own: whitespace and key order do not
+    count, every value torch would see does."""
+    import zlib
+
+    meta = {k: v for k, v in (metadata or {}).items() if k not in _RESERVED_KEYS}
+    tensors = {name: [dtype, list(shape), list(offsets)] for name, (dtype, shape, offsets) in entries.items()}
+    text = json.dumps({"m": meta, "t": tensors}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return zlib.crc32(text.encode("ascii"))
 
 #: Largest header safetensors accepts (bytes of JSON).
 MAX_HEADER_SIZE = 100_000_000
@@ -316,9 +335,13 @@ def plan_safetensors(
         meta: dict[str, str] = {}
         if checksum:
             meta[CRC_METADATA_KEY] = ",".join("0" * 8 for _ in layout)
+            meta[HEADER_CRC_METADATA_KEY] = "0" * 8  # filled in below, once the entries are known
         for key, value in (metadata or {}).items():
-            if key != CRC_METADATA_KEY:
+            if key not in _RESERVED_KEYS:
                 meta[key] = value
+        if checksum:
+            crc = header_crc32({n: (e["dtype"], e["shape"], e["data_offsets"]) for n, e in entries.items()}, meta)
+            meta[HEADER_CRC_METADATA_KEY] = f"{crc:08x}"
         head["__metadata__"] = meta
     head.update(entries)
     text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -509,6 +532,19 @@ def _crc_problems(header: SafetensorsHeader, slots: list[TensorEntry], crcs: Seq
         ]
     expected = {e.name: r for e, r in zip(header.tensors, recorded)}
     problems = []
+    meta = header.metadata or {}
+    if HEADER_CRC_METADATA_KEY in meta:
+        want_h = meta[HEADER_CRC_METADATA_KEY]
+        got_h = header_crc32({e.name: (e.dtype, list(e.shape), [e.begin, e.end]) for e in header.tensors}, meta)
+        if want_h != f"{got_h:08x}":
+            problems.append(
+                (
+                    HEADER_CRC_METADATA_KEY,
+                    f"{header.path}: the header (tensor names, dtypes, shapes, offsets or metadata) does not match "
+                    f"its recorded CRC-32 ({got_h:08x}, recorded {want_h[:8]!r}); it was altered after fastpersist "
+                    "wrote it",
+                )
+            )
     for entry in header.tensors:
         if expected[entry.name] is None:
             problems.append((entry.name, f"{header.path}: tensor {entry.name!r}: recorded checksum is not 8 hex digits"))
