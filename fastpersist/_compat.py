@@ -67,23 +67,28 @@ Save path (``fastpersist.save``, torch format):
     identical). Fallback: torch's own ``Tensor.__reduce_ex__`` through
     ``capture_module`` (slower for many small tensors).
 
-Load path (``fastpersist.load``; probes offered here, used by ``formats/torchzip.py``
-and ``api.py``):
+Load path (``fastpersist.load``; probes offered here for ``formats/torchload.py``,
+``formats/torchverify.py`` and ``api.py``, which call torch directly today):
 
 ``private_load`` -- ``torch.serialization._load(zip_file, map_location,
-    pickle_module, pickle_file=, overall_storage=, **pickle_load_args)``:
-    torchzip ``load_torch`` and ``_load_overlapped`` (unpickle with torch's rules
-    from a reader over our buffer, storages sliced out of ``overall_storage``).
-    Probe: the parameters, then a call on a ``torch.save``'d tensor (with
-    ``file_reader``, weights-only). Fallback: ``torch.serialization.load``.
+    pickle_module, pickle_file=, overall_storage=, **pickle_load_args)`` and the
+    reader interface it calls (``has_record``, ``get_record``,
+    ``get_record_offset``, ``get_record_header_offset``,
+    ``get_record_offset_no_read``, ``serialization_id``, ``get_all_records``,
+    ``get_storage_from_record(name, nbytes, storage_type)``):
+    ``formats/torchload.py`` (unpickle with torch's rules from a reader of ours
+    over bytes we read). Probe: the parameters, then a weights-only call on a
+    ``torch.save``'d file through a reader with exactly those methods (and with
+    ``overall_storage`` where ``_load`` takes it). Fallback:
+    ``torch.serialization.load``.
 ``private_load_weights_only`` -- ``_load``'s keyword ``weights_only`` (recent;
     torch 2.6-2.10 have none: their ``torch.load`` passes none and the unpickler
     module decides). Probe: the signature. Fallback: :func:`private_load` drops
     the argument, as that torch's ``torch.load`` does.
-``file_reader`` -- ``torch._C.PyTorchFileReader(file_like)``: torchzip
-    ``load_torch`` (over ``_MemoryFile``). Probe: open a ``torch.save``'d
-    ``BytesIO``, read ``data.pkl`` and a record offset. Fallback:
-    ``torch.serialization.load``.
+``file_reader`` -- ``torch._C.PyTorchFileReader(file_like)``:
+    ``formats/torchverify.py`` (probes which archive versions torch reads) and
+    the ``private_load`` probe. Probe: open a ``torch.save``'d ``BytesIO``, read
+    ``data.pkl`` and a record offset. Fallback: ``torch.serialization.load``.
 ``weights_only_unpickler`` -- the module ``torch._weights_only_unpickler``
     (``Unpickler``, ``load``): ``api.load`` passes it as the pickle module when
     ``weights_only``. Probe: load a small pickle with it. Fallback:
@@ -97,6 +102,12 @@ and ``api.py``):
 ``load_mmap_config`` -- ``torch.utils.serialization.config.load.mmap``:
     ``api.load`` (the default of ``mmap``). Probe: read it. Fallback: ``False``.
 
+Guarded where they are used (no feature here): ``torch._guards.detect_fake_mode``
+(torchload: any error means "no fake mode"), ``torch._utils._element_size``
+(torchverify: sizes of storage classes named in a pickle), and the names
+``torch._utils._rebuild_tensor_v2`` / ``_rebuild_parameter`` /
+``_rebuild_parameter_with_state`` as strings (``formats/picklescan.py``: a
+pickle naming anything else is not overlapped with the read, the safe side).
 ``patch.py`` uses no private name (``inspect.signature(torch.serialization.save)``
 is public). ``config.py``, ``formats/base.py`` and ``bench/`` use none.
 """
@@ -446,23 +457,63 @@ def file_reader(file_like: Any) -> Any:
     return _torch()._C.PyTorchFileReader(file_like)
 
 
+class _DuckReader:
+    """A zip reader that is not torch's: the methods fastpersist's own readers
+    (``formats/torchload.py``'s ``_Reader``) implement, answered by a real
+    ``PyTorchFileReader``. A torch whose ``_load`` calls anything else fails the probe."""
+
+    def __init__(self, reader: Any) -> None:
+        self._r = reader
+
+    def has_record(self, name: str) -> bool:
+        return self._r.has_record(name)
+
+    def get_record(self, name: str) -> Any:
+        return self._r.get_record(name)
+
+    def get_record_offset(self, name: str) -> int:
+        return self._r.get_record_offset(name)
+
+    def get_record_header_offset(self, name: str) -> int:
+        return self._r.get_record_header_offset(name)
+
+    def get_record_offset_no_read(self, current: int, name: str, numel: int, alignment: int) -> int:
+        return self._r.get_record_offset_no_read(current, name, numel, alignment)
+
+    def serialization_id(self) -> str:
+        return self._r.serialization_id()
+
+    def get_all_records(self) -> list:
+        return self._r.get_all_records()
+
+    def get_storage_from_record(self, name: str, nbytes: int, storage_type: Any) -> Any:
+        return self._r.get_storage_from_record(name, nbytes, storage_type)
+
+
 @_feature("private_load", "loads use torch.serialization.load")
 def _probe_private_load() -> None:
     torch = _torch()
     params = _params(torch.serialization._load)
-    if "overall_storage" not in params:
-        raise Unavailable(f"torch.serialization._load{tuple(params)} has no overall_storage parameter")
+    if not {"zip_file", "map_location", "pickle_module"} <= set(params):
+        raise Unavailable(f"torch.serialization._load{tuple(params)} has an unknown signature")
     require("file_reader")
     require("weights_only_unpickler")
-    raw = _saved_bytes({"t": torch.arange(4, dtype=torch.int32)})
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    reader = torch._C.PyTorchFileReader(io.BytesIO(raw))
+    want = {"t": torch.arange(4, dtype=torch.int32), "v": torch.ones(3, dtype=torch.float64)[1:]}
+    raw = _saved_bytes(want)
+    reader = _DuckReader(torch._C.PyTorchFileReader(io.BytesIO(raw)))
     got = _load_caller(torch.serialization._load)(
-        reader, "cpu", torch._weights_only_unpickler, overall_storage=data.untyped_storage(), weights_only=True,
-        encoding="utf-8",
+        reader, "cpu", torch._weights_only_unpickler, weights_only=True, encoding="utf-8"
     )
-    if not torch.equal(got["t"], torch.arange(4, dtype=torch.int32)):
+    if not (torch.equal(got["t"], want["t"]) and torch.equal(got["v"], want["v"])):
         raise Unavailable("torch.serialization._load returned wrong values")
+    if "overall_storage" in params:  # the one-buffer form (storages sliced out of one storage)
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        got = _load_caller(torch.serialization._load)(
+            torch._C.PyTorchFileReader(io.BytesIO(raw)), "cpu", torch._weights_only_unpickler,
+            overall_storage=data.untyped_storage(), weights_only=True, encoding="utf-8",
+        )
+        if not torch.equal(got["t"], want["t"]):
+            raise Unavailable("torch.serialization._load with overall_storage returned wrong values")
 
 
 @_feature(

@@ -251,15 +251,27 @@ def test_private_load_without_weights_only_parameter_drops_it(fresh):
     assert torch.equal(got["x"], torch.arange(3))
 
 
-def test_private_load_without_overall_storage_is_refused(fresh, caplog):
-    def older(zip_file, map_location, pickle_module, pickle_file="data.pkl", **pickle_load_args):
+def test_private_load_with_unknown_signature_is_refused(fresh, caplog):
+    def newer(archive, location, unpickler, **kwargs):
         raise AssertionError("not to be called")
 
-    fresh.setattr(torch.serialization, "_load", older)
+    fresh.setattr(torch.serialization, "_load", newer)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        with pytest.raises(UnsupportedLayoutError, match="overall_storage"):
+        with pytest.raises(UnsupportedLayoutError, match="unknown signature"):
             _compat.private_load()
     assert any("private_load" in r.getMessage() for r in caplog.records)
+
+
+def test_private_load_asking_more_of_the_reader_is_refused(fresh):
+    real = torch.serialization._load
+
+    def newer(zip_file, map_location, pickle_module, *args, **kwargs):
+        zip_file.get_record_crc32("data.pkl")  # a reader method our readers lack
+        return real(zip_file, map_location, pickle_module, *args, **kwargs)
+
+    fresh.setattr(torch.serialization, "_load", newer)
+    assert not _compat.ok("private_load")
+    assert "get_record_crc32" in _compat.status("private_load").reason
 
 
 def test_small_load_helpers_fall_back(fresh):
