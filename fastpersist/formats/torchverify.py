@@ -26,6 +26,7 @@ import io
 import os
 import pickletools
 import re
+import sys
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -166,12 +167,13 @@ def max_file_format_version() -> int:
 
 def _element_size(module: str, name: str) -> Optional[int]:
     """Bytes per element of the storage class ``module.name`` (``torch.FloatStorage``...),
-    looked up as an attribute of torch (nothing is imported or called); None if unknown."""
+    looked up in an already imported torch module (nothing is imported or called); None if unknown."""
     import torch
 
-    if module != "torch" or not name.endswith("Storage") or not name.isidentifier():
+    if not (module == "torch" or module.startswith("torch.")) or not name.endswith("Storage") or not name.isidentifier():
         return None
-    cls = getattr(torch, name, None)
+    mod = sys.modules.get(module)  # only modules torch has already imported: nothing new is imported
+    cls = getattr(mod, name, None) if mod is not None else None
     if cls is None:
         return None
     if cls is torch.UntypedStorage:
