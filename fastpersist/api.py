@@ -21,7 +21,7 @@ from typing import TypeVar, Any, Callable, Optional, Union
 import torch
 
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
-from fastpersist.errors import UnsupportedLayoutError, ZipFormatError
+from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats import torchstream, torchzip
 
 log = logging.getLogger(__name__)
@@ -281,14 +281,6 @@ def load(
     except UnsupportedLayoutError as e:
         log.debug("fast load not possible for %s (%s); using torch.serialization.load", fspath, e)
         return torch_load()
-    except ZipFormatError as e:
-        # Our reader is stricter than torch's: torch's answer (its result or its
-        # error) decides; a file both refuse raises our error, which says what is wrong.
-        log.debug("%s: %s; asking torch.serialization.load", fspath, e)
-        try:
-            return torch_load()
-        except Exception as torch_error:
-            raise e from torch_error
     except pickle.UnpicklingError:
         if not wo:
             raise

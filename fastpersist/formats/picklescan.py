@@ -1,25 +1,27 @@
-"""What a torch pickle can do, decided without executing it.
+"""What a torch pickle can do, decided without running any of its code.
 
 ``fastpersist.load`` unpickles while the tensor bytes are still being read, but
 only when nothing that runs during unpickling can look at those bytes: a
 ``__setstate__`` or ``__reduce__`` callable of a user class, a sparse-tensor
-validation, a byte swap... would see unread memory. :func:`scan_pickle` walks the
-opcodes (``pickletools.genops``; nothing is imported or called) and reports every
-global the pickle names; :func:`data_free` says whether all of them are known to
-build objects without reading storage bytes.
+validation, a byte swap... would see unread memory. :func:`scan_pickle` runs the
+pickle's opcodes with C pickle's ``Unpickler`` in which *every* global resolves to
+an inert stand-in class (``find_class`` imports nothing) and every persistent id
+is only recorded; it reports every global the pickle names and every storage it
+refers to. :func:`data_free` says whether all those globals are known to build
+objects without reading storage bytes.
 
-It also collects every string literal of the pickle: a storage key that is not
-among them cannot be asked for by a pickle whose globals are all data-free (its
-persistent ids are built from literals), so such records need not be read. The
-loader still reads any record it is asked for, so a wrong guess costs time, never
-correctness.
+The storages it reports are exactly those torch's unpickler will ask for (the
+persistent ids are built by the same opcodes), so records outside that set need
+not be read. The loader still reads any record it is asked for, so a wrong
+answer here costs time, never correctness.
 """
 
 from __future__ import annotations
 
-import pickletools
-from dataclasses import dataclass, field
-from typing import Optional
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -49,67 +51,85 @@ def _torch_dtype_names() -> frozenset[str]:
 
 _DTYPE_NAMES = _torch_dtype_names()
 
-_STRING_OPS = frozenset(
-    {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
-)
-_MEMO_PUT = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_MEMO_GET = frozenset({"GET", "BINGET", "LONG_BINGET"})
+
+class _StandIn:
+    """What every global resolves to during the dry run: accepts any construction,
+    call, state and items, and does nothing. One shared instance (cheap)."""
+
+    def __new__(cls, *_args: Any, **_kwargs: Any) -> "_StandIn":
+        return _ONE
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *_args: Any, **_kwargs: Any) -> "_StandIn":
+        return self
+
+    def __setstate__(self, _state: Any) -> None:
+        pass
+
+    def __setitem__(self, _key: Any, _value: Any) -> None:
+        pass
+
+    def append(self, _item: Any) -> None:
+        pass
+
+    def extend(self, _items: Any) -> None:
+        pass
+
+    def add(self, _item: Any) -> None:
+        pass
+
+
+_ONE = object.__new__(_StandIn)
+
+
+class _DryUnpickler(pickle.Unpickler):
+    """Runs a pickle with every global replaced by :class:`_StandIn`, recording each
+    global and each persistent id. Nothing is imported and no checkpoint code runs."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data), encoding="latin1")
+        self.globals: set[tuple[str, str]] = set()
+        self.storages: dict[str, Any] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        self.globals.add((str(module), str(name)))
+        return _StandIn
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 5:
+            key = pid[2]
+            if isinstance(key, bytes):
+                key = key.decode("latin-1")
+            self.storages[str(key)] = pid[4]
+        return _ONE
 
 
 @dataclass
 class PickleScan:
     """Result of :func:`scan_pickle`."""
 
-    #: ``(module, name)`` of every global the pickle names; None when one could not
-    #: be determined (a ``STACK_GLOBAL`` fed by computed values, an extension code).
+    #: ``(module, name)`` of every global the pickle names; None when it could not be run
     globals: Optional[set[tuple[str, str]]]
-    #: every string literal (str and bytes decoded as latin-1), a superset of the storage keys
-    strings: set[str] = field(default_factory=set)
-    error: Optional[str] = None  #: why the opcodes could not be walked (malformed pickle)
+    #: storage key -> element count of every persistent id (None: not known)
+    storages: Optional[dict[str, Any]] = None
+    error: Optional[str] = None  #: why the pickle could not be run (malformed ...)
+
+    @property
+    def keys(self) -> Optional[set[str]]:
+        """Storage keys the pickle refers to (None: unknown)."""
+        return None if self.storages is None else set(self.storages)
 
 
 def scan_pickle(data: bytes) -> PickleScan:
-    """Walk the opcodes of ``data`` (never executing them)."""
-    globals_: Optional[set[tuple[str, str]]] = set()
-    strings: set[str] = set()
-    memo: dict[object, Optional[str]] = {}
-    recent: list[Optional[str]] = []  # values of the last pushes that STACK_GLOBAL may consume
+    """Run the pickle ``data`` with inert stand-ins for every global (see the module docstring)."""
+    dry = _DryUnpickler(data)
     try:
-        for op, arg, _pos in pickletools.genops(data):
-            name = op.name
-            if name in _STRING_OPS or name in ("BINBYTES", "SHORT_BINBYTES", "BINBYTES8"):
-                text = arg if isinstance(arg, str) else bytes(arg).decode("latin-1")
-                strings.add(text)
-                recent.append(text)
-            elif name in _MEMO_PUT:
-                memo[arg] = recent[-1] if recent else None
-            elif name == "MEMOIZE":
-                memo[len(memo)] = recent[-1] if recent else None
-            elif name in _MEMO_GET:
-                recent.append(memo.get(arg))
-            elif name in ("GLOBAL", "INST"):
-                module, _, attr = str(arg).partition(" ")
-                if globals_ is not None:
-                    globals_.add((module, attr))
-                recent.append(None)
-            elif name == "STACK_GLOBAL":
-                if len(recent) < 2 or recent[-1] is None or recent[-2] is None:
-                    globals_ = None
-                elif globals_ is not None:
-                    globals_.add((recent[-2], recent[-1]))  # type: ignore[arg-type]
-                recent.append(None)
-            elif name in ("EXT1", "EXT2", "EXT4"):
-                globals_ = None
-                recent.append(None)
-            elif name in ("FRAME", "PROTO"):
-                pass
-            else:
-                recent.append(None)
-            if len(recent) > 8:
-                del recent[:-8]
-    except Exception as e:  # noqa: BLE001 - any parse failure means "not understood"
-        return PickleScan(globals=None, strings=strings, error=f"{type(e).__name__}: {e}")
-    return PickleScan(globals=globals_, strings=strings)
+        dry.load()
+    except Exception as e:  # noqa: BLE001 - any failure means "not understood"
+        return PickleScan(globals=None, error=f"{type(e).__name__}: {e}")
+    return PickleScan(globals=dry.globals, storages=dry.storages)
 
 
 def is_data_free_global(module: str, name: str) -> bool:

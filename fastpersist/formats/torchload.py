@@ -88,6 +88,7 @@ class _Record:
     buffer: Any = None  #: PinnedBuffer holding the data (None: not read)
     buffer_offset: int = 0  #: where the data starts in ``buffer``
     slot: int = -1  #: CRC slot in the bulk read
+    header_pos: int = -1  #: where the bulk read put the local header in the arena
 
     @property
     def data_end(self) -> int:
@@ -179,14 +180,6 @@ class _Arena:
         from fastpersist import _native
 
         self.buffer = _native.PinnedBuffer(_round_up(max(self.size, 1), _PAGE), _PAGE, lock)
-
-    def locate(self, file_offset: int, length: int) -> Optional[memoryview]:
-        """The bytes ``[file_offset, file_offset + length)`` if a placed range holds them."""
-        for off, n, pos in self.ranges:
-            if off <= file_offset and file_offset + length <= off + n:
-                start = pos + file_offset - off
-                return memoryview(self.buffer).cast("B")[start : start + length]
-        return None
 
 
 def _round_up(n: int, a: int) -> int:
@@ -361,21 +354,20 @@ class _Load:
         if wanted is not None:
             bulk = [r for r in bulk if r.short[5:] in wanted]
         bulk.sort(key=lambda r: r.entry.header_offset)
-        header_pos: list[int] = []
         for i, r in enumerate(bulk):
             r.slot = i
             h = r.entry.header_offset
             if r.size >= OWN_BUFFER_MIN:
                 r.buffer, r.buffer_offset = _own_buffer(r.data_offset, r.size, self.lock)
-                header_pos.append(self.arena.place(h, r.data_offset - h))
+                r.header_pos = self.arena.place(h, r.data_offset - h)
             else:
-                pos = self.arena.place(h, r.data_end - h)
-                header_pos.append(pos)
-                r.buffer_offset = pos + (r.data_offset - h)
+                r.header_pos = self.arena.place(h, r.data_end - h)
+                r.buffer_offset = r.header_pos + (r.data_offset - h)
         self.arena.allocate(False)
         base = self.arena.buffer.ptr
         extents: list[tuple[int, int, int, int]] = []
-        for r, pos in zip(bulk, header_pos):
+        for r in bulk:
+            pos = r.header_pos
             h = r.entry.header_offset
             if r.data_offset > h:
                 extents.append((h, base + pos, r.data_offset - h, -1))
@@ -386,12 +378,9 @@ class _Load:
 
     def check_bulk(self, bulk: list[_Record], crcs: list[int]) -> None:
         """Local headers of the bulk-read records, then their CRCs."""
+        arena = memoryview(self.arena.buffer).cast("B")
         for r in bulk:
-            h = r.entry.header_offset
-            view = self.arena.locate(h, r.data_offset - h)
-            if view is None:  # pragma: no cover - every bulk record's header was placed
-                raise _bad(self.path, h, f"local header of {r.entry.name!r} was not read")
-            self._check_header(r, view)
+            self._check_header(r, arena[r.header_pos : r.header_pos + r.data_offset - r.entry.header_offset])
         if not self.checksum:
             return
         problems = [
@@ -543,7 +532,7 @@ def _load_fd(
     order = load.by_short.get("byteorder")
     native_order = order is None or load.read_small(order) == sys.byteorder.encode()
     scan = scan_pickle(pkl)
-    wanted = scan.strings if scan.error is None else None
+    wanted = scan.keys
     overlap = _overlap_allowed(scan, native_order, map_location)
 
     extents, bulk = load.plan_bulk(wanted)
