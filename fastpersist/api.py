@@ -232,12 +232,25 @@ def load(
     ``TORCH_FORCE_[NO_]WEIGHTS_ONLY_LOAD`` variables, ``mmap``, ``encoding`` ...).
     ``.safetensors`` files return a ``dict[str, Tensor]``.
 
-    The whole file is read into one host buffer; loaded CPU tensors are views
-    into it (as with ``mmap=True`` they share one allocation, freed when the last
-    of them dies). With ``config.checksum`` every record's CRC-32 is checked
-    during the read and a mismatch raises :class:`fastpersist.errors.ChecksumError`.
-    ``mmap=True``, file-like objects, legacy (non-zip) files and TorchScript
-    archives go to ``torch.serialization.load`` unchanged.
+    The file is opened once and every read of the load goes through that
+    descriptor, so a save renaming a new file over ``path`` meanwhile cannot mix
+    two checkpoints. Storages of 1 MiB or more are read into buffers of their own
+    (a kept tensor keeps only its storage alive); smaller ones share one buffer.
+    Every storage the pickle asks for must exist and hold exactly the bytes it
+    claims, and local headers must agree with the central directory; with
+    ``config.checksum`` every record read has its CRC-32 checked before anything
+    is returned. Unpickling overlaps the read only when the pickle's globals are
+    all known not to read tensor bytes (see ``fastpersist.formats.picklescan``).
+
+    Raises:
+        fastpersist.errors.CheckpointFormatError: the file is malformed (truncated,
+            lying sizes, missing records ...); the message names the path and what is wrong.
+        fastpersist.errors.ChecksumError: a record does not match its CRC-32.
+        OSError: I/O errors, with path, offset and errno.
+
+    ``mmap=True``, file-like objects, legacy (non-zip) files, compressed or
+    encrypted archives, meta/fake-tensor loads and TorchScript archives go to
+    ``torch.serialization.load`` unchanged.
     """
     original = dict(pickle_load_args)
 
