@@ -335,16 +335,17 @@ def save_storage_alignment(alignment: int, *, required: bool = True) -> Iterator
     Without that config: :class:`UnsupportedLayoutError` when ``required``, else the
     block runs unchanged (torch's default alignment; logged once).
     """
-    with CONFIG_LOCK:
-        if not ok("storage_alignment_config"):
-            if required:
-                require("storage_alignment_config")
+    # The verdict first: its probe takes CONFIG_LOCK itself (lock order: probes, then config).
+    if not ok("storage_alignment_config"):
+        if required:
+            require("storage_alignment_config")
+        with CONFIG_LOCK:
             yield
-            return
-        from torch.utils.serialization import config
+        return
+    from torch.utils.serialization import config
 
-        with config.patch({"save.storage_alignment": alignment}):
-            yield
+    with CONFIG_LOCK, config.patch({"save.storage_alignment": alignment}):
+        yield
 
 
 @_feature("file_writer", "saves use torch.save")
