@@ -245,6 +245,33 @@ def test_parent_async_ops_uncollected_at_fork(tmp_path):
         assert torch.equal(back, data)
 
 
+def test_fork_while_parent_thread_waits_on_iohandle(tmp_path):
+    """A parent thread blocked in IOHandle.wait() holds the handle's lock at the fork;
+    the child's copy of the handle must still be usable."""
+    h = fio.IOHandle(block_size=64 << 10, queue_depth=2, threads=1, max_async=1)
+    data = torch.arange(4 << 20, dtype=torch.int32)  # 16 MiB in 64 KiB I/Os, one op at a time
+    for i in range(6):
+        h.async_pwrite(data, str(tmp_path / f"w{i}.bin"))
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (h.wait(), done.set()), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not h._lock.locked() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    locked_at_fork = h._lock.locked() and not done.is_set()
+
+    def child() -> None:
+        with pytest.raises(RuntimeError, match="forked"):
+            h.wait()
+        _io_roundtrip(h, str(tmp_path / "child.bin"), seed=2)
+
+    run_os_fork(child)
+    t.join(TIMEOUT)
+    assert done.is_set()
+    if not locked_at_fork:
+        pytest.skip("the parent's wait() finished before the fork (machine too fast)")
+
+
 def test_native_handle_wait_in_child_without_parent_ops(tmp_path):
     h = _native.Handle(threads=2, max_async=2)
     assert h.wait() == []
