@@ -118,6 +118,7 @@ import contextlib
 import inspect
 import io
 import logging
+import os
 import pickle
 import struct
 import threading
@@ -175,13 +176,46 @@ class _Feature:
     level: int  # logging level of the one message when the probe fails
 
 
+class _ForkSafeRLock:
+    """A ``threading.RLock`` that a forked child gets back unlocked.
+
+    A thread of the parent may hold it (planning a save, running a probe) at the
+    moment another thread forks; the child has no such thread, so an inherited
+    locked lock would hang its first save forever. ``os.register_at_fork`` gives
+    the child a fresh lock (what a thread held is then unfinished work of the
+    parent: a probe verdict not yet cached is probed again in the child).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.RLock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+
 _FEATURES: dict[str, _Feature] = {}
 _RESULTS: dict[str, Status] = {}
-_LOCK = threading.RLock()  # probes may need other probes
+_LOCK = _ForkSafeRLock()  # probes may need other probes
 
 #: Serializes changes to torch's process-wide serialization config
 #: (``save.storage_alignment``): planners and the torch.save fallback take turns.
-CONFIG_LOCK = threading.RLock()
+CONFIG_LOCK = _ForkSafeRLock()
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_LOCK._after_fork_in_child)
+    os.register_at_fork(after_in_child=CONFIG_LOCK._after_fork_in_child)
 
 
 def _feature(name: str, fallback: str, level: int = logging.WARNING) -> Callable[[Callable[[], None]], Callable[[], None]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import io
 import logging
+import os
 import pickle
 import sys
 import threading
@@ -288,3 +289,31 @@ def test_weights_only_unpickler_missing_is_refused(fresh):
     with pytest.raises(UnsupportedLayoutError, match="weights_only_unpickler"):
         _compat.weights_only_unpickler()
     assert not _compat.ok("private_load")
+
+
+# ---------------------------------------------------------------- fork
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("lock", ["_LOCK", "CONFIG_LOCK"])
+def test_child_forked_while_a_thread_holds_a_compat_lock_gets_it_unlocked(lock):
+    held, release = threading.Event(), threading.Event()
+
+    def holder():  # a probe running, or a save being planned, at the moment of the fork
+        with getattr(_compat, lock):
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=holder, daemon=True)
+    t.start()
+    held.wait()
+    try:
+        pid = os.fork()
+        if pid == 0:  # child: both locks must be free, or this would hang
+            code = 0 if getattr(_compat, lock).acquire(timeout=5) else 3
+            os._exit(code)
+    finally:
+        release.set()
+        t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
