@@ -22,7 +22,7 @@ import torch
 
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
 from fastpersist.errors import UnsupportedLayoutError
-from fastpersist.formats import torchstream, torchzip
+from fastpersist.formats import torchzip
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +171,10 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
 
 def _save_with_torch(obj: Any, final: str, alignment: int, cfg: Any) -> None:
     """Fallback: torch's own writer (still aligned, atomic and durable)."""
-    from torch.utils.serialization import config as tconfig
+    from fastpersist import _compat
 
     def write(tmp: str) -> None:
-        with torchstream._CONFIG_LOCK, tconfig.patch({"save.storage_alignment": alignment}):
+        with _compat.save_storage_alignment(alignment, required=False):
             torch.serialization.save(obj, tmp)
         if cfg.fsync:
             fsync_path(tmp)
@@ -186,8 +186,9 @@ def _resolve_weights_only(weights_only: Optional[bool], pickle_module: Any) -> O
     """``torch.load``'s resolution of ``weights_only`` (None: let torch decide and raise)."""
     not_set = weights_only is None
     if not_set:
-        default = getattr(torch.serialization, "_default_to_weights_only", None)
-        weights_only = default(pickle_module) if default else pickle_module is None
+        from fastpersist import _compat
+
+        weights_only = _compat.default_to_weights_only(pickle_module)
     force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
     force_no = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
     if force and force_no:
@@ -271,19 +272,17 @@ def load(
     wo = _resolve_weights_only(weights_only, pickle_module)
     if wo is None or (wo and pickle_module is not None):
         return torch_load()  # torch raises its own error for these combinations
-    if mmap is None:
-        from torch.utils.serialization import config as tconfig
+    from fastpersist import _compat
 
-        mmap = bool(tconfig.load.mmap)
+    if mmap is None:
+        mmap = _compat.load_mmap_default()
     if mmap:
         return torch_load()
-    if not os.path.isfile(fspath) or not torchzip.fast_load_supported():
+    if not os.path.isfile(fspath) or not torchzip.fast_load_supported() or not _compat.ok("weights_only_unpickler"):
         return torch_load()  # missing file, directory, device ...: torch's behaviour and errors
-    module = torch._weights_only_unpickler if wo else (pickle_module or pickle)
+    module = _compat.weights_only_unpickler() if wo else (pickle_module or pickle)
     if not wo:
-        check_dill = getattr(torch.serialization, "_check_dill_version", None)
-        if check_dill is not None:
-            check_dill(module)
+        _compat.check_dill_version(module)
     elif pickle_load_args:
         warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
     pickle_load_args.setdefault("encoding", "utf-8")

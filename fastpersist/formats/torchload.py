@@ -30,7 +30,6 @@ Overlap
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import stat
@@ -57,21 +56,11 @@ _FLAG_DESCRIPTOR = 0x0008
 
 
 def fast_load_supported() -> bool:
-    """Whether this torch's private ``_load`` takes a zip reader object as its first argument."""
-    return _load_params() is not None
+    """Whether this torch's private ``_load`` takes our zip reader (probed once, see
+    :mod:`fastpersist._compat`)."""
+    from fastpersist import _compat
 
-
-def _load_params() -> Optional[frozenset[str]]:
-    fn = getattr(torch.serialization, "_load", None)
-    if fn is None:
-        return None
-    try:
-        params = frozenset(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-    if not {"zip_file", "map_location", "pickle_module"} <= params:
-        return None
-    return params
+    return _compat.ok("private_load")
 
 
 # --------------------------------------------------------------------------- records
@@ -477,9 +466,9 @@ def load_torch(
         ChecksumError: a record's bytes do not match their CRC-32.
         OSError: I/O errors (path, offset, errno).
     """
-    params = _load_params()
-    if params is None:
-        raise UnsupportedLayoutError("torch.serialization._load has an unexpected signature")
+    from fastpersist import _compat
+
+    private_load = _compat.private_load()  # UnsupportedLayoutError when torch's _load changed
     if _meta_or_fake(map_location):
         raise UnsupportedLayoutError("meta or fake-tensor load")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -490,11 +479,11 @@ def load_torch(
         if os.pread(fd, 4, 0) != b"PK\x03\x04":
             raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
         try:
-            return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, params,
+            return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, private_load,
                             weights_only=weights_only, checksum=checksum, **pickle_load_args)
         except _HeaderMismatch:
             log.debug("%s: predicted record offsets were wrong; loading with every local header read", path)
-            return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, params, exact=True,
+            return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, private_load, exact=True,
                             weights_only=weights_only, checksum=checksum, **pickle_load_args)
     finally:
         os.close(fd)
@@ -521,7 +510,7 @@ def _overlap_allowed(scan: Any, native_order: bool, map_location: Any) -> bool:
 
 
 def _load_fd(
-    path: str, fd: int, size: int, handle: Any, map_location: Any, pickle_module: Any, params: frozenset[str], *,
+    path: str, fd: int, size: int, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
     weights_only: bool, checksum: bool, exact: bool = False, **pickle_load_args: Any,
 ) -> Any:
     from fastpersist import _native
@@ -558,12 +547,8 @@ def _load_fd(
 
     if extents:
         reader_handle.submit_read(fd, extents, len(bulk))
-    kwargs = dict(pickle_load_args)
-    if "weights_only" in params:
-        kwargs["weights_only"] = weights_only
-
     def unpickle() -> Any:
-        return torch.serialization._load(_Reader(load), map_location, pickle_module, **kwargs)
+        return private_load(_Reader(load), map_location, pickle_module, weights_only=weights_only, **pickle_load_args)
 
     if not overlap:
         finish()
