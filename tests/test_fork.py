@@ -371,14 +371,9 @@ def test_dataloader_fork_workers(tmp_path):
     assert torch.equal(got, want)
 
 
-# ---- known hole outside the native layer ----------------------------------------------
+# ---- the torch-config lock held by another thread at fork time ---------------------------
 
 
-@pytest.mark.xfail(
-    reason="fastpersist._compat.CONFIG_LOCK (held while a torch-format save is planned) is a "
-    "threading.RLock that a forked child inherits locked; it needs an after-fork reinit in _compat",
-    strict=False,
-)
 def test_fork_while_parent_thread_holds_torch_config_lock(tmp_path):
     from fastpersist import _compat
 
