@@ -13,6 +13,7 @@ from fastpersist import _native
 from fastpersist.errors import ChecksumError
 from fastpersist.formats import torchload
 from fastpersist.formats.zipindex import read_zip_index
+from test_load_safety import ReadsTensorInSetstate, ReducesWithTensorSum
 
 
 @pytest.fixture
@@ -137,35 +138,6 @@ def test_unpickling_error_waits_for_the_read(tmp_path, spy):
         fastpersist.load(p, weights_only=True)  # refused by torch's weights-only unpickler
     out = fastpersist.load(p, weights_only=False)
     assert isinstance(out["custom"], Custom)
-
-
-class ReadsTensorInSetstate:
-    """User code that looks at tensor bytes while being unpickled (issue 9, case 1)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-        self.total = float(t.sum())
-
-    def __getstate__(self) -> dict:
-        return {"t": self.t}
-
-    def __setstate__(self, state: dict) -> None:
-        self.t = state["t"]
-        self.total = float(self.t.sum())  # reads the storage bytes during unpickling
-
-
-def total_of(t: torch.Tensor) -> float:
-    return float(t.sum())
-
-
-class ReducesWithTensorSum:
-    """A ``__reduce__`` callable that reads a tensor's bytes while unpickling."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def __reduce__(self):
-        return (total_of, (self.t,))
 
 
 @pytest.mark.parametrize("writer", ["fastpersist", "torch"])
