@@ -39,7 +39,26 @@ written as soon as the slot completes; ``ValueError`` if more than
 (data descriptor, central directory) are filled in one pass at disk speed.
 
 The caller keeps the memory behind every ``ptr`` alive and unchanged until the
-call returns (sync) or ``wait()`` returns (async).
+call returns (sync) or the op is complete (async: ``wait()``/``wait_op()``
+returned, or its ``Future`` is done).
+
+Asynchronous ops and their completion
+-------------------------------------
+Two ways to submit, both run by the handle's ``max_async`` worker threads in
+submission order (later ops queue), without the GIL:
+
+* ``submit_write``/``submit_read`` return an op id. ``wait()`` collects *every*
+  such op not collected yet; ``wait_op(op_id, timeout)`` collects one (its CRCs,
+  or its own error) and ``done(op_id)`` polls one. For one caller per handle.
+* ``write_async``/``read_async`` return a :class:`Future` (``done()``,
+  ``wait(timeout)``, ``result(timeout)``) with the op's own result and error.
+  ``wait()`` and ``pending()`` never see these ops, so one long-lived handle can
+  serve concurrent saves and loads from several threads: each caller waits for
+  its own futures only. A ``Future`` may outlive its ``Handle`` (a destroyed
+  handle finishes its queued ops first).
+
+Waiting releases the GIL. A timeout raises ``TimeoutError`` (``wait_op``,
+``Future.result``) or returns False (``Future.wait``); the op stays pending.
 
 Fork
 ----
@@ -62,7 +81,7 @@ be used in a forked child of a process that initialised it. The mechanism
 (``pthread_atfork`` + a fork generation) is described in ``native/include/fastpersist/fork.hpp``.
 """
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 Extent = tuple[int, int, int, int]  # (file_offset, ptr, length, crc_slot)
 Patch = tuple[int, int, int]  # (file_offset, crc_slot, kind)
@@ -89,6 +108,22 @@ def crc32(ptr: int, length: int, crc: int = 0) -> int:
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine)."""
+
+class Future:
+    """Completion of one asynchronous op from ``Handle.write_async``/``read_async``.
+    Thread-safe; several threads may wait on one future."""
+
+    @property
+    def id(self) -> int: ...
+    def done(self) -> bool:
+        """Whether the op has finished (successfully or not). Never blocks."""
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block (GIL released) until the op finished or ``timeout`` seconds passed;
+        returns ``done()``. Never raises the op's error. ``RuntimeError`` in a forked
+        child for an op its parent submitted (it never completes there)."""
+    def result(self, timeout: Optional[float] = None) -> list[int]:
+        """Wait, then return the op's ``nslots`` CRCs or raise its own error (every
+        call raises it again). ``TimeoutError`` if not finished in time."""
 
 class Handle:
     """An I/O engine instance with its settings. Thread-safe for submit/wait.
@@ -148,8 +183,30 @@ class Handle:
         """Asynchronous ``write``; returns an op id at once."""
     def submit_read(self, target: Target, extents: Sequence[Extent], nslots: int = 0) -> int:
         """Asynchronous ``read``; returns an op id at once."""
+    def write_async(
+        self,
+        target: Target,
+        extents: Sequence[Extent],
+        patches: Sequence[Patch] = (),
+        nslots: int = 0,
+        truncate: bool = True,
+        fsync: bool = False,
+    ) -> Future:
+        """Asynchronous ``write`` with its own completion (see "Asynchronous ops")."""
+    def read_async(self, target: Target, extents: Sequence[Extent], nslots: int = 0) -> Future:
+        """Asynchronous ``read`` with its own completion (see "Asynchronous ops")."""
+    def wait_op(self, op_id: int, timeout: Optional[float] = None) -> list[int]:
+        """Wait (GIL released) for one op from ``submit_*``, collect it, return its CRCs
+        or raise its own error. ``TimeoutError`` if not done in time (still pending);
+        ``ValueError`` if ``op_id`` is not pending (unknown or collected already)."""
+    def done(self, op_id: int) -> bool:
+        """Whether op ``op_id`` from ``submit_*`` has finished; ``ValueError`` if not pending."""
+    def copy_ranges(self, ranges: Sequence[tuple[int, int, int]], crc: bool = False) -> list[int]:
+        """Copy each ``(dst_ptr, src_ptr, length)`` host range on the handle's threads
+        (GIL released); with ``crc`` return the CRC-32 of each copy (else zeros),
+        computed while the bytes are in cache."""
     def wait(self) -> list[tuple[int, list[int]]]:
-        """Block until every submitted op has finished. Returns ``(op_id, crcs)`` of
+        """Block until every op submitted with ``submit_*`` and not yet collected has finished. Returns ``(op_id, crcs)`` of
         the ops completed since the last wait, in submission order. If any failed,
         raises the first failure (after all have finished) and forgets the rest.
         In a forked child whose parent had uncollected ops at the fork, the first

@@ -2,6 +2,7 @@
 // arguments, releases the GIL around all I/O, and turns native errors into
 // Python exceptions (OSError subclass from errno, EOFError, ValueError).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/array.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -114,6 +115,17 @@ OpSpec make_spec(bool write, nb::handle target, nb::handle extents, nb::handle p
   return op;
 }
 
+double as_timeout(nb::handle t) {
+  if (t.is_none()) return -1.0;
+  double v = PyFloat_AsDouble(t.ptr());
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw ArgError("timeout must be None or a number of seconds");
+  }
+  if (v < 0) throw ArgError("timeout must be >= 0 (or None: no limit)");
+  return v;
+}
+
 int pinned_getbuffer(PyObject* self, Py_buffer* view, int flags) {
   PinnedBuffer* b = nb::inst_ptr<PinnedBuffer>(self);
   return PyBuffer_FillInfo(view, self, b->data(), static_cast<Py_ssize_t>(b->size()), 0, flags);
@@ -157,6 +169,8 @@ NB_MODULE(_native, m) {
       Py_DECREF(exc);
     } catch (const EofError& e) {
       PyErr_SetString(PyExc_EOFError, e.what());
+    } catch (const WaitTimeout& e) {
+      PyErr_SetString(PyExc_TimeoutError, e.what());
     }
   });
 
@@ -237,11 +251,48 @@ NB_MODULE(_native, m) {
           },
           nb::arg("target"), nb::arg("extents"), nb::arg("nslots") = 0)
       .def(
+          "write_async",
+          [](Handle& h, nb::handle target, nb::handle extents, nb::handle patches, int nslots, bool truncate,
+             bool fsync) {
+            return h.submit_future(make_spec(true, target, extents, patches, nslots, truncate, fsync));
+          },
+          nb::arg("target"), nb::arg("extents"), nb::arg("patches") = nb::tuple(), nb::arg("nslots") = 0,
+          nb::arg("truncate") = true, nb::arg("fsync") = false)
+      .def(
+          "read_async",
+          [](Handle& h, nb::handle target, nb::handle extents, int nslots) {
+            return h.submit_future(make_spec(false, target, extents, nb::none(), nslots, false, false));
+          },
+          nb::arg("target"), nb::arg("extents"), nb::arg("nslots") = 0)
+      .def(
           "wait",
           [](Handle& h) {
             nb::gil_scoped_release r;
             return h.wait();
           })
+      .def(
+          "wait_op",
+          [](Handle& h, uint64_t id, nb::handle timeout) {
+            double t = as_timeout(timeout);
+            nb::gil_scoped_release r;
+            return h.wait_op(id, t);
+          },
+          nb::arg("op_id"), nb::arg("timeout") = nb::none())
+      .def("done", &Handle::done, nb::arg("op_id"))
+      .def(
+          "copy_ranges",
+          [](Handle& h, nb::handle ranges, bool crc) {
+            FastSeq s(ranges, "ranges must be a sequence of (dst_ptr, src_ptr, length) tuples");
+            std::vector<std::array<uint64_t, 3>> v(static_cast<size_t>(s.size()));
+            for (Py_ssize_t i = 0; i < s.size(); ++i) {
+              FastSeq t(s[i], "each range must be a (dst_ptr, src_ptr, length) tuple");
+              if (t.size() != 3) throw ArgError("each range must be a (dst_ptr, src_ptr, length) tuple");
+              v[static_cast<size_t>(i)] = {as_u64(t[0], "dst_ptr"), as_u64(t[1], "src_ptr"), as_u64(t[2], "length")};
+            }
+            nb::gil_scoped_release r;
+            return h.copy_ranges(v, crc);
+          },
+          nb::arg("ranges"), nb::arg("crc") = false)
       .def("pending", &Handle::pending)
       .def(
           "crc32_ranges",
@@ -257,6 +308,26 @@ NB_MODULE(_native, m) {
             return h.crc32_ranges(v);
           },
           nb::arg("ranges"));
+
+  nb::class_<Future>(m, "Future")
+      .def_prop_ro("id", &Future::id)
+      .def("done", &Future::done)
+      .def(
+          "wait",
+          [](Future& f, nb::handle timeout) {
+            double t = as_timeout(timeout);
+            nb::gil_scoped_release r;
+            return f.wait(t);
+          },
+          nb::arg("timeout") = nb::none())
+      .def(
+          "result",
+          [](Future& f, nb::handle timeout) {
+            double t = as_timeout(timeout);
+            nb::gil_scoped_release r;
+            return f.result(t);
+          },
+          nb::arg("timeout") = nb::none());
 
   nb::class_<PinnedBuffer>(m, "PinnedBuffer", nb::type_slots(pinned_slots))
       .def(nb::init<size_t, size_t, bool>(), nb::arg("nbytes"), nb::arg("alignment") = 4096,

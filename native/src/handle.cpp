@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
@@ -119,20 +121,59 @@ std::vector<uint32_t> Handle::run_cufile(const OpSpec& op, State& s) {
   return {};
 }
 
-uint64_t Handle::submit(OpSpec op) {
+// ---------------------------------------------------------------- async ----
+
+bool AsyncOp::wait_for(double timeout_s) {
+  if (done.load()) return true;
+  if (gen != fork_generation()) {
+    // Its worker is a thread of the parent: it never completes here, and its lock may be held.
+    throw std::runtime_error("asynchronous operation " + std::to_string(id) +
+                             " was submitted before this process was forked; it runs in the parent only "
+                             "and cannot be waited for here");
+  }
+  std::unique_lock<std::mutex> lk(mu);
+  if (timeout_s < 0) {
+    cv.wait(lk, [&] { return done.load(); });
+    return true;
+  }
+  return cv.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return done.load(); });
+}
+
+std::vector<uint32_t> AsyncOp::result() const {
+  if (err) std::rethrow_exception(err);
+  return crcs;
+}
+
+bool Future::done() const { return op_->done.load(); }
+
+std::vector<uint32_t> Future::result(double timeout_s) {
+  if (!op_->wait_for(timeout_s)) {
+    throw WaitTimeout("operation " + std::to_string(op_->id) + " not finished within the timeout");
+  }
+  return op_->result();
+}
+
+std::shared_ptr<AsyncOp> Handle::enqueue(OpSpec op, bool tracked) {
   State& s = state();
   auto a = std::make_shared<AsyncOp>();
   a->spec = std::move(op);
+  a->gen = s.gen;
   {
     std::lock_guard<std::mutex> lk(s.mu);
     a->id = next_id_.fetch_add(1);
-    s.ops.push_back(a);
-    s.uncollected.store(s.ops.size());
+    if (tracked) {
+      s.ops.push_back(a);
+      s.uncollected.store(s.ops.size());
+    }
     s.queue.push_back(a);
   }
   s.cv_work.notify_one();
-  return a->id;
+  return a;
 }
+
+uint64_t Handle::submit(OpSpec op) { return enqueue(std::move(op), true)->id; }
+
+Future Handle::submit_future(OpSpec op) { return Future(enqueue(std::move(op), false)); }
 
 void Handle::State::worker() {
   for (;;) {
@@ -151,11 +192,19 @@ void Handle::State::worker() {
     } catch (...) {
       err = std::current_exception();
     }
+    a->spec.extents = {};  // the caller's memory is no longer referenced
+    a->spec.patches = {};
     {
-      std::lock_guard<std::mutex> lk(mu);
+      std::lock_guard<std::mutex> lk(a->mu);
       a->crcs = std::move(crcs);
       a->err = err;
-      a->done = true;
+      a->done.store(true);
+    }
+    a->cv.notify_all();
+    {
+      // wait() checks `done` under mu: taking it here means a waiter is either
+      // before its check (and sees done) or asleep (and gets the notification).
+      std::lock_guard<std::mutex> lk(mu);
     }
     cv_done.notify_all();
   }
@@ -169,7 +218,7 @@ std::vector<std::pair<uint64_t, std::vector<uint32_t>>> Handle::wait() {
   {
     std::unique_lock<std::mutex> lk(s.mu);
     s.cv_done.wait(lk, [&] {
-      return std::all_of(s.ops.begin(), s.ops.end(), [](const auto& a) { return a->done; });
+      return std::all_of(s.ops.begin(), s.ops.end(), [](const auto& a) { return a->done.load(); });
     });
     ops.swap(s.ops);
     s.uncollected.store(s.ops.size());
@@ -187,6 +236,76 @@ std::vector<std::pair<uint64_t, std::vector<uint32_t>>> Handle::wait() {
   for (auto& a : ops) {
     if (a->err) std::rethrow_exception(a->err);
     out.emplace_back(a->id, std::move(a->crcs));
+  }
+  return out;
+}
+
+std::shared_ptr<AsyncOp> Handle::find_pending(State& s, uint64_t id) {
+  std::lock_guard<std::mutex> lk(s.mu);
+  for (const auto& a : s.ops) {
+    if (a->id == id) return a;
+  }
+  throw ArgError("operation " + std::to_string(id) +
+                 " is not pending on this handle (unknown id, or collected already by wait()/wait_op())");
+}
+
+std::vector<uint32_t> Handle::wait_op(uint64_t id, double timeout_s) {
+  State& s = state();
+  std::shared_ptr<AsyncOp> a = find_pending(s, id);
+  if (!a->wait_for(timeout_s)) {
+    throw WaitTimeout("operation " + std::to_string(id) + " not finished within the timeout");
+  }
+  {
+    std::lock_guard<std::mutex> lk(s.mu);
+    auto it = std::find(s.ops.begin(), s.ops.end(), a);
+    if (it != s.ops.end()) s.ops.erase(it);
+    s.uncollected.store(s.ops.size());
+  }
+  return a->result();
+}
+
+bool Handle::done(uint64_t id) { return find_pending(state(), id)->done.load(); }
+
+std::vector<uint32_t> Handle::copy_ranges(const std::vector<std::array<uint64_t, 3>>& ranges, bool want_crc) {
+  // Pieces of at most 4 MiB, in L2-sized steps so the CRC reads what the copy just cached.
+  constexpr uint64_t kPiece = 4u << 20, kStep = 256u << 10;
+  struct Piece {
+    size_t range;
+    uint64_t off, len;
+    uint32_t crc;
+  };
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    if (ranges[i][2] && (!ranges[i][0] || !ranges[i][1])) throw ArgError("copy_ranges: null pointer");
+    for (uint64_t o = 0; o < ranges[i][2]; o += kPiece) {
+      pieces.push_back({i, o, std::min(kPiece, ranges[i][2] - o), 0});
+    }
+  }
+  ThreadPool& pool = state().pool;
+  TaskGroup tasks;
+  const size_t nt = std::max<size_t>(1, std::min<size_t>(pool.size(), pieces.size()));
+  for (size_t t = 0; t < nt; ++t) {
+    tasks.add();
+    pool.submit([&, t] {
+      for (size_t k = t; k < pieces.size(); k += nt) {
+        Piece& p = pieces[k];
+        char* dst = reinterpret_cast<char*>(ranges[p.range][0]) + p.off;
+        const char* src = reinterpret_cast<const char*>(ranges[p.range][1]) + p.off;
+        uint32_t c = 0;
+        for (uint64_t o = 0; o < p.len; o += kStep) {
+          size_t n = static_cast<size_t>(std::min(kStep, p.len - o));
+          std::memcpy(dst + o, src + o, n);
+          if (want_crc) c = crc32(c, dst + o, n);
+        }
+        p.crc = c;
+      }
+      tasks.done();
+    });
+  }
+  tasks.wait_all();
+  std::vector<uint32_t> out(ranges.size(), 0);
+  if (want_crc) {
+    for (const Piece& p : pieces) out[p.range] = crc32_combine(out[p.range], p.crc, p.len);
   }
   return out;
 }

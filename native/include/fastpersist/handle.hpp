@@ -2,6 +2,7 @@
 // and a queue of asynchronous operations. Fork-safe: see fork.hpp.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -9,6 +10,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -34,6 +36,45 @@ struct OpSpec {
   bool fsync = false;
 };
 
+// Completion of one asynchronous operation, shared by the worker that runs it,
+// the Handle's bookkeeping and any Future the caller holds. Self-contained
+// (its own lock and condition variable), so a Future may outlive its Handle.
+struct AsyncOp {
+  uint64_t id = 0;
+  uint64_t gen = 0;  // fork_generation() of the process that submitted it
+  OpSpec spec;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::atomic<bool> done{false};
+  std::vector<uint32_t> crcs;  // valid once done
+  std::exception_ptr err;      // valid once done
+
+  // Wait until done; timeout_s < 0: no limit. Returns whether it is done.
+  // Throws std::runtime_error for an op submitted before this process was
+  // forked (it runs in the parent only and never completes here).
+  bool wait_for(double timeout_s);
+  // The result once done: the CRCs, or the op's own error rethrown.
+  std::vector<uint32_t> result() const;
+};
+
+// What the caller holds for an op from Handle::submit_future: done(), wait(), result().
+class Future {
+ public:
+  explicit Future(std::shared_ptr<AsyncOp> op) : op_(std::move(op)) {}
+  uint64_t id() const { return op_->id; }
+  bool done() const;
+  bool wait(double timeout_s) { return op_->wait_for(timeout_s); }
+  std::vector<uint32_t> result(double timeout_s);  // throws TimeoutError-like std::runtime_error on timeout
+
+ private:
+  std::shared_ptr<AsyncOp> op_;
+};
+
+// Raised by wait_op/Future::result when the timeout expires first.
+struct WaitTimeout : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 class Handle {
  public:
   Handle(std::string engine, size_t chunk_size, unsigned queue_depth, unsigned threads,
@@ -43,9 +84,20 @@ class Handle {
   Handle& operator=(const Handle&) = delete;
 
   std::vector<uint32_t> run(const OpSpec& op);  // synchronous
-  uint64_t submit(OpSpec op);                   // asynchronous
+  uint64_t submit(OpSpec op);                   // asynchronous, collected by wait() or wait_op()
+  // Asynchronous, collected through the Future only: wait() and pending() don't see it,
+  // so callers sharing one handle never collect each other's ops.
+  Future submit_future(OpSpec op);
   std::vector<std::pair<uint64_t, std::vector<uint32_t>>> wait();
+  // One op from submit(): wait for it (timeout_s < 0: no limit), forget it, return its
+  // CRCs or rethrow its own error. WaitTimeout if not done in time (it stays pending);
+  // ArgError if the id is not pending (unknown, or collected already).
+  std::vector<uint32_t> wait_op(uint64_t id, double timeout_s);
+  bool done(uint64_t id);  // ArgError if the id is not pending
   size_t pending();
+  // Copy each (dst, src, len) host range and return the CRC-32 of each when
+  // want_crc (else zeros), spread over the worker pool.
+  std::vector<uint32_t> copy_ranges(const std::vector<std::array<uint64_t, 3>>& ranges, bool want_crc);
   // CRC-32 of each (ptr, len) host range, spread over the worker pool.
   std::vector<uint32_t> crc32_ranges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges);
 
@@ -58,13 +110,6 @@ class Handle {
   std::string last_engine();
 
  private:
-  struct AsyncOp {
-    uint64_t id = 0;
-    OpSpec spec;
-    std::vector<uint32_t> crcs;
-    std::exception_ptr err;
-    bool done = false;
-  };
   // Everything that belongs to one process: threads, locks, queues, staging
   // buffers. Built by the constructor, and again by the first use in a forked
   // child; the parent's copy is then leaked, never touched (fork.hpp).
@@ -93,6 +138,8 @@ class Handle {
   // This process's State: rebuilt on the first call after a fork.
   State& state();
   std::vector<uint32_t> run_cufile(const OpSpec& op, State& s);
+  std::shared_ptr<AsyncOp> enqueue(OpSpec op, bool tracked);
+  std::shared_ptr<AsyncOp> find_pending(State& s, uint64_t id);
 
   ExecOptions opt_;
   unsigned max_async_;
