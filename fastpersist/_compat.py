@@ -641,3 +641,72 @@ def load_mmap_default() -> bool:
 
         return bool(config.load.mmap)
     return False
+
+
+# --------------------------------------------------------------------------- DCP storage layer
+# (fastpersist.dcp, fastpersist.formats.dcpverify; self-contained block)
+#
+# ``dcp_storage_layer`` -- ``torch.distributed.checkpoint.filesystem._StorageInfo``
+#     (``relative_path``, ``offset``, ``length``, ``transform_descriptors``: the
+#     per-item record that stock ``FileSystemReader`` looks up in ``.metadata``; our
+#     files must carry exactly this class for the stock reader), the attributes of
+#     ``FileSystemWriter`` / ``FileSystemReader`` that ``fastpersist.dcp`` reads
+#     (``path``, ``sync_files``, ``thread_count``, ``single_file_per_rank``,
+#     ``transforms.extensions``, ``serialization_format``, ``rank``,
+#     ``use_collectives``; the reader's ``storage_data``) and the ``.prefix`` of the
+#     plan's ``_StoragePrefix``. The per-item CRC-32 rides on the ``_StorageInfo`` as
+#     an extra instance attribute (``fastpersist_crc32``), which pickling keeps and
+#     stock unpickling restores without looking at it. Probe: construct both
+#     classes, pickle a ``_StorageInfo`` with the attribute and read it back.
+#     Fallback: ``fastpersist.dcp`` writes and reads exactly as the stock classes
+#     (it calls their methods), with no CRCs.
+
+DCP_CRC_ATTR = "fastpersist_crc32"
+
+
+@_feature("dcp_storage_layer", "fastpersist.dcp writes and reads through DCP's stock FileSystemWriter/Reader")
+def _probe_dcp_storage_layer() -> None:
+    from torch.distributed.checkpoint import filesystem as fsmod
+
+    info = fsmod._StorageInfo("__0_0.distcp", 4032, 1234)
+    setattr(info, DCP_CRC_ATTR, 0xDEADBEEF)
+    back = pickle.loads(pickle.dumps(info))
+    if type(back) is not fsmod._StorageInfo:
+        raise Unavailable("_StorageInfo does not survive pickling")
+    if (back.relative_path, back.offset, back.length) != ("__0_0.distcp", 4032, 1234):
+        raise Unavailable("_StorageInfo lost its fields through pickling")
+    if getattr(back, DCP_CRC_ATTR, None) != 0xDEADBEEF:
+        raise Unavailable("_StorageInfo drops extra attributes when pickled")
+    if getattr(back, "transform_descriptors", None):
+        raise Unavailable("_StorageInfo has transform descriptors by default")
+    w = fsmod.FileSystemWriter("/nonexistent-fastpersist-probe")
+    for name in ("path", "sync_files", "thread_count", "single_file_per_rank", "overwrite", "transforms",
+                 "serialization_format", "rank", "use_collectives"):
+        if not hasattr(w, name):
+            raise Unavailable(f"FileSystemWriter has no attribute {name!r}")
+    if not hasattr(w.transforms, "extensions"):
+        raise Unavailable("FileSystemWriter.transforms has no extensions")
+    if w.serialization_format != fsmod.SerializationFormat.TORCH_SAVE:
+        raise Unavailable("FileSystemWriter's default serialization format is not TORCH_SAVE")
+    if fsmod._StoragePrefix("__0_").prefix != "__0_":
+        raise Unavailable("_StoragePrefix has no prefix")
+    r = fsmod.FileSystemReader("/nonexistent-fastpersist-probe")
+    if not isinstance(getattr(r, "storage_data", None), dict):
+        raise Unavailable("FileSystemReader has no storage_data dict")
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int, crc: Optional[int]) -> Any:
+    """A stock ``_StorageInfo`` for an item, carrying ``crc`` (checked feature)."""
+    require("dcp_storage_layer")
+    from torch.distributed.checkpoint import filesystem as fsmod
+
+    info = fsmod._StorageInfo(relative_path, offset, length)
+    if crc is not None:
+        setattr(info, DCP_CRC_ATTR, int(crc))
+    return info
+
+
+def dcp_storage_crc(info: Any) -> Optional[int]:
+    """The CRC-32 fastpersist recorded on a ``_StorageInfo``; None for stock checkpoints."""
+    crc = getattr(info, DCP_CRC_ATTR, None)
+    return int(crc) if isinstance(crc, int) else None

@@ -116,7 +116,7 @@ def _native_write(handle: Any, plan: Any, final: str, fsync: bool) -> Callable[[
     )
 
 
-def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] = None) -> None:
+def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] = None, group: Any = None) -> None:
     """Save ``obj`` to ``path`` like ``torch.save``, at the speed of the storage.
 
     Args:
@@ -126,6 +126,8 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
             supported: use ``torch.save`` for those.
         config: a :class:`fastpersist.Config`; default: ``fastpersist.config.get_default()``.
         format: ``"torch"`` or ``"safetensors"``; default: by extension.
+        group: a ``torch.distributed`` process group whose ranks all call ``save`` with the
+            same (replicated) object and write one file together; see :mod:`fastpersist.distributed`.
 
     The file appears under ``path`` only when complete and durable (temporary file,
     fsync, rename, fsync of the directory). On any error the temporary file is
@@ -134,6 +136,8 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
     Tensor payloads start at multiples of the directory's O_DIRECT alignment; the
     result loads with stock ``torch.load`` (or ``safetensors``).
     """
+    if group is not None:
+        return __import__("fastpersist.distributed").distributed.save(obj, path, group=group, config=config, format=format)
     if not _is_path(path):
         raise TypeError(
             f"fastpersist.save writes to a file path (str or os.PathLike), got {type(path).__name__}; "
@@ -224,6 +228,7 @@ def load(
     weights_only: Optional[bool] = None,
     mmap: Optional[bool] = None,
     config: Any = None,
+    group: Any = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load a checkpoint like ``torch.load``, reading it with parallel O_DIRECT I/O.
@@ -253,6 +258,8 @@ def load(
     encrypted archives, meta/fake-tensor loads and TorchScript archives go to
     ``torch.serialization.load`` unchanged.
     """
+    if group is not None:  # every rank of the group calls it; see fastpersist.distributed
+        return __import__("fastpersist.distributed").distributed.load(path, map_location, pickle_module, group=group, weights_only=weights_only, mmap=mmap, config=config, **pickle_load_args)
     original = dict(pickle_load_args)
 
     def torch_load() -> Any:
@@ -358,6 +365,9 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     if not os.path.exists(fspath):
         raise FileNotFoundError(2, "No such file to verify", fspath)
     handle = _handle(_config(config), read=True)
+    if os.path.isdir(fspath):  # a torch.distributed.checkpoint directory
+        from fastpersist.formats.dcpverify import verify_dcp
+        return verify_dcp(fspath, handle)
     if fspath.endswith(".safetensors"):
         from fastpersist.formats.safetensors import check_safetensors
 
