@@ -5,6 +5,7 @@ Public API::
     fastpersist.save(obj, path)          # drop-in for torch.save (file loads with stock torch.load)
     fastpersist.load(path)               # drop-in for torch.load, parallel O_DIRECT reads
     fastpersist.verify(path)             # checksum every payload byte
+    fastpersist.save_async(obj, path)    # background save, bytes as at the call (snapshot or lazy + guard)
     fastpersist.patch_torch_save()       # route torch.save/torch.load through fastpersist
     fastpersist.Config                   # engine, buffers, queue depth, threads, O_DIRECT, fsync, checksum
     fastpersist.io                       # low-level I/O handle, pinned tensors, byte views
@@ -16,18 +17,23 @@ __version__ = "0.1.0"
 
 from fastpersist import io  # noqa: E402
 from fastpersist.api import load, save, verify  # noqa: E402
+from fastpersist.asyncsave import SaveFuture, guard, save_async, wait_all  # noqa: E402
 from fastpersist.config import Config  # noqa: E402
 from fastpersist.patch import patch_torch_save, unpatch_torch_save  # noqa: E402
 
 __all__ = [
     "Config",
+    "SaveFuture",
     "__version__",
     "io",
     "load",
+    "guard",
     "patch_torch_save",
     "save",
+    "save_async",
     "unpatch_torch_save",
     "verify",
+    "wait_all",
 ]
 
 from fastpersist.patch import _apply_env_patch  # noqa: E402

@@ -112,6 +112,10 @@ class Config:
             process, with torch's own path as the automatic fallback); ``False``:
             torch's ``Tensor.__reduce_ex__`` and ``PyTorchFileWriter`` (slower when a
             state has many tensors).
+        async_staging_limit: Bytes of page-locked host memory for
+            :func:`fastpersist.save_async` snapshots (a pool reused across saves; a save
+            that needs more waits for its earlier windows to reach the disk); also the
+            most a ``lazy`` save copies at call time. A multiple of 4096, >= 8192.
     """
 
     engine: str = "auto"
@@ -125,6 +129,11 @@ class Config:
     checksum: bool = True
     max_async: int = 2
     fast_pickle: bool = True
+
+    # -- asynchronous saves (fastpersist.asyncsave) --
+    #: Page-locked host memory that ``save_async(mode="snapshot")`` copies state into
+    #: (a pool reused across saves); also the most a ``lazy`` save copies at call time.
+    async_staging_limit: int = 1 << 30
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -224,6 +233,9 @@ def _validate_field(name: str, value: Any) -> None:
         elif name in ("threads", "max_async"):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, not {value}")
+        elif name == "async_staging_limit":
+            if value < 2 * _PAGE or value % _PAGE:
+                raise ValueError(f"async_staging_limit must be a multiple of {_PAGE} bytes, at least {2 * _PAGE}, not {value}")
 
 
 # ---------------------------------------------------------------------------
@@ -396,6 +408,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "module is imported.",
         default="unset",
     ),
+    # -- asynchronous saves (fastpersist.asyncsave) --
+    EnvVar(
+        "FASTPERSIST_ASYNC_STAGING_LIMIT", "async_staging_limit", parse_size, "size (1G, 512M, ...)",
+        "Page-locked host memory for `fastpersist.save_async`: snapshot saves copy the state into "
+        "a pool of this many bytes (allocated on first use, reused by later saves, windows of at "
+        "most 64M); a save larger than the pool, or one queued behind another, waits for earlier "
+        "windows to reach the disk before copying more. Also the most a `lazy` save copies at call time.",
+    ),
 )
 
 
@@ -406,7 +426,7 @@ def _default_text(var: EnvVar) -> str:
     value = getattr(Config(), var.field)
     if isinstance(value, bool):
         return _bool_text(value)
-    if var.field == "chunk_size":
+    if var.field in ("chunk_size", "async_staging_limit"):
         return f"{_size_text(value)} ({value})"
     return str(value)
 

@@ -1,0 +1,454 @@
+"""Asynchronous saves: :func:`save_async`, :func:`wait_all`, :func:`guard`.
+
+``save_async(obj, path)`` returns a :class:`SaveFuture` as soon as the state is
+captured; the bytes go to the disk on native threads (no GIL) while training
+goes on. The file at ``path`` ends up byte for byte what ``fastpersist.save``
+would have written at the moment of the call, however the tensors change
+afterwards. Two ways to capture the state:
+
+``mode="snapshot"`` (default)
+    The planned file (headers, pickle and every tensor byte, CUDA tensors
+    included) is copied at call time into a pool of page-locked host memory of
+    ``Config.async_staging_limit`` bytes (``FASTPERSIST_ASYNC_STAGING_LIMIT``,
+    default 1 GiB), allocated on first use and reused by later saves. The call
+    costs one memory copy of the state. A save larger than the pool, or one
+    issued while an earlier save still occupies it, waits inside the call for
+    earlier windows to reach the disk: page-locked memory never exceeds the limit.
+
+``mode="lazy"``
+    Tensor bytes are written straight from the live tensors; nothing of size
+    is copied. For this to be safe, every optimizer whose ``step`` modifies
+    those tensors must be under :func:`guard`: its step pre-hook blocks until
+    pending lazy saves have consumed every tensor that step would modify (its
+    parameters and its state). The save decides tensor by tensor: bytes inside
+    a parameter or state tensor of a guarded optimizer, from 256 KiB up, are
+    written live; everything else (buffers that ``forward`` mutates such as
+    BatchNorm running statistics, counters, small tensors, tensors of
+    unguarded optimizers, the pickle) is copied at call time into private
+    memory (at most ``async_staging_limit`` bytes, else ``LazySaveError``).
+    With no optimizer guarded, ``lazy`` refuses (``LazySaveError``) instead of
+    risking a torn checkpoint. The guard trusts that a guarded optimizer's
+    tensors change only inside its ``step``.
+
+Commit and errors: the file appears under ``path`` only when complete (temporary
+file, fsync, rename, directory fsync, as ``fastpersist.save``); a failed save
+removes its temporary file and leaves the previous checkpoint intact. Its error is
+raised by ``SaveFuture.wait()``/``exception()``, or else by the next
+``save_async()`` or ``wait_all()``. At interpreter exit pending saves are finished;
+an error nobody collected is printed on stderr. (``os._exit`` and fatal signals
+skip this: the previous checkpoint then stays.)
+
+Pickling (the layout plan) runs on the caller's thread at call time, with the
+process's cyclic GC paused only for that planning. Saves queue in call order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import logging
+import os
+import sys
+import threading
+import weakref
+from collections import deque
+from typing import Any, Optional, Union
+
+import torch
+
+from fastpersist import api
+from fastpersist.asyncstage import StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
+from fastpersist.commit import _keep_mode, _remove_quietly, clean_stale_temps, fsync_dir, fsync_path, resolve_target, temp_path_for
+from fastpersist.errors import UnsupportedLayoutError
+from fastpersist.formats.base import WritePlan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LazySaveError", "SaveFuture", "guard", "save_async", "wait_all"]
+
+MODES = ("snapshot", "lazy")
+#: Lazy saves copy tensors smaller than this at call time, even guarded ones.
+LAZY_COPY_BELOW = 256 << 10
+
+
+class LazySaveError(RuntimeError):
+    """A ``mode="lazy"`` save cannot be made safe (no guarded optimizer, or too much to copy)."""
+
+
+class SaveFuture:
+    """The outcome of one :func:`save_async`."""
+
+    def __init__(self, path: str, mode: str) -> None:
+        self.path = path
+        self.mode = mode
+        self._event = threading.Event()
+        self._exc: Optional[BaseException] = None
+        self._reported = False
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed, or failed)."""
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the file is committed; True when done, False when ``timeout``
+        seconds passed first. Raises the save's error if it failed."""
+        if not self._event.wait(timeout):
+            return False
+        if self._exc is not None:
+            _mark_reported(self)
+            raise self._exc
+        return True
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        """The save's error (None if it succeeded), waiting up to ``timeout`` seconds
+        (``TimeoutError`` if still running). Counts as reported."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"async save of {self.path!r} still running")
+        if self._exc is not None:
+            _mark_reported(self)
+        return self._exc
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else ("failed" if self._exc else "done")
+        return f"SaveFuture({self.path!r}, mode={self.mode!r}, {state})"
+
+
+class _Job:
+    def __init__(self, future: SaveFuture, tmp: str, fsync: bool) -> None:
+        self.future = future
+        self.tmp = tmp
+        self.fsync = fsync
+        self.writes: list[Any] = []  # native Futures, file order
+        self.keepalive: Any = None
+        self.owners: list["weakref.ref[Any]"] = []  # guarded optimizers whose tensors are written live
+
+    def consumed(self) -> None:
+        """Wait (GIL released) until the writes no longer read their sources."""
+        for f in self.writes:
+            f.wait()
+
+
+# ---- process-wide state (reset in a forked child) ---------------------------------
+
+_lock = threading.Lock()  # _jobs, _unreported, _pool, _finisher
+_copy_lock = threading.Lock()  # one save captures its state at a time (call order = queue order)
+_jobs: deque[_Job] = deque()  # not finished, in call order
+_unreported: list[SaveFuture] = []
+_pool: Optional[StagingPool] = None
+_finisher: Optional[threading.Thread] = None
+_finisher_cv = threading.Condition(_lock)
+_guards: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
+
+
+def _reset_in_child() -> None:
+    """A forked child inherits none of the parent's pending saves (their writes run in the parent)."""
+    global _lock, _copy_lock, _jobs, _unreported, _pool, _finisher, _finisher_cv
+    _lock = threading.Lock()
+    _copy_lock = threading.Lock()
+    _finisher_cv = threading.Condition(_lock)
+    _jobs = deque()
+    _unreported = []
+    _pool = None
+    _finisher = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
+
+
+def _mark_reported(fut: SaveFuture) -> None:
+    with _lock:
+        fut._reported = True
+        if fut in _unreported:
+            _unreported.remove(fut)
+
+
+def _raise_unreported() -> None:
+    with _lock:
+        if not _unreported:
+            return
+        first = _unreported[0]
+        more = len(_unreported) - 1
+        for f in _unreported:
+            f._reported = True
+        _unreported.clear()
+    if more:
+        log.error("fastpersist: %d more asynchronous save(s) failed; raising the first", more)
+    assert first._exc is not None
+    raise first._exc
+
+
+def _pool_for(limit: int) -> StagingPool:
+    global _pool
+    with _lock:
+        if _pool is None or _pool.limit != limit:
+            _pool = StagingPool(limit)  # jobs using the old one keep it alive
+        return _pool
+
+
+# ---- background commit ---------------------------------------------------------------
+
+
+def _finish_loop() -> None:
+    while True:
+        with _lock:
+            while not any(not j.future.done() and getattr(j, "queued", False) for j in _jobs):
+                _finisher_cv.wait()
+            job = next(j for j in _jobs if not j.future.done() and getattr(j, "queued", False))
+        _finish(job)
+
+
+def _naming(final: str, tmp: str, e: BaseException) -> BaseException:
+    if isinstance(e, OSError) and e.errno is not None:
+        err = type(e)(e.errno, f"{e.strerror or e} (async save of {final!r} via temporary file {tmp!r}; "
+                      "the previous file at this path is untouched)", final)
+        err.__cause__ = e
+        return err
+    return e
+
+
+def _finish(job: _Job) -> None:
+    fut = job.future
+    exc: Optional[BaseException] = None
+    try:
+        job.consumed()
+        for f in job.writes:
+            f.result()
+        job.keepalive = None
+        if job.fsync:
+            fsync_path(job.tmp)
+        _keep_mode(fut.path, job.tmp)
+        os.rename(job.tmp, fut.path)
+        if job.fsync:
+            fsync_dir(os.path.dirname(fut.path))
+    except BaseException as e:  # noqa: BLE001 - reported through the future
+        _remove_quietly(job.tmp)
+        exc = _naming(fut.path, job.tmp, e)
+    job.keepalive = None
+    with _lock:
+        fut._exc = exc
+        if exc is not None:
+            _unreported.append(fut)
+        fut._event.set()
+        try:
+            _jobs.remove(job)
+        except ValueError:
+            pass
+
+
+def _enqueue(job: _Job) -> None:
+    global _finisher
+    with _lock:
+        job.queued = True  # type: ignore[attr-defined]
+        if _finisher is None or not _finisher.is_alive():
+            _finisher = threading.Thread(target=_finish_loop, name="fastpersist-async-save", daemon=True)
+            _finisher.start()
+        _finisher_cv.notify_all()
+
+
+# ---- planning ----------------------------------------------------------------------
+
+
+def _bytes_plan(obj: Any) -> WritePlan:
+    """torch's own writer into memory: for objects the fast planner cannot lay out."""
+    bio = io.BytesIO()
+    torch.save(obj, bio)
+    data = torch.frombuffer(bytearray(bio.getbuffer()), dtype=torch.uint8)
+    n = data.numel()
+    return WritePlan(extents=[(0, data.data_ptr(), n, -1)] if n else [], patches=[], nslots=0,
+                     file_size=n, keepalive=[data])
+
+
+def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any) -> WritePlan:
+    if fmt == "safetensors":
+        from fastpersist.formats.safetensors import plan_safetensors
+
+        if not isinstance(obj, dict):
+            raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
+        return plan_safetensors(obj, None, align, checksum=cfg.checksum)
+    from fastpersist.formats.torchzip import plan_torch
+
+    try:
+        return plan_torch(obj, align, fast=cfg.fast_pickle)
+    except UnsupportedLayoutError as e:
+        log.debug("fast torch layout not possible for %s (%s); pickling with torch's writer", final, e)
+        return _bytes_plan(obj)
+
+
+def _lazy_split(plan: WritePlan, limit: int, final: str) -> tuple[Any, list[Any]]:
+    """Which extents a lazy save writes live; returns (keep predicate, owning optimizers)."""
+    optimizers = [o for o in list(_guards.keys()) if _guards.get(o) is not None]
+    if not optimizers:
+        raise LazySaveError(
+            f"save_async({final!r}, mode='lazy') needs fastpersist.guard(optimizer) on the optimizer(s) "
+            "whose step modifies the saved tensors, so that step waits until the save has read them; "
+            "none is registered. Call fastpersist.guard(optimizer) once after creating it, or use mode='snapshot'."
+        )
+    starts, ranges = optimizer_ranges(optimizers)
+    owners: set[int] = set()
+
+    def keep(e: tuple[int, int, int, int]) -> bool:
+        if e[2] < LAZY_COPY_BELOW:
+            return False
+        i = owner_of(starts, ranges, e[1], e[2])
+        if i is None:
+            return False
+        owners.add(i)
+        return True
+
+    copied = sum(e[2] for e in plan.extents if not keep(e))
+    if copied > limit:
+        raise LazySaveError(
+            f"save_async({final!r}, mode='lazy') would copy {copied} bytes at call time (tensors no guarded "
+            f"optimizer owns: buffers, frozen weights, tensors of unguarded optimizers), more than "
+            f"async_staging_limit={limit}; guard the optimizer that owns them, raise the limit, or use mode='snapshot'"
+        )
+    return keep, [weakref.ref(optimizers[i]) for i in sorted(owners)]
+
+
+# ---- public API ----------------------------------------------------------------------
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def save_async(
+    obj: Any,
+    path: PathLike,
+    *,
+    mode: str = "snapshot",
+    config: Any = None,
+    format: Optional[str] = None,
+) -> SaveFuture:
+    """Save ``obj`` to ``path`` like :func:`fastpersist.save`, in the background.
+
+    Returns once the state is captured (see the module docstring for ``mode``):
+    the file will hold exactly the bytes of ``obj`` at this moment. Raises the
+    error of an earlier async save that nobody collected, before starting.
+
+    Raises:
+        LazySaveError: ``mode="lazy"`` without a :func:`guard`-ed optimizer, or
+            with more than ``async_staging_limit`` bytes to copy.
+        ValueError, TypeError: bad arguments, as :func:`fastpersist.save`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    if not api._is_path(path):
+        raise TypeError(f"fastpersist.save_async writes to a file path (str or os.PathLike), got {type(path).__name__}")
+    _raise_unreported()
+    cfg = api._config(config)
+    final = resolve_target(path)
+    fmt = api._format_of(final, format)
+    if mode == "lazy" and not list(_guards.keys()):
+        _lazy_split(WritePlan([], [], 0, 0), cfg.async_staging_limit, final)  # raises: no guard
+    align = api._alignment(os.path.dirname(final))
+    handle = api._handle(cfg)
+    fut = SaveFuture(final, mode)
+    with _copy_lock:
+        plan = _plan(obj, final, fmt, align, cfg)  # GC paused inside, restored on return
+        if mode == "lazy":
+            keep, owners = _lazy_split(plan, cfg.async_staging_limit, final)
+            with _lock:
+                earlier = list(_jobs)
+            for j in earlier:  # a lazy save queues behind earlier saves
+                j.consumed()
+        clean_stale_temps(os.path.dirname(final))
+        tmp = temp_path_for(final)
+        job = _Job(fut, tmp, cfg.fsync)
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+            if mode == "snapshot":
+                pool = _pool_for(cfg.async_staging_limit)
+                job.writes = snapshot_plan(
+                    plan, pool, handle, lambda off, ptr, n: handle.write_async(tmp, [(off, ptr, n, -1)], truncate=False)
+                )
+                job.keepalive = pool
+            else:
+                extents, private, _n = copy_private(plan, handle, keep)
+                job.owners = owners
+                job.writes = [handle.write_async(tmp, extents, plan.patches, plan.nslots, truncate=False)]
+                job.keepalive = (plan, private, obj)
+        except BaseException as e:
+            for f in job.writes:
+                f.wait()
+            _remove_quietly(tmp)
+            raise _naming(final, tmp, e) from e
+        with _lock:
+            _jobs.append(job)
+        _enqueue(job)
+    del plan
+    return fut
+
+
+def wait_all(timeout: Optional[float] = None) -> bool:
+    """Wait for every pending async save; raise the first error not yet collected.
+    Returns False if ``timeout`` seconds passed first."""
+    with _lock:
+        pending = [j.future for j in _jobs]
+    for f in pending:
+        if not f._event.wait(timeout):
+            return False
+    _raise_unreported()
+    return True
+
+
+class Guard:
+    """What :func:`guard` returns: ``remove()`` (or use as a context manager) to unhook."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self._opt = weakref.ref(optimizer)
+        self._hook = optimizer.register_step_pre_hook(_pre_step)
+
+    def remove(self) -> None:
+        self._hook.remove()
+        opt = self._opt()
+        if opt is not None and _guards.get(opt) is self:
+            del _guards[opt]
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    with _lock:
+        jobs = [j for j in _jobs if any(r() is optimizer for r in j.owners)]
+    for j in jobs:
+        j.consumed()  # GIL released
+    return None
+
+
+def guard(optimizer: Any) -> Guard:
+    """Let ``save_async(..., mode="lazy")`` write ``optimizer``'s tensors live.
+
+    Registers a ``register_step_pre_hook`` on ``optimizer``: each ``step()`` first
+    waits until every pending lazy save has consumed the parameters and state
+    tensors of this optimizer (it does not wait for fsync or the rename). Call
+    once per optimizer; calling again returns the same guard.
+    """
+    g = _guards.get(optimizer)
+    if g is None:
+        g = _guards[optimizer] = Guard(optimizer)
+    return g
+
+
+def _at_exit() -> None:
+    """Finish pending saves at interpreter exit; print errors nobody collected."""
+    with _lock:
+        pending = [j.future for j in _jobs]
+    try:
+        for f in pending:
+            f._event.wait()
+    except KeyboardInterrupt:
+        left = [f.path for f in pending if not f.done()]
+        print(f"fastpersist: interrupted at exit with {len(left)} asynchronous save(s) unfinished: {left}; "
+              "the previous files at those paths are intact", file=sys.stderr)
+    with _lock:
+        failed = list(_unreported)
+        _unreported.clear()
+    for f in failed:
+        print(f"fastpersist: asynchronous save of {f.path!r} failed: {f._exc!r}", file=sys.stderr)
+
+
+atexit.register(_at_exit)

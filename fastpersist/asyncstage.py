@@ -1,0 +1,267 @@
+"""Staging for asynchronous saves: a bounded pool of page-locked windows, and the
+copies that turn a :class:`~fastpersist.formats.base.WritePlan` into writes that no
+longer depend on live tensors.
+
+A *snapshot* copies the planned file into windows: each window is an exact image of
+a byte range of the file (headers, pickle and tensor bytes in file order), placed
+in page-locked memory at the file offset's alignment, so the native writer sends
+it to the disk with O_DIRECT and no further copy. The copy computes the CRC-32 of
+every payload on the way (``Handle.copy_ranges``); the plan's CRC patches (zip
+data descriptors and central directory, safetensors header) are then written into
+the images, and every window goes to the disk as one plain write. A window with a
+patch whose payload comes later (the safetensors header) is held until that
+payload has been copied.
+
+The pool holds at most ``limit`` bytes in windows of at most 64 MiB (at least two
+windows), allocated on first use and reused by later saves. A save needing a
+window when none is free waits (GIL released) for the oldest window in flight to
+reach the disk: that is how a second save queues behind the first, and how a
+save larger than the pool streams through it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from fastpersist import _native
+from fastpersist.formats.base import PATCH_U32LE, WritePlan
+
+_PAGE = 4096
+_MAX_WINDOW = 64 << 20
+
+
+def window_size(limit: int) -> int:
+    """Bytes per staging window for a pool of ``limit`` bytes (two windows at least)."""
+    return max(_PAGE, min(_MAX_WINDOW, limit // 2) // _PAGE * _PAGE)
+
+
+@dataclass(eq=False)
+class _Window:
+    buf: Any  # _native.PinnedBuffer
+    view: memoryview
+    future: Any = None  # the write reading it; None: free, or held by a save that fills it
+    busy: bool = False
+    seq: int = 0
+
+
+class StagingPool:
+    """At most ``limit`` bytes of page-locked windows, reused across saves."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.window = window_size(limit)
+        self.max_windows = max(2, limit // self.window)
+        self._windows: list[_Window] = []
+        self._lock = threading.Lock()
+        self._seq = 0
+
+    @property
+    def allocated(self) -> int:
+        """Bytes of page-locked memory the pool holds now."""
+        return len(self._windows) * self.window
+
+    def acquire(self) -> _Window:
+        """A free window; waits for the oldest write in flight when all are taken."""
+        while True:
+            with self._lock:
+                for w in self._windows:
+                    if w.busy and w.future is not None and w.future.done():
+                        w.busy, w.future = False, None
+                    if not w.busy:
+                        w.busy = True
+                        return w
+                if len(self._windows) < self.max_windows:
+                    buf = _native.PinnedBuffer(self.window, _PAGE, True)
+                    w = _Window(buf, memoryview(buf).cast("B"), busy=True)
+                    self._windows.append(w)
+                    return w
+                inflight = [w for w in self._windows if w.future is not None]
+                if not inflight:
+                    raise RuntimeError(
+                        "fastpersist: every staging window is held by a save waiting for later bytes "
+                        f"(pool of {self.max_windows} x {self.window} bytes); raise async_staging_limit"
+                    )
+                oldest = min(inflight, key=lambda x: x.seq)
+                fut = oldest.future
+            fut.wait()  # GIL released
+
+    def submitted(self, w: _Window, future: Any) -> None:
+        """``w`` is being written by ``future``; free again once that is done."""
+        with self._lock:
+            self._seq += 1
+            w.future, w.seq = future, self._seq
+
+    def release(self, w: _Window) -> None:
+        """Give back a window that was never submitted (error paths)."""
+        with self._lock:
+            w.busy, w.future = False, None
+
+
+@dataclass
+class _Image:
+    """One window being filled: file range [start, end), image at ``base`` offset ``lead``."""
+
+    win: _Window
+    start: int
+    end: int
+    lead: int
+    patches: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def _encode(kind: int, crc: int) -> bytes:
+    return crc.to_bytes(4, "little") if kind == PATCH_U32LE else format(crc, "08x").encode("ascii")
+
+
+def snapshot_plan(
+    plan: WritePlan,
+    pool: StagingPool,
+    handle: Any,
+    submit: Callable[[int, int, int], Any],
+) -> list[Any]:
+    """Copy the file ``plan`` describes into staging windows and submit each window.
+
+    ``submit(file_offset, ptr, length)`` starts the write of one window and returns
+    its native Future. Returns every future (file order). When this returns, no
+    byte of the plan's sources is read any more: the caller may change them.
+    """
+    extents = plan.extents
+    patches = sorted(plan.patches)
+    pstarts = [p[0] for p in patches]
+    slot_end = [0] * plan.nslots
+    for off, _ptr, n, slot in extents:
+        if slot >= 0 and n:
+            slot_end[slot] = max(slot_end[slot], off + n)
+    crcs = [0] * plan.nslots
+    futures: list[Any] = []
+    held: deque[_Image] = deque()
+    done_upto = 0  # file bytes copied so far
+
+    def cut(start: int, lead: int) -> int:
+        end = start + pool.window - lead
+        i = bisect.bisect_left(pstarts, end) - 1  # last patch starting before `end`
+        if i >= 0:
+            p_off, _slot, kind = patches[i]
+            if p_off + (4 if kind == PATCH_U32LE else 8) > end and p_off > start:
+                end = p_off  # never split a patch across two windows
+        return end
+
+    def ready(img: _Image) -> bool:
+        return all(slot_end[s] <= done_upto for _o, s, _k in img.patches)
+
+    def flush(img: _Image) -> None:
+        for off, slot, kind in img.patches:
+            b = _encode(kind, crcs[slot])
+            pos = img.lead + off - img.start
+            img.win.view[pos : pos + len(b)] = b
+        fut = submit(img.start, img.win.buf.ptr + img.lead, img.end - img.start)
+        pool.submitted(img.win, fut)
+        futures.append(fut)
+
+    images: list[_Image] = []
+    try:
+        k = 0  # next extent
+        k_off = 0  # bytes of extents[k] already copied
+        file_end = extents[-1][0] + extents[-1][2] if extents else 0
+        pos = extents[0][0] if extents else 0
+        while pos < file_end:
+            win = pool.acquire()
+            lead = pos % _PAGE
+            img = _Image(win, pos, cut(pos, lead), lead)
+            images.append(img)
+            ranges: list[tuple[int, int, int]] = []
+            slots: list[tuple[int, int]] = []
+            while k < len(extents) and pos < img.end:
+                off, ptr, n, slot = extents[k]
+                take = min(n - k_off, img.end - pos)
+                if take:
+                    ranges.append((win.buf.ptr + lead + pos - img.start, ptr + k_off, take))
+                    slots.append((slot, take))
+                pos += take
+                k_off += take
+                if k_off == n:
+                    k, k_off = k + 1, 0
+            img.end = pos
+            piece_crcs = handle.copy_ranges(ranges, True)  # GIL released, on the handle's threads
+            for (slot, n), c in zip(slots, piece_crcs):
+                if slot >= 0:
+                    crcs[slot] = _native.crc32_combine(crcs[slot], c, n)
+            done_upto = pos
+            lo = bisect.bisect_left(pstarts, img.start)
+            hi = bisect.bisect_left(pstarts, img.end)
+            img.patches = patches[lo:hi]
+            held.append(img)
+            while held and ready(held[0]):
+                flush(held.popleft())
+            for h in [h for h in held if ready(h)]:
+                held.remove(h)
+                flush(h)
+        if held:  # pragma: no cover - every slot is complete once all is copied
+            raise RuntimeError("fastpersist: internal error: CRC patches left unresolved after the copy")
+        return futures
+    except BaseException:
+        submitted = {id(f) for f in futures}
+        for img in images:
+            if img.win.future is None or id(img.win.future) not in submitted:
+                pool.release(img.win)
+        for f in futures:
+            f.wait()
+        raise
+
+
+def copy_private(plan: WritePlan, handle: Any, keep: Callable[[Any], bool]) -> tuple[list[tuple[int, int, int, int]], Any, int]:
+    """Lazy saves: extents for which ``keep(extent)`` is false are copied into one
+    private buffer (returned with the retargeted extents and its size in bytes)."""
+    import torch
+
+    total = sum(e[2] for e in plan.extents if not keep(e))
+    buf = torch.empty(total, dtype=torch.uint8)
+    base = buf.data_ptr()
+    out: list[tuple[int, int, int, int]] = []
+    ranges: list[tuple[int, int, int]] = []
+    pos = 0
+    for e in plan.extents:
+        off, ptr, n, slot = e
+        if keep(e):
+            out.append(e)
+        else:
+            if n:
+                ranges.append((base + pos, ptr, n))
+            out.append((off, base + pos, n, slot))
+            pos += n
+    handle.copy_ranges(ranges, False)
+    return out, buf, total
+
+
+def optimizer_ranges(optimizers: list[Any]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Sorted ``(start, end, optimizer index)`` host address ranges of every CPU tensor
+    an optimizer's ``step`` may modify (its parameters and its state tensors)."""
+    import torch
+
+    ranges: list[tuple[int, int, int]] = []
+    for i, opt in enumerate(optimizers):
+        tensors: list[Any] = []
+        for group in opt.param_groups:
+            tensors.extend(group["params"])
+        for st in opt.state.values():
+            if isinstance(st, dict):
+                tensors.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+        for t in tensors:
+            if t.device.type != "cpu":
+                continue
+            s = t.untyped_storage()
+            if s.nbytes():
+                ranges.append((s.data_ptr(), s.data_ptr() + s.nbytes(), i))
+    ranges.sort()
+    return [r[0] for r in ranges], ranges
+
+
+def owner_of(starts: list[int], ranges: list[tuple[int, int, int]], ptr: int, n: int) -> Optional[int]:
+    """Index of the optimizer whose tensor holds ``[ptr, ptr + n)``, or None."""
+    i = bisect.bisect_right(starts, ptr) - 1  # storages never overlap: the last start <= ptr
+    if i >= 0 and ptr + n <= ranges[i][1]:
+        return ranges[i][2]
+    return None
