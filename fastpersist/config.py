@@ -112,6 +112,10 @@ class Config:
             process, with torch's own path as the automatic fallback); ``False``:
             torch's ``Tensor.__reduce_ex__`` and ``PyTorchFileWriter`` (slower when a
             state has many tensors).
+        dist_timeout: Collective saves/loads (``group=``): seconds a rank waits for the
+            others at each step before raising an error naming the missing ranks.
+        dist_load: Collective loads: ``"slices"`` (each rank reads a disjoint slice,
+            the ranks exchange them) or ``"whole"`` (every rank reads the whole file).
         async_staging_limit: Bytes of page-locked host memory for
             :func:`fastpersist.save_async` snapshots (a pool reused across saves; a save
             that needs more waits for its earlier windows to reach the disk); also the
@@ -129,6 +133,14 @@ class Config:
     checksum: bool = True
     max_async: int = 2
     fast_pickle: bool = True
+
+    # -- collective saves and loads over a process group (fastpersist.distributed) --
+    #: Seconds a rank waits for the others at each step of a collective save/load
+    #: before raising an error that names the missing ranks.
+    dist_timeout: float = 600.0
+    #: Collective loads: ``"slices"``: each rank reads a disjoint slice of the file and
+    #: the ranks exchange them; ``"whole"``: every rank reads the whole file itself.
+    dist_load: str = "slices"
 
     # -- asynchronous saves (fastpersist.asyncsave) --
     #: Page-locked host memory that ``save_async(mode="snapshot")`` copies state into
@@ -212,6 +224,9 @@ _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
 
 def _validate_field(name: str, value: Any) -> None:
     """Raise ``ValueError``/``TypeError`` if ``value`` is not acceptable for field ``name``."""
+    if name in _DIST_FIELDS:
+        _validate_dist_field(name, value)
+        return
     if name == "engine":
         if value not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {value!r}")
@@ -236,6 +251,36 @@ def _validate_field(name: str, value: Any) -> None:
         elif name == "async_staging_limit":
             if value < 2 * _PAGE or value % _PAGE:
                 raise ValueError(f"async_staging_limit must be a multiple of {_PAGE} bytes, at least {2 * _PAGE}, not {value}")
+
+
+#: Values accepted for :attr:`Config.dist_load`.
+DIST_LOAD = ("slices", "whole")
+_DIST_FIELDS = frozenset({"dist_timeout", "dist_load"})
+
+
+def _validate_dist_field(name: str, value: Any) -> None:
+    if name == "dist_timeout":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"dist_timeout must be a number of seconds, not {type(value).__name__}")
+        if not value > 0 or value != value or value == float("inf"):
+            raise ValueError(f"dist_timeout must be a positive, finite number of seconds, not {value}")
+    elif name == "dist_load":
+        if value not in DIST_LOAD:
+            raise ValueError(f"dist_load must be one of {', '.join(DIST_LOAD)}, not {value!r}")
+
+
+def _parse_seconds(name: str, raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+
+
+def _parse_dist_load(name: str, raw: str) -> str:
+    text = raw.strip().lower()
+    if text not in DIST_LOAD:
+        raise ValueError(f"{name}={raw!r} is not a load mode; use one of {', '.join(DIST_LOAD)}")
+    return text
 
 
 # ---------------------------------------------------------------------------
@@ -394,6 +439,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "bytes torch writes; checked against torch's own path once per process, which is used "
         "instead if they differ). Off: torch's `Tensor.__reduce_ex__` and zip writer, slower "
         "for states of many tensors.",
+    ),
+    EnvVar(
+        "FASTPERSIST_DIST_TIMEOUT", "dist_timeout", _parse_seconds, "seconds (> 0)",
+        "Collective saves/loads (`group=`): how long a rank waits for the others at each step "
+        "before raising an error naming the ranks that did not arrive (dead or hung).",
+    ),
+    EnvVar(
+        "FASTPERSIST_DIST_LOAD", "dist_load", _parse_dist_load, "slices or whole",
+        "Collective loads (`load(path, group=...)`): `slices`: each rank reads a disjoint slice "
+        "of the file and the ranks exchange them over the group, so the storage is read once; "
+        "`whole`: every rank reads the whole file (see docs/benchmarks.md, \"Multi-rank\").",
     ),
     EnvVar(
         "FASTPERSIST_PATCH_TORCH_SAVE", None, parse_bool, "boolean",

@@ -1,0 +1,676 @@
+"""Collective saves and loads of replicated state over a ``torch.distributed`` group.
+
+``fastpersist.save(obj, path, group=g)`` and ``fastpersist.load(path, group=g)`` are
+called by every rank of the process group ``g`` (gloo, NCCL, or both), each rank
+holding the same object (data-parallel replicas). One ordinary checkpoint file
+comes out, byte-identical to what ``fastpersist.save(obj, path)`` writes in one
+process, written by all ranks together. ``group=None`` never reaches this module.
+
+How a collective save runs (every step ends with an exchange of each rank's
+status over the group; any error stops every rank at that step):
+
+1. **Plan and agree.** Each rank plans the file (:mod:`fastpersist.formats`) and
+   hashes the plan: sizes, offsets, record names, patches, and every byte that is
+   not tensor payload (zip headers, the pickle, the central directory, the
+   safetensors header); see :func:`fastpersist.formats.split.plan_digest`. If the
+   hashes differ, the ranks exchange per-record hashes and every rank raises
+   :class:`DistributedCheckpointError` naming the first record that differs,
+   before any byte is written. (Tensor *values* are not compared: that would cost
+   a full read of the state on every rank.)
+2. **Who shares the target.** Rank 0 creates a probe file with a random name and
+   content next to the target; the other ranks look for it. The ranks that see it
+   write one file together. The others are grouped by host name; the lowest rank
+   of each host creates its own probe and the host's ranks that see it write one
+   complete copy together on that filesystem (node-local disks); a rank that sees
+   no probe at all writes a copy alone. The outcome is logged (``DEBUG`` when shared, ``INFO`` otherwise).
+3. **Slices and CRCs.** Each write group cuts the file into contiguous slices, one
+   per member, every boundary a multiple of the O_DIRECT alignment
+   (:func:`~fastpersist.formats.split.slice_bounds`). Each rank computes, from
+   memory, the CRC-32 of the part of every payload record inside its slice; the
+   group leader meanwhile creates the temporary file (stale temporaries of killed
+   saves are cleaned first) and preallocates it to the final size. The partial
+   CRCs are exchanged and every rank combines them (zlib's ``crc32_combine``), so
+   every rank knows every record's CRC before it writes.
+4. **Write.** Each rank fills the CRC fields inside its slice (data descriptors,
+   central directory entries, safetensors metadata) and writes its slice once,
+   aligned O_DIRECT, into the shared temporary file (opened without truncation),
+   and fsyncs it.
+5. **Commit.** Only when every rank reported success does each group leader fsync
+   the file, rename it over the target and fsync the directory. If any rank
+   failed (exception, I/O error such as ENOSPC, injected fault), every rank
+   raises :class:`DistributedCheckpointError` naming the failing rank(s) and
+   their errors, the temporary files are removed, and the previous checkpoint
+   stays untouched.
+
+Timeouts: the exchanges run on a gloo group of the same ranks created with
+``Config.dist_timeout`` (``FASTPERSIST_DIST_TIMEOUT``, default 600 s). Before each
+exchange a rank leaves an arrival mark in the process group's rendezvous store; when
+an exchange fails (a peer's connection closed, or the timeout passed), the rank
+waits for the marks until the timeout and raises :class:`DistributedTimeoutError`
+naming the ranks that never arrived. The temporary file of a rank that died is
+removed by the survivors (or by the next save's stale-file cleanup).
+
+A collective load reads the file once in total: each rank reads a disjoint
+aligned slice (O_DIRECT) into an anonymous memory file, the slices are broadcast
+over the group (gloo: CPU tensors; NCCL: through CUDA tensors), and every rank
+then loads the assembled bytes with the ordinary loader, with all its checks
+(``Config.dist_load="slices"``). With ``dist_load="whole"`` every rank reads the
+whole file itself. The ranks first check that they see the same file (size and a
+hash of its first and last 64 KiB, which hold the zip central directory with every
+record's CRC, or the safetensors header).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap as _mmap
+import os
+import secrets
+import socket
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fastpersist.errors import FastPersistError, UnsupportedLayoutError
+from fastpersist.formats import split
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DistributedCheckpointError", "DistributedTimeoutError", "save", "load"]
+
+_PROBE_PREFIX = ".fastpersist-probe-"
+_HASH_SPAN = 64 << 10
+
+
+class DistributedCheckpointError(FastPersistError, RuntimeError):
+    """A collective save or load failed on some rank; raised on every rank.
+
+    ``failures`` maps each failing rank (rank in the group) to its error, in words.
+    On the failing rank itself the original exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, failures: Optional[dict[int, str]] = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class DistributedTimeoutError(DistributedCheckpointError, TimeoutError):
+    """Some ranks did not reach a step of a collective save/load in time (died or hung);
+    ``missing`` lists them (ranks in the group)."""
+
+    def __init__(self, message: str, missing: Sequence[int]) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+
+
+# --------------------------------------------------------------------------- coordination
+
+_side_groups: dict[tuple, Any] = {}
+_op_counters: dict[tuple, int] = {}
+_stale_marks: dict[tuple, list[str]] = {}
+
+
+def _default_store() -> Any:
+    """The default process group's rendezvous store, or None where torch offers none.
+    (``_get_default_store`` is private torch API; without it errors cannot name
+    the ranks that never arrived, and say so.)"""
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        return None
+    try:
+        return get()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _check_group(group: Any) -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "group= needs an initialized torch.distributed process group (torch.distributed.init_process_group); "
+            "call fastpersist.save/load without group= in a single process"
+        )
+    if group is not None and dist.get_rank(group) < 0:
+        raise RuntimeError("this process is not a member of the group passed as group=")
+
+
+class _Coordinator:
+    """Status exchanges of one collective operation over a gloo group with a timeout."""
+
+    def __init__(self, group: Any, timeout: float, what: str) -> None:
+        self.group = group
+        self.what = what
+        self.timeout = float(timeout)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.global_ranks = list(dist.get_process_group_ranks(group))
+        world = dist.group.WORLD
+        gkey = (id(world), tuple(self.global_ranks))
+        skey = gkey + (self.timeout,)
+        side = _side_groups.get(skey)
+        if side is None or side[0] is not world:
+            pg = dist.new_group(
+                ranks=self.global_ranks, backend="gloo", timeout=timedelta(seconds=self.timeout),
+                use_local_synchronization=True,
+            )
+            side = _side_groups[skey] = (world, pg)
+        self.side = side[1]
+        self.gkey = gkey
+        count = _op_counters.get(gkey, 0) + 1
+        _op_counters[gkey] = count
+        tag = hashlib.blake2b(repr(self.global_ranks).encode(), digest_size=6).hexdigest()
+        self.prefix = f"fastpersist/{tag}/{count}"
+        self.store = _default_store()
+        self._marks: list[str] = []
+        self._first = True
+
+    def name(self, rank: int) -> str:
+        g = self.global_ranks[rank]
+        return f"rank {rank}" if g == rank else f"rank {rank} (global rank {g})"
+
+    def _key(self, step: str, rank: int) -> str:
+        return f"{self.prefix}/{step}/{rank}"
+
+    def gather(self, step: str, value: Any) -> list[Any]:
+        """All ranks' ``value`` for ``step``, in rank order; raises :class:`DistributedTimeoutError`
+        naming the ranks that did not arrive if the exchange fails."""
+        t0 = time.monotonic()
+        if self.store is not None:
+            key = self._key(step, self.rank)
+            try:
+                self.store.set(key, b"1")
+                self._marks.append(key)
+            except Exception:  # noqa: BLE001 - diagnosis only
+                pass
+        out: list[Any] = [None] * self.size
+        try:
+            dist.all_gather_object(out, value, group=self.side)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(step, exc, t0) from exc
+        if self._first:
+            self._first = False
+            self._forget_previous()
+        return out
+
+    def _forget_previous(self) -> None:
+        """Delete this rank's marks of the previous operation on this group: every rank has
+        now passed the first exchange of this one, so nobody waits on them."""
+        old = _stale_marks.pop(self.gkey, [])
+        for key in old:
+            try:
+                self.store.delete_key(key)
+            except Exception:  # noqa: BLE001
+                break
+
+    def finish(self) -> None:
+        _stale_marks.setdefault(self.gkey, []).extend(self._marks)
+        self._marks = []
+
+    def _lost(self, step: str, exc: BaseException, t0: float) -> DistributedTimeoutError:
+        missing: Optional[list[int]] = None
+        if self.store is not None:
+            deadline = t0 + self.timeout
+            try:
+                pending = [r for r in range(self.size) if r != self.rank]
+                while True:
+                    pending = [r for r in pending if not self.store.check([self._key(step, r)])]
+                    if not pending or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.05)
+                missing = pending
+            except Exception as store_exc:  # noqa: BLE001
+                msg = (f"{self.what}: the exchange at step {step!r} failed ({exc}) and the rendezvous store is "
+                       f"unreachable too ({store_exc}): the process hosting it (global rank 0, usually) has "
+                       f"probably died")
+                return DistributedTimeoutError(msg, [0])
+        if missing:
+            who = ", ".join(self.name(r) for r in missing)
+            msg = (f"{self.what}: {who} did not reach step {step!r} within {self.timeout:g} s "
+                   f"(process died or hung; FASTPERSIST_DIST_TIMEOUT / Config.dist_timeout sets the limit); "
+                   f"the exchange failed with: {exc}")
+        elif missing is None:
+            msg = (f"{self.what}: the exchange at step {step!r} failed within {self.timeout:g} s: {exc} "
+                   "(which ranks are missing cannot be told: no rendezvous store)")
+        else:
+            msg = f"{self.what}: every rank reached step {step!r} but the exchange failed: {exc}"
+        return DistributedTimeoutError(msg, missing or [])
+
+    def check(self, step: str, values: list[Any], *, local: Optional[BaseException] = None, after: str = "") -> None:
+        """Raise :class:`DistributedCheckpointError` on every rank if any rank reported a failure."""
+        failures = {r: v for r, v in enumerate(values) if v}
+        if not failures:
+            return
+        lines = "; ".join(f"{self.name(r)}: {why}" for r, why in failures.items())
+        ranks = ", ".join(self.name(r) for r in failures)
+        msg = f"{self.what} failed on {ranks} of {self.size} (step {step!r}): {lines}"
+        if after:
+            msg += f". {after}"
+        raise DistributedCheckpointError(msg, failures) from local
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class _Local:
+    """Runs one step's local work, keeping its exception to report and chain."""
+
+    def __init__(self) -> None:
+        self.exc: Optional[BaseException] = None
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        if self.exc is not None:
+            return None
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            self.exc = exc
+            return None
+
+    @property
+    def status(self) -> Optional[str]:
+        return None if self.exc is None else _describe(self.exc)
+
+
+# --------------------------------------------------------------------------- shared filesystem detection
+
+
+def _make_probe(directory: str) -> tuple[str, str]:
+    name = f"{_PROBE_PREFIX}{secrets.token_hex(8)}"
+    token = secrets.token_hex(16)
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return name, token
+
+
+def _probe_visible(directory: str, probe: Optional[tuple[str, str]]) -> bool:
+    """Whether the probe file another rank created is visible here with its content."""
+    if probe is None:
+        return False
+    try:
+        with open(os.path.join(directory, probe[0]), "rb") as f:
+            return f.read(256) == probe[1].encode()
+    except OSError:
+        return False
+
+
+def _remove(path: Optional[str]) -> None:
+    if not path:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # pragma: no cover - best effort
+        log.warning("could not remove %s: %s", path, e)
+
+
+def _write_groups(co: _Coordinator, directory: Optional[str], hosts: list[str], probe0: Optional[tuple[str, str]],
+                  loc: _Local) -> list[list[int]]:
+    """Partition the ranks into groups that each write one complete copy (see module docstring)."""
+    seen = False
+    if co.rank == 0:
+        seen = probe0 is not None
+    elif directory is not None:
+        seen = _probe_visible(directory, probe0)
+    visible = co.gather("probe", (loc.status, seen))
+    if co.rank == 0 and probe0 is not None and directory is not None:
+        _remove(os.path.join(directory, probe0[0]))
+    co.check("probe", [v[0] for v in visible], local=loc.exc)
+    shared = [r for r in range(co.size) if visible[r][1]]
+    if len(shared) == co.size:
+        return [shared]
+    rest = [r for r in range(co.size) if not visible[r][1]]
+    leaders = {}
+    for r in rest:
+        leaders.setdefault(hosts[r], r)
+    probe = None
+    if co.rank in rest and leaders[hosts[co.rank]] == co.rank and directory is not None:
+        probe = loc.run(lambda: _make_probe(directory))
+    probes = co.gather("probe-node", (loc.status, probe))
+    co.check("probe-node", [v[0] for v in probes], local=loc.exc)
+    mine = False
+    if co.rank in rest and directory is not None:
+        lead = leaders[hosts[co.rank]]
+        mine = lead == co.rank or _probe_visible(directory, probes[lead][1])
+    seen2 = co.gather("probe-node-seen", mine)
+    if probe is not None and directory is not None:
+        _remove(os.path.join(directory, probe[0]))
+    groups = [shared] if shared else []
+    by_leader: dict[int, list[int]] = {}
+    for r in rest:
+        lead = leaders[hosts[r]]
+        if r != lead and not seen2[r]:
+            groups.append([r])
+        else:
+            by_leader.setdefault(lead, []).append(r)
+    groups.extend(by_leader.values())
+    groups.sort()
+    return groups
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save(obj: Any, path: Any, *, group: Any, config: Any = None, format: Optional[str] = None) -> None:
+    """Collective :func:`fastpersist.save`: every rank of ``group`` calls it with the same
+    object; see the module docstring. ``group`` is a process group (``dist.group.WORLD``
+    for all ranks)."""
+    from fastpersist import api
+
+    _check_group(group)
+    cfg = api._config(config)
+    if dist.get_world_size(group) == 1:
+        api.save(obj, path, config=cfg, format=format)
+        return
+    if not api._is_path(path):
+        raise TypeError(f"fastpersist.save writes to a file path (str or os.PathLike), got {type(path).__name__}")
+    co = _Coordinator(group, cfg.dist_timeout, f"fastpersist.save({os.fspath(path)!r}) over {dist.get_world_size(group)} ranks")
+    try:
+        _save(co, obj, path, cfg, format)
+    finally:
+        co.finish()
+
+
+def _plan(obj: Any, final: str, fmt: str, cfg: Any) -> tuple[Optional[split.Layout], int]:
+    from fastpersist import api
+
+    align = api._alignment(os.path.dirname(final))
+    if fmt == "safetensors":
+        from fastpersist.formats.safetensors import plan_safetensors
+
+        if not isinstance(obj, dict):
+            raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
+        return split.Layout(plan_safetensors(obj, None, align, checksum=cfg.checksum), fmt), align
+    from fastpersist.formats.torchzip import plan_torch
+
+    try:
+        return split.Layout(plan_torch(obj, align, fast=cfg.fast_pickle), fmt), align
+    except UnsupportedLayoutError as e:
+        log.debug("fast torch layout not possible for %s (%s): group leaders write with torch's writer", final, e)
+        return None, align
+
+
+def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]) -> None:
+    from fastpersist import api
+    from fastpersist.commit import _keep_mode, clean_stale_temps, fsync_dir, fsync_path, resolve_target, temp_path_for
+
+    loc = _Local()
+    final = loc.run(lambda: resolve_target(path))
+    directory = os.path.dirname(final) if final else None
+    fmt = loc.run(lambda: api._format_of(final, format)) if final else None
+    planned = loc.run(lambda: _plan(obj, final, fmt, cfg)) if fmt else None
+    layout, align = planned if planned else (None, 0)
+    digest = loc.run(lambda: split.plan_digest(layout)) if layout is not None else None
+    probe0 = loc.run(lambda: _make_probe(directory)) if co.rank == 0 and directory else None
+    info = co.gather("plan", (loc.status, planned is not None and layout is None, digest, align, socket.gethostname(),
+                              probe0))
+    try:
+        co.check("plan", [v[0] for v in info], local=loc.exc, after="Nothing was written")
+    except DistributedCheckpointError:
+        if probe0 is not None and directory:
+            _remove(os.path.join(directory, probe0[0]))
+        raise
+    probe0 = info[0][5]
+    fallback = [v[1] for v in info]
+    if any(fallback) and not all(fallback):
+        bad = [co.name(r) for r, f in enumerate(fallback) if f]
+        why = f"{', '.join(bad)} cannot lay the object out for a split write (torch's writer needed) and the others can"
+        digests_differ = True
+    else:
+        why = ""
+        digests_differ = len({v[2] for v in info}) > 1 or len({v[3] for v in info}) > 1
+    if digests_differ:
+        records = co.gather("plan-records", split.plan_records(layout) if layout is not None else [])
+        if co.rank == 0 and probe0 is not None and directory:
+            _remove(os.path.join(directory, probe0[0]))
+        aligns = {v[3] for v in info}
+        if not why and len(aligns) > 1:
+            why = "the O_DIRECT alignments of the target differ: " + ", ".join(
+                f"{co.name(r)}: {v[3]}" for r, v in enumerate(info))
+        if not why:
+            why = split.first_difference(records) or "the plans' digests differ"
+        raise DistributedCheckpointError(
+            f"{co.what}: the ranks do not hold the same state, nothing was written: {why}. A replicated save needs "
+            "every rank to pass the same object (same keys, shapes, dtypes and Python values)")
+
+    groups = _write_groups(co, directory, [v[4] for v in info], probe0, loc)
+    mygroup = next(g for g in groups if co.rank in g)
+    leader = mygroup[0] == co.rank
+    if co.rank == 0:
+        if len(groups) == 1:
+            log.debug("%s: all ranks see the target directory (shared filesystem): one file, %d slices",
+                     co.what, co.size)
+        else:
+            log.info("%s: the ranks do not share the target directory; one complete copy per group: %s",
+                     co.what, groups)
+
+    if all(fallback):
+        _save_fallback(co, obj, final, cfg, fmt, leader, loc)
+        return
+
+    assert layout is not None and final is not None
+    plan = layout.plan
+    lo, hi = split.slice_bounds(plan.file_size, len(mygroup), align)[mygroup.index(co.rank)]
+    extents = split.clip(plan.extents, lo, hi)
+    handle = api._handle(cfg)
+    tmp: Optional[str] = None
+
+    def create() -> str:
+        clean_stale_temps(directory)
+        name = temp_path_for(final)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            _preallocate(fd, plan.file_size)
+        except BaseException:
+            os.close(fd)
+            _remove(name)
+            raise
+        os.close(fd)
+        return name
+
+    if leader:
+        tmp = loc.run(create)
+    partial = loc.run(lambda: split.partial_crcs(handle, extents))
+    temps: list[Optional[str]] = []
+    try:
+        crcinfo = co.gather("crc", (loc.status, tmp, partial))
+        temps = [crcinfo[g[0]][1] for g in groups]
+        tmp = crcinfo[mygroup[0]][1]
+        co.check("crc", [v[0] for v in crcinfo], local=loc.exc, after="Nothing was written under the final name")
+        crcs = split.combine_crcs([crcinfo[r][2] for r in mygroup], plan.nslots)
+
+        def write() -> None:
+            ext, keep = split.apply_patches(extents, plan.patches, crcs, lo, hi)
+            if ext:
+                api._naming_final(final, lambda t: handle.write(t, ext, [], 0, truncate=False, fsync=cfg.fsync))(tmp)
+            del keep
+
+        loc.run(write)
+        wrote = co.gather("write", loc.status)
+        co.check("write", wrote, local=loc.exc,
+                 after="The temporary files were removed; the previous file at the path is untouched")
+
+        def commit() -> None:
+            if cfg.fsync:
+                fsync_path(tmp)
+            _keep_mode(final, tmp)
+            os.rename(tmp, final)
+            if cfg.fsync:
+                fsync_dir(directory)
+
+        if leader:
+            loc.run(commit)
+        committed = co.gather("commit", loc.status)
+        temps = []
+        co.check("commit", committed, local=loc.exc,
+                 after=f"Write groups {groups}: a group whose leader did not fail has its new file in place")
+        del extents, plan, layout
+    except BaseException:
+        for t in temps:
+            _remove(t)
+        raise
+
+
+def _preallocate(fd: int, size: int) -> None:
+    """Give the temporary file its final size (blocks reserved where the filesystem can)."""
+    if size <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (95, 22):  # EOPNOTSUPP, EINVAL: no fallocate here
+            raise
+        os.ftruncate(fd, size)
+
+
+def _save_fallback(co: _Coordinator, obj: Any, final: Optional[str], cfg: Any, fmt: Optional[str], leader: bool,
+                   loc: _Local) -> None:
+    """Objects the planner cannot lay out: each group leader saves alone with torch's writer."""
+    from fastpersist import api
+
+    if leader:
+        loc.run(lambda: api.save(obj, final, config=cfg, format=fmt))
+    done = co.gather("commit", loc.status)
+    co.check("commit", done, local=loc.exc)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load(
+    path: Any,
+    map_location: Any = None,
+    pickle_module: Any = None,
+    *,
+    group: Any,
+    weights_only: Optional[bool] = None,
+    mmap: Optional[bool] = None,
+    config: Any = None,
+    **pickle_load_args: Any,
+) -> Any:
+    """Collective :func:`fastpersist.load`: every rank of ``group`` calls it and gets the
+    whole object; see the module docstring (``Config.dist_load``)."""
+    from fastpersist import api
+
+    _check_group(group)
+    cfg = api._config(config)
+
+    def local_load(p: Any) -> Any:
+        return api.load(p, map_location, pickle_module, weights_only=weights_only, mmap=mmap, config=cfg,
+                        **pickle_load_args)
+
+    if dist.get_world_size(group) == 1:
+        return local_load(path)
+    if not api._is_path(path):
+        raise TypeError(f"a collective load reads a file path (str or os.PathLike), got {type(path).__name__}")
+    fspath = os.fsdecode(os.fspath(path))
+    co = _Coordinator(group, cfg.dist_timeout, f"fastpersist.load({fspath!r}) over {dist.get_world_size(group)} ranks")
+    try:
+        slices = cfg.dist_load == "slices" and not mmap and hasattr(os, "memfd_create")
+        if slices:
+            return _load_slices(co, fspath, cfg, map_location, local_load)
+        loc = _Local()
+        result = loc.run(lambda: local_load(path))
+        co.check("load", co.gather("load", loc.status), local=loc.exc)
+        return result
+    finally:
+        co.finish()
+
+
+def _fingerprint(fspath: str) -> tuple[int, str]:
+    """(size, hash of the first and last 64 KiB) of the file."""
+    with open(fspath, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        h = hashlib.blake2b(digest_size=16)
+        h.update(os.pread(f.fileno(), _HASH_SPAN, 0))
+        h.update(os.pread(f.fileno(), _HASH_SPAN, max(0, size - _HASH_SPAN)))
+    return size, h.hexdigest()
+
+
+def _bulk_device(group: Any) -> Optional[torch.device]:
+    """Device of the tensors the user's group moves: None for CPU (exchange on our gloo group)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "nccl" not in backend:
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _load_slices(co: _Coordinator, fspath: str, cfg: Any, map_location: Any, local_load: Callable[[Any], Any]) -> Any:
+    from fastpersist import api
+
+    loc = _Local()
+    fp = loc.run(lambda: _fingerprint(fspath))
+    info = co.gather("open", (loc.status, fp))
+    co.check("open", [v[0] for v in info], local=loc.exc)
+    if len({v[1] for v in info}) > 1:
+        sizes = ", ".join(f"{co.name(r)}: {v[1][0]} bytes" for r, v in enumerate(info))
+        raise DistributedCheckpointError(
+            f"{co.what}: the ranks do not see the same file (size or contents of its index differ: {sizes}); "
+            "load without group= to read each rank's own file")
+    size = info[0][1][0]
+    bounds = split.slice_bounds(size, co.size, 4096)
+    fd = os.memfd_create("fastpersist-load", getattr(os, "MFD_CLOEXEC", 1))
+    try:
+        os.ftruncate(fd, size)
+        mm = _mmap.mmap(fd, size) if size else None
+        try:
+            buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+            lo, hi = bounds[co.rank]
+            if hi > lo:
+                handle = api._handle(cfg, read=True)
+                loc.run(lambda: handle.read(fspath, [(lo, buf.data_ptr() + lo, hi - lo, -1)], 0))
+            co.check("read", co.gather("read", loc.status), local=loc.exc)
+            _exchange(co, buf, bounds)
+            del buf
+        finally:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # pragma: no cover - a view is still alive; freed with it
+                    pass
+        result = loc.run(lambda: _load_memfd(fd, fspath, cfg, map_location, local_load))
+    finally:
+        os.close(fd)
+    co.check("load", co.gather("load", loc.status), local=loc.exc)
+    return result
+
+
+def _exchange(co: _Coordinator, buf: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
+    """Broadcast every rank's slice of ``buf`` to all ranks."""
+    device = _bulk_device(co.group)
+    t0 = time.monotonic()
+    try:
+        for r, (lo, hi) in enumerate(bounds):
+            if hi <= lo:
+                continue
+            src = co.global_ranks[r]
+            if device is None:
+                dist.broadcast(buf[lo:hi], src=src, group=co.side)
+            else:
+                t = buf[lo:hi].to(device) if r == co.rank else torch.empty(hi - lo, dtype=torch.uint8, device=device)
+                dist.broadcast(t, src=src, group=co.group)
+                if r != co.rank:
+                    buf[lo:hi].copy_(t)
+    except Exception as exc:  # noqa: BLE001
+        raise co._lost("exchange", exc, t0) from exc
+
+
+def _load_memfd(fd: int, fspath: str, cfg: Any, map_location: Any, local_load: Callable[[Any], Any]) -> Any:
+    """Load the assembled bytes with the ordinary loader, through the memory file's /proc path."""
+    from fastpersist import api
+
+    proc = f"/proc/self/fd/{fd}"
+    if fspath.endswith(".safetensors"):
+        from fastpersist.formats.safetensors import load_safetensors
+
+        return load_safetensors(proc, api._handle(cfg, read=True), api._safetensors_device(map_location),
+                                checksum=cfg.checksum)
+    return local_load(proc)
