@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command: ``info``, ``verify``, ``bench io``, ``bench save``.
+"""The ``fastpersist`` command: ``info``, ``verify``, ``bench io``, ``bench save``, ``bench train``.
 
 Exit status: 0 success; 1 the command ran and found a problem (a checkpoint
 that fails verification, data read back that differs from what was written,
@@ -157,6 +157,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files of the last run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench_save)
+
+    # -- bench train (fastpersist.bench.train_bench) --
+    p = bsub.add_parser(
+        "train", parents=[debug],
+        help="training time lost to checkpointing: torch.save vs fastpersist blocking, async snapshot, async lazy",
+        description="Train a small GPT-style model (CUDA when present, else CPU), checkpoint model + optimizer "
+        "every K steps with each method, and report per-step time and the training time lost to checkpointing.",
+    )
+    p.add_argument("--dir", required=True, help="directory the checkpoints go to")
+    p.add_argument("--steps", type=_positive, default=30, help="training steps per method (default: 30)")
+    p.add_argument("--every", type=_positive, default=5, help="checkpoint every K steps (default: 5)")
+    p.add_argument("--layers", type=_positive, default=4, help="transformer layers (default: 4)")
+    p.add_argument("--d-model", type=_positive, default=384, help="model width (default: 384)")
+    p.add_argument("--vocab", type=_positive, default=8192, help="vocabulary size (default: 8192)")
+    p.add_argument("--seq", type=_positive, default=128, help="sequence length (default: 128)")
+    p.add_argument("--batch", type=_positive, default=8, help="batch size (default: 8)")
+    p.add_argument("--methods", type=_names, default=None,
+                   help="comma-separated: none, torch.save, fastpersist.save, async-snapshot, async-lazy (default: all)")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
+    p.add_argument("--plot", metavar="FILE.png", help="step time over steps, checkpoints marked (PNG)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench_train)
     return parser
 
 
@@ -351,6 +373,34 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
     fp = result.method("fastpersist")
     failed = fp is None or fp.error is not None or not result.verification.get("ok", False)
     return 1 if failed else 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    """``fastpersist bench train``: see :mod:`fastpersist.bench.train_bench`."""
+    from fastpersist.bench import report
+    from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
+
+    _check_dir(args.dir)
+    methods = args.methods or list(METHODS)
+    bad = sorted(set(methods) - set(METHODS))
+    if bad:
+        raise UsageError(f"--methods: unknown method(s) {', '.join(bad)} (use {', '.join(METHODS)})")
+    if args.d_model % 64 and args.d_model % 6:
+        raise UsageError("--d-model must be a multiple of 64 or of 6 (attention heads)")
+    result = run_train_bench(
+        args.dir, steps=args.steps, every=args.every, layers=args.layers, d_model=args.d_model,
+        heads=6 if args.d_model % 6 == 0 else args.d_model // 64, vocab=args.vocab, seq=args.seq,
+        batch=args.batch, methods=methods, progress=not args.no_progress,
+    )
+    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    print_train_report(result, out)
+    if args.json:
+        report.write_json(result.to_dict(), args.json)
+    if args.plot:
+        plot_train(result, args.plot)
+        print(f"Plot       : {args.plot}", file=out)
+    bad_runs = [r for r in result.runs if r.error is not None or r.verified is False]
+    return 1 if bad_runs else 0
 
 
 # ---- entry point ------------------------------------------------------------------

@@ -345,3 +345,21 @@ def test_bad_arguments(tmp_path):
         import io
 
         fastpersist.save_async({}, io.BytesIO())
+
+
+def test_bench_train_smoke(tmp_path):
+    from fastpersist.bench.train_bench import plot_train, print_train_report, run_train_bench
+
+    res = run_train_bench(str(tmp_path), steps=4, every=2, layers=1, d_model=32, heads=2, vocab=64, seq=8, batch=2,
+                          progress=False)
+    assert [r.method for r in res.runs] == ["none", "torch.save", "fastpersist.save", "async-snapshot", "async-lazy", "none"]
+    assert all(r.error is None for r in res.runs), [r.error for r in res.runs]
+    assert all(r.verified for r in res.runs if r.method != "none")
+    import io
+
+    buf = io.StringIO()
+    print_train_report(res, buf)
+    assert "async-lazy" in buf.getvalue()
+    assert set(res.to_dict()["ratios_vs_torch_save"]) == {"fastpersist.save", "async-snapshot", "async-lazy"}
+    plot_train(res, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 0
