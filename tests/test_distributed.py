@@ -1,0 +1,428 @@
+"""Collective saves and loads (fastpersist.distributed) with real gloo process groups.
+
+Each world size is launched once (torch.multiprocessing, spawn, CPU only) and its
+ranks run a list of scenarios in order; every rank records each scenario's outcome
+(value or exception) in a file the tests below read. Scenarios that break the group
+(a rank killed) run last. Small states keep the whole file under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist.formats import split
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="no gloo backend"
+)
+
+TIMEOUT = 5.0  # Config.dist_timeout of the scenarios
+
+
+# --------------------------------------------------------------------------- states
+
+
+def state(seed: int = 0) -> dict:
+    """A small replicated state whose records straddle the slices of 2, 3 and 4 ranks."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(300, 170, generator=g)
+    return {
+        "model": {"w": w, "w_t": w.t(), "row": w[7], "b": torch.randn(1000, generator=g).to(torch.bfloat16)},
+        "many": [torch.randn(17 * i + 1, generator=g) for i in range(20)],
+        "misc": {"mask": torch.rand(999, generator=g) > 0.5, "z": torch.zeros(()), "e": torch.empty(0, 3),
+                 "c": torch.randn(33, dtype=torch.complex64, generator=g), "i": torch.arange(4097, dtype=torch.int16)},
+        "step": 1234,
+        "name": "run-1",
+        "lr": [0.1, 0.01],
+    }
+
+
+def tensors(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(5 + 1000 * i, generator=g) for i in range(6)} | {
+        "h": torch.randn(777, generator=g).half(), "i": torch.arange(5000, dtype=torch.int32)}
+
+
+def by_name(d: dict) -> dict:
+    return dict(sorted(d.items()))
+
+
+def cfg() -> fastpersist.Config:
+    return fastpersist.Config(dist_timeout=TIMEOUT, fsync=False)
+
+
+def temps(d: str) -> list[str]:
+    return sorted(n for n in os.listdir(d) if ".fp-tmp-" in n or n.startswith(".fastpersist-probe-"))
+
+
+# --------------------------------------------------------------------------- scenarios (run on every rank)
+
+
+def sc_identical(rank: int, world: int, d: str) -> Any:
+    wg = torch.distributed.group.WORLD
+    fastpersist.save(state(), os.path.join(d, f"group{world}.pt"), group=wg, config=cfg())
+    fastpersist.save(tensors(), os.path.join(d, f"group{world}.safetensors"), group=wg, config=cfg())
+    # overwrite an existing file: still one file, same bytes
+    fastpersist.save(state(), os.path.join(d, f"group{world}.pt"), group=wg, config=cfg())
+    return temps(d)
+
+
+def sc_load(rank: int, world: int, d: str) -> Any:
+    from conftest import assert_same_object
+
+    wg = torch.distributed.group.WORLD
+    for mode in ("slices", "whole"):
+        c = cfg().replace(dist_load=mode)
+        got = fastpersist.load(os.path.join(d, "ref.pt"), group=wg, config=c, weights_only=True)
+        assert_same_object(got, state())
+        got = fastpersist.load(os.path.join(d, "ref.safetensors"), group=wg, config=c)
+        assert_same_object(by_name(got), by_name(tensors()))
+    return True
+
+
+def sc_disagree_shape(rank: int, world: int, d: str) -> Any:
+    obj = state()
+    if rank == world - 1:
+        obj["many"][3] = torch.randn(5)
+    fastpersist.save(obj, os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
+
+
+def sc_disagree_value(rank: int, world: int, d: str) -> Any:
+    obj = state()
+    if rank == 1:
+        obj["step"] = 1235
+    fastpersist.save(obj, os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
+
+
+def sc_fault(rank: int, world: int, d: str) -> Any:
+    from fastpersist import _native
+
+    if rank == 1:
+        _native.set_fault("write", 1, "ENOSPC")
+    try:
+        fastpersist.save(state(1), os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
+    finally:
+        _native.clear_faults()
+
+
+def sc_plan_error(rank: int, world: int, d: str) -> Any:
+    obj = state()
+    if rank == 0:
+        obj["bad"] = lambda: 0  # not picklable
+    fastpersist.save(obj, os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
+
+
+def sc_after_failures(rank: int, world: int, d: str) -> Any:
+    """The group still works after the refused and failed saves, and nothing was left behind."""
+    torch.distributed.barrier()
+    left = temps(d)
+    fastpersist.save(state(), os.path.join(d, "again.pt"), group=torch.distributed.group.WORLD, config=cfg())
+    return left
+
+
+def sc_nonshared(rank: int, world: int, d: str) -> Any:
+    """Ranks 0..world/2-1 save into one directory, the others into another: two filesystems as far as
+    the probe can tell; each half writes a complete copy."""
+    sub = os.path.join(d, "nodeA" if rank < world // 2 else "nodeB")
+    os.makedirs(sub, exist_ok=True)
+    fastpersist.save(state(), os.path.join(sub, "copy.pt"), group=torch.distributed.group.WORLD, config=cfg())
+    got = fastpersist.load(os.path.join(sub, "copy.pt"), group=torch.distributed.group.WORLD, config=cfg())
+    from conftest import assert_same_object
+
+    assert_same_object(got, state())
+    return True
+
+
+def sc_kill(rank: int, world: int, d: str) -> Any:
+    """Rank 1 dies (os._exit) while writing its slice; the others must raise within the timeout."""
+    if rank == 1:
+        real = split.apply_patches
+
+        def die(*a: Any, **k: Any) -> Any:
+            real(*a, **k)
+            os._exit(3)
+
+        split.apply_patches = die
+    t0 = time.monotonic()
+    try:
+        fastpersist.save(state(2), os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
+    except Exception as e:
+        e.elapsed = time.monotonic() - t0  # type: ignore[attr-defined]
+        raise
+
+
+SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
+    name[3:]: fn for name, fn in list(globals().items()) if name.startswith("sc_")
+}
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
+    import torch.distributed as dist
+
+    out = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        for name in names:
+            try:
+                out[name] = ("ok", SCENARIOS[name](rank, world, d))
+            except Exception as e:  # noqa: BLE001
+                out[name] = ("error", type(e).__name__, str(e), {
+                    k: getattr(e, k) for k in ("failures", "missing", "elapsed") if hasattr(e, k)},
+                    traceback.format_exc())
+            with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
+                pickle.dump(out, f)
+    finally:
+        sys.stdout.flush()
+        os._exit(0)  # no destroy_process_group: a killed peer could hang it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, d: str, names: list[str], limit: float = 150) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, d, names)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + limit
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r in range(world):
+        try:
+            with open(os.path.join(d, f"result-{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        except FileNotFoundError:
+            results.append({})
+    return results
+
+
+def outcome(results: list[dict], name: str, rank: int) -> tuple:
+    got = results[rank].get(name)
+    assert got is not None, f"rank {rank} has no result for {name!r}: {results[rank]}"
+    return got
+
+
+def ok(results: list[dict], name: str) -> list[Any]:
+    values = []
+    for rank in range(len(results)):
+        got = outcome(results, name, rank)
+        assert got[0] == "ok", f"rank {rank} {name}: {got[1]}: {got[2]}\n{got[4]}"
+        values.append(got[1])
+    return values
+
+
+def reference(d: str) -> None:
+    fastpersist.save(state(), os.path.join(d, "ref.pt"), config=cfg())
+    fastpersist.save(tensors(), os.path.join(d, "ref.safetensors"), config=cfg())
+
+
+FULL = ["identical", "load", "disagree_shape", "disagree_value", "fault", "plan_error", "after_failures"]
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    d = str(tmp_path_factory.mktemp("world2"))
+    reference(d)
+    return d, launch(2, d, FULL)
+
+
+@pytest.fixture(scope="module")
+def world3(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    d = str(tmp_path_factory.mktemp("world3"))
+    reference(d)
+    return d, launch(3, d, ["identical", "load", "kill"])
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    d = str(tmp_path_factory.mktemp("world4"))
+    reference(d)
+    return d, launch(4, d, ["identical", "load", "fault", "nonshared"])
+
+
+WORLDS = ["world2", "world3", "world4"]
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_group_save_is_byte_identical_to_one_rank(world: str, request: pytest.FixtureRequest) -> None:
+    d, results = request.getfixturevalue(world)
+    n = len(results)
+    assert ok(results, "identical") == [[]] * n  # no temporary or probe file left
+    assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, f"group{n}.pt"), shallow=False)
+    assert filecmp.cmp(os.path.join(d, "ref.safetensors"), os.path.join(d, f"group{n}.safetensors"), shallow=False)
+    from conftest import assert_same_object
+
+    # stock readers
+    assert_same_object(torch.load(os.path.join(d, f"group{n}.pt"), weights_only=True), state())
+    safetensors = pytest.importorskip("safetensors.torch")
+    assert_same_object(by_name(safetensors.load_file(os.path.join(d, f"group{n}.safetensors"))), by_name(tensors()))
+    assert fastpersist.verify(os.path.join(d, f"group{n}.pt")).ok
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_group_load_equals_single_load(world: str, request: pytest.FixtureRequest) -> None:
+    _d, results = request.getfixturevalue(world)
+    assert ok(results, "load") == [True] * len(results)
+
+
+@pytest.mark.parametrize("name, record", [("disagree_shape", "archive/data/"), ("disagree_value", "archive/data.pkl")])
+def test_disagreeing_ranks_are_refused_on_every_rank(world2: tuple, name: str, record: str) -> None:
+    d, results = world2
+    for rank in range(2):
+        got = outcome(results, name, rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert "do not hold the same state" in got[2] and record in got[2], got[2]
+    # refused before anything was written: the reference is untouched
+    assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, "group2.pt"), shallow=False)
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+def test_fault_on_one_rank_fails_every_rank_and_keeps_the_old_file(world: str, request: pytest.FixtureRequest) -> None:
+    d, results = request.getfixturevalue(world)
+    for rank in range(len(results)):
+        got = outcome(results, "fault", rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert "rank 1" in got[2] and "No space left on device" in got[2], got[2]
+        assert list(got[3]["failures"]) == [1]
+    assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, f"group{len(results)}.pt"), shallow=False)
+    from conftest import assert_same_object
+
+    assert_same_object(torch.load(os.path.join(d, "ref.pt"), weights_only=True), state())
+    assert temps(d) == []
+
+
+def test_planning_error_on_one_rank_fails_every_rank(world2: tuple) -> None:
+    _d, results = world2
+    for rank in range(2):
+        got = outcome(results, "plan_error", rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert "rank 0" in got[2] and "Nothing was written" in got[2], got[2]
+
+
+def test_group_still_works_after_failures(world2: tuple) -> None:
+    d, results = world2
+    assert ok(results, "after_failures") == [[], []]
+    assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, "again.pt"), shallow=False)
+
+
+def test_killed_rank_is_named_within_the_timeout(world3: tuple) -> None:
+    d, results = world3
+    assert "kill" not in results[1]  # it died
+    for rank in (0, 2):
+        got = outcome(results, "kill", rank)
+        assert got[0] == "error" and got[1] == "DistributedTimeoutError", got
+        assert got[3]["missing"] == [1], got
+        assert "rank 1 did not reach step" in got[2], got[2]
+        assert got[3]["elapsed"] < TIMEOUT + 10, got[3]
+    from conftest import assert_same_object
+
+    assert_same_object(fastpersist.load(os.path.join(d, "ref.pt"), weights_only=True), state())
+    assert temps(d) == []
+
+
+def test_nonshared_directories_each_get_a_complete_copy(world4: tuple) -> None:
+    d, results = world4
+    assert ok(results, "nonshared") == [True] * 4
+    for node in ("nodeA", "nodeB"):
+        assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, node, "copy.pt"), shallow=False)
+        assert temps(os.path.join(d, node)) == []
+
+
+# --------------------------------------------------------------------------- single process: the pieces
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_split_pieces_reassemble_the_file(tmp_path: Any, n: int, fmt: str) -> None:
+    from fastpersist import _native
+    from fastpersist.formats.safetensors import plan_safetensors
+    from fastpersist.formats.torchzip import plan_torch
+
+    obj = state() if fmt == "torch" else tensors()
+    ref = str(tmp_path / ("ref." + ("pt" if fmt == "torch" else "safetensors")))
+    fastpersist.save(obj, ref, config=cfg())
+    plan = plan_torch(obj, 4096) if fmt == "torch" else plan_safetensors(obj, None, 4096)
+    h = _native.Handle()
+    bounds = split.slice_bounds(plan.file_size, n, 4096)
+    assert all(lo % 4096 == 0 for lo, _ in bounds) and bounds[-1][1] == plan.file_size
+    parts = [split.partial_crcs(h, split.clip(plan.extents, lo, hi)) for lo, hi in bounds]
+    crcs = split.combine_crcs(parts, plan.nslots)
+    out = str(tmp_path / "out")
+    with open(out, "wb") as f:
+        f.truncate(plan.file_size)
+    for lo, hi in reversed(bounds):
+        ext, keep = split.apply_patches(split.clip(plan.extents, lo, hi), plan.patches, crcs, lo, hi)
+        if ext:
+            h.write(out, ext, [], 0, truncate=False, fsync=False)
+    assert filecmp.cmp(ref, out, shallow=False)
+
+
+def test_first_difference_names_the_record() -> None:
+    from fastpersist.formats.torchzip import plan_torch
+
+    a = split.Layout(plan_torch(state(), 4096), "torch")
+    other = state()
+    other["name"] = "run-2"
+    b = split.Layout(plan_torch(other, 4096), "torch")
+    assert split.plan_digest(a) != split.plan_digest(b)
+    assert split.plan_digest(a) == split.plan_digest(split.Layout(plan_torch(state(), 4096), "torch"))
+    why = split.first_difference([split.plan_records(a), split.plan_records(b)])
+    assert why is not None and "archive/data.pkl" in why and "different bytes" in why
+
+
+def test_patch_field_cut_by_a_slice_boundary() -> None:
+    """A 4-byte CRC field across a boundary is written half by each side."""
+    buf = bytearray(b"A" * 8192)
+    t = torch.frombuffer(buf, dtype=torch.uint8)
+    ext = [(0, t.data_ptr(), 8192, -1)]
+    whole = b""
+    for lo, hi in [(0, 4096), (4096, 8192)]:
+        out, keep = split.apply_patches(split.clip(ext, lo, hi), [(4094, 0, 0)], [0x11223344], lo, hi)
+        import ctypes
+
+        whole += b"".join(ctypes.string_at(p, n) for _o, p, n, _s in out)
+    assert whole[4090:4100] == b"AAAA\x44\x33\x22\x11AA"
+    assert len(whole) == 8192
+
+
+def test_group_none_is_single_process(tmp_path: Any) -> None:
+    p = str(tmp_path / "a.pt")
+    fastpersist.save(state(), p, group=None, config=cfg())
+    from conftest import assert_same_object
+
+    assert_same_object(fastpersist.load(p, group=None, weights_only=True), state())
+
+
+def test_group_without_init_is_an_error(tmp_path: Any) -> None:
+    if torch.distributed.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        fastpersist.save(state(), str(tmp_path / "a.pt"), group=object(), config=cfg())
