@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command: ``info``, ``verify``, ``bench io``, ``bench save``, ``bench train``.
+"""The ``fastpersist`` command: ``info``, ``verify``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``.
 
 Exit status: 0 success; 1 the command ran and found a problem (a checkpoint
 that fails verification, data read back that differs from what was written,
@@ -179,6 +179,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="step time over steps, checkpoints marked (PNG)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench_train)
+
+    # -- bench dist (fastpersist.bench.dist_bench) --
+    p = bsub.add_parser(
+        "dist", parents=[debug],
+        help="N gloo ranks on this machine: replicated save/load through N ranks vs rank-0 torch.save and "
+        "1-rank fastpersist; sharded state through DCP FileSystemWriter vs fastpersist.dcp",
+        description="Spawn N ranks (gloo, CPU) on this machine and measure, interleaved in one run, durable "
+        "saves and cold loads of a replicated training state (fastpersist.save(group=...), rank-0 torch.save, "
+        "rank-0 fastpersist.save) and of a sharded state through DCP (FileSystemWriter vs FastPersistWriter).",
+    )
+    p.add_argument("--dir", required=True, help="directory on the disk to measure")
+    p.add_argument("--ranks", type=_positive, default=2, help="processes in the group (default: 2)")
+    p.add_argument("--size", type=_size, default=parse_size("1GiB"),
+                   help="tensor bytes of the state (default: 1GiB; every rank holds a copy)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="fastpersist threads and DCP thread_count per rank (default: Config.threads)")
+    p.add_argument("--no-dcp", action="store_true", help="skip the sharded (DCP) methods")
+    p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (PNG)")
+    p.add_argument("--keep", action="store_true", help="keep the files of the last round")
+    p.add_argument("--no-progress", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_bench_dist)
     return parser
 
 
@@ -401,6 +424,30 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         print(f"Plot       : {args.plot}", file=out)
     bad_runs = [r for r in result.runs if r.error is not None or r.verified is False]
     return 1 if bad_runs else 0
+
+
+def cmd_bench_dist(args: argparse.Namespace) -> int:
+    """``fastpersist bench dist``: see :mod:`fastpersist.bench.dist_bench`."""
+    from fastpersist.bench import report
+    from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
+
+    _check_dir(args.dir)
+    result = run_dist_bench(
+        args.dir, ranks=args.ranks, size=args.size, repeat=args.repeat, threads=args.threads,
+        dcp=not args.no_dcp, keep=args.keep, progress=not args.no_progress,
+    )
+    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    print_dist_report(result, out)
+    if args.json:
+        report.write_json(result.to_dict(), args.json)
+    if args.plot:
+        plot_dist(result, args.plot)
+        print(f"Plot       : {args.plot}", file=out)
+    v = result.verification
+    group = result.method("fastpersist group")
+    failed = (group is None or group.error is not None or not v.get("group_file_identical_to_one_rank")
+              or not v.get("group_load_equals_state_on_every_rank"))
+    return 1 if failed else 0
 
 
 # ---- entry point ------------------------------------------------------------------

@@ -1,0 +1,523 @@
+"""Multi-rank benchmark (``fastpersist bench dist --ranks N``): N gloo ranks on this machine.
+
+The ranks are spawned with ``torch.multiprocessing`` (CPU, gloo, one process group)
+and run every method in lockstep, interleaved (run ``i`` of every method before
+run ``i + 1`` of any; each round in a fresh seeded random order, the same on every
+rank). A step's time is rank 0's wall time from a barrier before it to a barrier
+after it, so it includes the slowest rank.
+
+Replicated state (every rank holds the same GPT-style training state):
+
+* ``fastpersist group``: ``fastpersist.save(state, path, group=WORLD)``: one file,
+  one aligned slice per rank. Load: ``fastpersist.load(path, group=WORLD)`` with
+  ``dist_load="slices"`` (each rank reads a slice, the slices are broadcast).
+* ``fastpersist rank 0``: rank 0 alone runs ``fastpersist.save``. Load: every rank
+  runs ``fastpersist.load`` on the whole file (what ``dist_load="whole"`` does).
+* ``torch rank 0``: rank 0 alone runs ``torch.save`` (+ flush, fsync); every rank
+  ``torch.load``\\ s the file: what a DDP job does without fastpersist.
+
+Sharded state (each rank holds 1/N of the state's tensors under keys of its own,
+so DCP writes every rank's part; the total is the same bytes):
+
+* ``dcp FileSystemWriter``: ``dcp.save`` / ``dcp.load`` with stock
+  ``FileSystemWriter(sync_files=True, thread_count=T)`` / ``FileSystemReader``.
+* ``dcp FastPersistWriter``: the same with ``fastpersist.dcp.FastPersistWriter`` /
+  ``FastPersistReader`` (same ``thread_count``; fastpersist's ``Config.threads``
+  set to the same T). Skipped when ``fastpersist.dcp`` is not importable.
+
+Saves are durable (files and directories fsync'ed); loads are cold (rank 0 drops
+every file of the method from the page cache with ``posix_fadvise`` first). GB/s
+count the state's tensor bytes once (not once per rank), in decimal GB.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import socket
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, TextIO
+
+import torch
+
+from fastpersist.bench import state as state_mod
+from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, remove_path, total_size
+from fastpersist.bench.machine import MachineInfo, collect_machine_info
+from fastpersist.bench.units import format_bytes, gbps, median, ratio
+
+REPLICATED = ("fastpersist group", "fastpersist rank 0", "torch rank 0")
+SHARDED = ("dcp FileSystemWriter", "dcp FastPersistWriter")
+
+
+@dataclass
+class DistMethodResult:
+    """Timings of one method over the runs; ``error`` set if it failed."""
+
+    name: str
+    kind: str  #: "replicated" or "sharded"
+    nbytes: int
+    save_s: list[float] = field(default_factory=list)
+    load_s: list[float] = field(default_factory=list)
+    file_bytes: Optional[int] = None
+    error: Optional[str] = None
+
+    @property
+    def save_median_gbps(self) -> Optional[float]:
+        return median([gbps(self.nbytes, s) for s in self.save_s])
+
+    @property
+    def load_median_gbps(self) -> Optional[float]:
+        return median([gbps(self.nbytes, s) for s in self.load_s])
+
+
+@dataclass
+class DistBenchResult:
+    """Everything :func:`run_dist_bench` measured."""
+
+    machine: MachineInfo
+    ranks: int
+    threads: int
+    workload: dict[str, Any]
+    repeat: int
+    methods: list[DistMethodResult]
+    verification: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    order: list[list[str]] = field(default_factory=list)
+
+    def method(self, name: str) -> Optional[DistMethodResult]:
+        return next((m for m in self.methods if m.name == name), None)
+
+    def _reference(self, m: DistMethodResult) -> Optional[DistMethodResult]:
+        return self.method("torch rank 0" if m.kind == "replicated" else "dcp FileSystemWriter")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable form: per-run seconds and GB/s, medians, ratios to the stock peer
+        (``torch rank 0`` for replicated state, ``dcp FileSystemWriter`` for sharded state)."""
+        methods = []
+        for m in self.methods:
+            ref = self._reference(m)
+            methods.append({
+                "name": m.name,
+                "kind": m.kind,
+                "bytes": m.nbytes,
+                "file_bytes": m.file_bytes,
+                "save_seconds": m.save_s,
+                "load_seconds": m.load_s,
+                "save_gbps": [gbps(m.nbytes, s) for s in m.save_s],
+                "load_gbps": [gbps(m.nbytes, s) for s in m.load_s],
+                "save_median_gbps": m.save_median_gbps,
+                "load_median_gbps": m.load_median_gbps,
+                "reference": ref.name if ref else None,
+                "save_vs_reference": ratio(m.save_median_gbps, ref.save_median_gbps if ref else None),
+                "load_vs_reference": ratio(m.load_median_gbps, ref.load_median_gbps if ref else None),
+                "error": m.error,
+            })
+        one = self.method("fastpersist rank 0")
+        group = self.method("fastpersist group")
+        return {
+            "benchmark": "dist",
+            "machine": self.machine.to_dict(),
+            "ranks": self.ranks,
+            "threads": self.threads,
+            "workload": dict(self.workload),
+            "repeat": self.repeat,
+            "methods": methods,
+            "group_save_vs_one_rank": ratio(group.save_median_gbps if group else None,
+                                            one.save_median_gbps if one else None),
+            "group_load_vs_every_rank_whole": ratio(group.load_median_gbps if group else None,
+                                                    one.load_median_gbps if one else None),
+            "verification": dict(self.verification),
+            "notes": list(self.notes),
+            "order": [list(r) for r in self.order],
+        }
+
+
+# --------------------------------------------------------------------------- the ranks
+
+
+class _Methods:
+    """Save/load of each method, run on every rank."""
+
+    def __init__(self, rank: int, ranks: int, obj: Any, shard: dict, threads: int, config: Any) -> None:
+        import torch.distributed as dist
+
+        import fastpersist
+
+        self.dist = dist
+        self.fp = fastpersist
+        self.rank = rank
+        self.ranks = ranks
+        self.obj = obj
+        self.shard = shard
+        self.threads = threads
+        self.cfg = config
+        try:
+            import fastpersist.dcp as fpdcp
+        except ImportError:
+            fpdcp = None
+        self.fpdcp = fpdcp if fpdcp is not None and hasattr(fpdcp, "FastPersistWriter") else None
+
+    def available(self, name: str) -> Optional[str]:
+        if name == "dcp FastPersistWriter" and self.fpdcp is None:
+            return "fastpersist.dcp is not available in this installation"
+        return None
+
+    def target(self, workdir: str, name: str) -> str:
+        return os.path.join(workdir, {
+            "fastpersist group": "group.pt", "fastpersist rank 0": "one.pt", "torch rank 0": "torch.pt",
+            "dcp FileSystemWriter": "dcp-stock", "dcp FastPersistWriter": "dcp-fastpersist"}[name])
+
+    def save(self, name: str, target: str) -> None:
+        wg = self.dist.group.WORLD
+        if name == "fastpersist group":
+            self.fp.save(self.obj, target, group=wg, config=self.cfg)
+        elif name == "fastpersist rank 0":
+            if self.rank == 0:
+                self.fp.save(self.obj, target, config=self.cfg)
+        elif name == "torch rank 0":
+            if self.rank == 0:
+                with open(target, "wb") as f:
+                    torch.save(self.obj, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                fsync_dir(os.path.dirname(target))
+        else:
+            import torch.distributed.checkpoint as dcp
+
+            if name == "dcp FileSystemWriter":
+                writer = dcp.FileSystemWriter(target, sync_files=True, thread_count=self.threads)
+            else:
+                writer = self.fpdcp.FastPersistWriter(target, config=self.cfg, thread_count=self.threads)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.save(self.shard, storage_writer=writer)
+            if self.rank == 0 and name == "dcp FileSystemWriter":
+                fsync_dir(target)  # sync_files fsyncs the files, not their directory entries
+
+    def load(self, name: str, target: str) -> Any:
+        wg = self.dist.group.WORLD
+        if name == "fastpersist group":
+            return self.fp.load(target, map_location="cpu", weights_only=True, group=wg,
+                                config=self.cfg.replace(dist_load="slices"))
+        if name == "fastpersist rank 0":
+            return self.fp.load(target, map_location="cpu", weights_only=True, config=self.cfg)
+        if name == "torch rank 0":
+            return torch.load(target, map_location="cpu", weights_only=True)
+        import torch.distributed.checkpoint as dcp
+
+        template = state_mod.empty_like_state(self.shard)
+        reader = dcp.FileSystemReader(target) if name == "dcp FileSystemWriter" else \
+            self.fpdcp.FastPersistReader(target, config=self.cfg)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(template, storage_reader=reader)
+        return template
+
+
+def _shard(obj: Any, rank: int, ranks: int) -> dict:
+    """Rank ``rank``'s share of the state's tensors, under keys no other rank has."""
+    flat, _skipped = state_mod.flatten_tensors(obj)
+    return {f"rank{rank}.{k}": t for i, (k, t) in enumerate(sorted(flat.items())) if i % ranks == rank}
+
+
+def _worker(rank: int, ranks: int, port: int, workdir: str, opts: dict, out: str) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+        torch.set_num_threads(1)
+        result = _run_rank(rank, ranks, workdir, opts)
+        if rank == 0:
+            with open(out, "wb") as f:
+                pickle.dump(result, f)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        with open(f"{out}.error-{rank}", "w", encoding="utf-8") as f:
+            f.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
+    import torch.distributed as dist
+
+    from fastpersist import config as config_mod
+    from fastpersist.bench.save_bench import build_workload
+
+    cfg = config_mod.get_default().replace(fsync=True, threads=opts["threads"])
+    obj, workload = build_workload(opts["size"], None, opts["seed"])
+    shard = _shard(obj, rank, ranks)
+    methods = _Methods(rank, ranks, obj, shard, opts["threads"], cfg)
+    names = list(REPLICATED) + (list(SHARDED) if opts["dcp"] else [])
+    res = {n: {"save": [], "load": [], "file_bytes": None, "error": methods.available(n)} for n in names}
+    log = _progress_printer(rank == 0 and opts["progress"])
+
+    def barrier() -> None:
+        dist.barrier()
+
+    def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+        barrier()
+        t0 = time.perf_counter()
+        value = fn()
+        barrier()
+        return time.perf_counter() - t0, value
+
+    # Untimed check first: the group file equals the 1-rank file, and the group load equals the state.
+    verification: dict[str, Any] = {}
+    group_t, one_t = methods.target(workdir, "fastpersist group"), methods.target(workdir, "fastpersist rank 0")
+    methods.save("fastpersist group", group_t)
+    methods.save("fastpersist rank 0", one_t)
+    barrier()
+    if rank == 0:
+        import filecmp
+
+        verification["group_file_identical_to_one_rank"] = filecmp.cmp(group_t, one_t, shallow=False)
+    loaded = methods.load("fastpersist group", group_t)
+    problems = state_mod.compare_states(obj, loaded)
+    del loaded
+    all_problems: list[Any] = [None] * ranks
+    dist.all_gather_object(all_problems, problems)
+    verification["group_load_equals_state_on_every_rank"] = not any(all_problems)
+    verification["problems"] = [p for ps in all_problems for p in ps][:10]
+    barrier()
+    if rank == 0:
+        remove_path(group_t)
+        remove_path(one_t)
+
+    shuffler = random.Random(opts["seed"])
+    order: list[list[str]] = []
+    for run in range(opts["repeat"]):
+        steps = list(names)
+        shuffler.shuffle(steps)
+        order.append(steps)
+        for name in steps:
+            r = res[name]
+            if r["error"] is not None:
+                continue
+            log(f"round {run + 1}/{opts['repeat']}: {name}")
+            target = methods.target(workdir, name)
+            if rank == 0:
+                remove_path(target)
+                os.sync()
+            try:
+                status: Optional[str] = None
+                try:
+                    save_s, _ = timed(lambda: methods.save(name, target))
+                except Exception as exc:  # noqa: BLE001
+                    status, save_s = f"{type(exc).__name__}: {exc}", 0.0
+                statuses: list[Any] = [None] * ranks
+                dist.all_gather_object(statuses, status)
+                if any(statuses):
+                    r["error"] = next(s for s in statuses if s)
+                    continue
+                if rank == 0:
+                    r["file_bytes"] = total_size(target)
+                    drop_page_cache_all([target])
+                try:
+                    load_s, loaded = timed(lambda: methods.load(name, target))
+                    del loaded
+                except Exception as exc:  # noqa: BLE001
+                    status, load_s = f"{type(exc).__name__}: {exc}", 0.0
+                dist.all_gather_object(statuses, status)
+                if any(statuses):
+                    r["error"] = next(s for s in statuses if s)
+                    continue
+                r["save"].append(save_s)
+                r["load"].append(load_s)
+            finally:
+                barrier()
+                if rank == 0 and not (opts["keep"] and run == opts["repeat"] - 1):
+                    remove_path(target)
+    return {"workload": workload, "results": res, "verification": verification, "order": order}
+
+
+def _progress_printer(enabled: bool) -> Callable[[str], None]:
+    def log(msg: str) -> None:
+        if enabled:
+            print(f"  {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_dist_bench(
+    directory: str,
+    *,
+    ranks: int = 2,
+    size: int = 1 << 30,
+    repeat: int = 3,
+    threads: Optional[int] = None,
+    dcp: bool = True,
+    keep: bool = False,
+    progress: bool = True,
+    seed: int = 0,
+) -> DistBenchResult:
+    """Spawn ``ranks`` gloo processes, run the benchmark in ``directory`` and return its results
+    (see the module docstring). Raises ``RuntimeError`` with a rank's traceback if a rank crashed."""
+    import torch.multiprocessing as mp
+
+    from fastpersist import config as config_mod
+
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, not {ranks}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be positive, not {repeat}")
+    threads = threads or config_mod.get_default().threads
+    machine = collect_machine_info(directory)
+    workdir = os.path.join(os.path.abspath(directory), f"fastpersist-bench-dist-{os.getpid()}")
+    os.makedirs(workdir, exist_ok=True)
+    out = os.path.join(workdir, ".result.pkl")
+    opts = {"size": size, "repeat": repeat, "threads": threads, "dcp": dcp, "keep": keep, "progress": progress,
+            "seed": seed}
+    try:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, ranks, port, workdir, opts, out)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):  # a rank crashed: the others would wait forever
+                time.sleep(1.0)
+                for p in procs:
+                    if p.is_alive():
+                        p.kill()
+            time.sleep(0.2)
+        for p in procs:
+            p.join()
+        errors = []
+        for r in range(ranks):
+            path = f"{out}.error-{r}"
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    errors.append(f"rank {r}:\n{f.read()}")
+        if errors or not os.path.exists(out):
+            codes = [p.exitcode for p in procs]
+            raise RuntimeError("bench dist: a rank failed (exit codes " + str(codes) + ")\n" + "\n".join(errors))
+        with open(out, "rb") as f:
+            data = pickle.load(f)
+    finally:
+        remove_path(out)
+        if not keep:
+            remove_path(workdir)
+    workload = data["workload"]
+    nbytes = workload["tensor_bytes"]
+    methods = []
+    for name, r in data["results"].items():
+        kind = "replicated" if name in REPLICATED else "sharded"
+        methods.append(DistMethodResult(name, kind, nbytes, r["save"], r["load"], r["file_bytes"], r["error"]))
+    notes = [
+        "durable saves: time includes fsync of every file written and of its directory",
+        "cold loads: rank 0 drops every file of the method from the page cache (posix_fadvise DONTNEED) first",
+        "GB/s = the state's tensor bytes (counted once, not per rank) / seconds of the slowest rank, decimal",
+        f"all ranks on this machine, gloo over loopback, torch.set_num_threads(1) per rank, fastpersist threads "
+        f"{threads} per rank, DCP thread_count {threads}",
+        "replicated loads: every rank ends with the whole state; fastpersist rank 0's load is every rank "
+        "reading the whole file (dist_load='whole')",
+    ]
+    if dcp:
+        notes.append("sharded: each rank saves 1/N of the state's tensors under keys of its own (plain tensors, "
+                     "no DTensor); DCP plans and writes one file per rank")
+    if keep:
+        notes.append(f"files of the last round kept in {workdir}")
+    return DistBenchResult(machine, ranks, threads, workload, repeat, methods, data["verification"], notes,
+                           data["order"])
+
+
+# --------------------------------------------------------------------------- report
+
+
+def print_dist_report(result: DistBenchResult, out: Optional[TextIO] = None) -> None:
+    """Machine header, workload, the two tables, verification and notes."""
+    from fastpersist.bench import report
+
+    out = out if out is not None else sys.stdout
+    report.print_header(result.machine.summary_lines() + [f"Ranks      : {result.ranks} (gloo, this machine)"], out)
+    w = result.workload
+    m = w["model"]
+    print(f"Workload   : GPT training state: hidden {m['hidden']}, {m['layers']} layers, "
+          f"{m['params'] / 1e6:.1f}M params; {w['tensors']} tensors, {format_bytes(w['tensor_bytes'])} of tensor data",
+          file=out)
+    print(f"Runs       : {result.repeat} per method (interleaved)", file=out)
+    print(file=out)
+    d = result.to_dict()
+    headers = ["method", "save GB/s (runs)", "save median", "vs ref", "load GB/s (runs)", "load median", "vs ref",
+               "file size"]
+    for kind, title in (("replicated", "Replicated state (every rank holds it; ref: torch rank 0)"),
+                        ("sharded", "Sharded state through DCP (ref: dcp FileSystemWriter)")):
+        rows = []
+        for x in d["methods"]:
+            if x["kind"] != kind:
+                continue
+            if x["error"] and not x["save_seconds"]:
+                rows.append([x["name"], "-", "-", "-", "-", "-", "-", "failed/skipped"])
+                continue
+            rows.append([
+                x["name"], " ".join(f"{v:.2f}" for v in x["save_gbps"]), _num(x["save_median_gbps"]),
+                _ratio(x["save_vs_reference"]), " ".join(f"{v:.2f}" for v in x["load_gbps"]),
+                _num(x["load_median_gbps"]), _ratio(x["load_vs_reference"]),
+                format_bytes(x["file_bytes"]) if x["file_bytes"] is not None else "-",
+            ])
+        if rows:
+            report.render_table(title, headers, rows, out)
+    print(f"Group save vs 1-rank fastpersist.save: {_ratio(d['group_save_vs_one_rank'])}; "
+          f"group load (slices) vs every rank reading the whole file: {_ratio(d['group_load_vs_every_rank_whole'])}",
+          file=out)
+    v = result.verification
+    print(f"Verified   : group file byte-identical to the 1-rank file: "
+          f"{v.get('group_file_identical_to_one_rank')}; group load equals the state on every rank: "
+          f"{v.get('group_load_equals_state_on_every_rank')}", file=out)
+    for p in v.get("problems", []):
+        print(f"  - {p}", file=out)
+    for x in result.methods:
+        if x.error:
+            print(f"Error      : {x.name}: {x.error}", file=out)
+    for note in result.notes:
+        print(f"Note       : {note}", file=out)
+
+
+def _num(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def plot_dist(result: DistBenchResult, path: str) -> None:
+    """Bar chart of median save and load GB/s per method (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastpersist.bench import report
+
+    methods = [m for m in result.methods if m.save_s]
+    names = [m.name.replace(" ", "\n", 1) for m in methods]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(names) + 3), 4.5))
+    xs = list(range(len(names)))
+    width = 0.38
+    ax.bar([x - width / 2 for x in xs], [m.save_median_gbps or 0.0 for m in methods], width,
+           label="durable save (median)", color="#3b75af")
+    ax.bar([x + width / 2 for x in xs], [m.load_median_gbps or 0.0 for m in methods], width,
+           label="cold load (median)", color="#ef8636")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"{result.ranks} ranks, {format_bytes(result.workload['tensor_bytes'])} "
+                 f"({result.machine.filesystem} on {result.machine.block_device or result.machine.mount_source})")
+    report._finish_plot(fig, ax, path)
