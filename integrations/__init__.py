@@ -1,0 +1,15 @@
+"""Framework adapters: ``fastpersist.integrations.<name>``.
+
+One module per framework, each thin (it translates the framework's save/load calls
+into :func:`fastpersist.save` / :func:`fastpersist.save_async` / :func:`fastpersist.load`):
+
+- :mod:`fastpersist.integrations.lightning`: ``FastPersistCheckpointIO`` and the
+  ``"ddp_fastpersist"`` / ``"fsdp_fastpersist"`` strategy names.
+
+The source lives in the top-level ``integrations/`` folder of the repository; a wheel
+installs it as ``fastpersist/integrations/`` (``wheel.force-include`` in
+pyproject.toml), and in a source tree or an editable install
+``fastpersist/integrations/__init__.py`` points the package at that folder.
+``_startup.py`` is the start-up hook (installed as the top-level module
+``_fastpersist_startup`` with ``fastpersist-startup.pth``).
+"""

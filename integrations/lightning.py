@@ -1,0 +1,416 @@
+"""Lightning checkpoints through fastpersist.
+
+Two ways to turn it on, both keeping Lightning's own layout, retention and resume
+(``ModelCheckpoint(save_top_k, save_last, every_n_train_steps)``, ``ckpt_path="last"``)::
+
+    from fastpersist.integrations.lightning import FastPersistCheckpointIO
+    trainer = Trainer(plugins=[FastPersistCheckpointIO()])     # any strategy that uses a CheckpointIO
+
+    trainer = Trainer(strategy="ddp_fastpersist", devices=2)     # no import needed: see below
+
+:class:`FastPersistCheckpointIO` writes every checkpoint file with
+:func:`fastpersist.save` (aligned O_DIRECT, durable: fsync, rename, directory
+fsync) or, when the installed fastpersist has :func:`fastpersist.save_async`, in the
+background: the state is captured at the call (one copy into a bounded pool of
+page-locked host memory; no extra copy on the GPU as Lightning's
+``AsyncCheckpointIO`` makes) and written while training goes on. Pending saves are
+finished before a checkpoint is loaded or removed (so retention never deletes the
+previous checkpoint before the new one is durable), before ``ModelCheckpoint`` links
+or copies ``last.ckpt`` (``save_last="link"``), and at teardown; their errors are
+raised there. Loads go through :func:`fastpersist.load`. Paths that are not local
+files (``s3://``, ``gs://``, ... fsspec URLs) go to Lightning's ``TorchCheckpointIO``.
+
+Strategy names, registered in Lightning's ``StrategyRegistry``:
+
+``"ddp_fastpersist"`` (also ``"ddp_fastpersist_spawn"``, ``"ddp_fastpersist_fork"``)
+    :class:`FastPersistDDPStrategy`: DDP whose ``save_checkpoint`` runs on every rank
+    (Lightning's own calls the CheckpointIO on rank 0 only) and splits the one
+    replicated file across the ranks with ``fastpersist.save(..., group=...)``;
+    resumes read the file once in total with ``fastpersist.load(..., group=...)``.
+    If the installed fastpersist has no collective save, or the run has one
+    process, rank 0 writes through :class:`FastPersistCheckpointIO`.
+``"fsdp_fastpersist"``
+    :class:`FastPersistFSDPStrategy`: FSDP whose sharded checkpoints
+    (``state_dict_type="sharded"``, a directory) are written through
+    ``fastpersist.dcp.FastPersistWriter`` (each rank writes its own shards; DCP's
+    stock reader loads them); full checkpoints go through the CheckpointIO.
+
+The names are registered when this module is imported, and, with no import at
+all, by fastpersist's start-up hook as soon as Lightning's strategies package is
+imported (Lightning discovers no strategies through entry points; see
+``integrations/_startup.py``). Both ``lightning`` and ``pytorch_lightning`` are
+supported: :func:`classes_for` builds the classes for either package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import types
+import weakref
+from typing import Any, Callable, Optional
+
+import fastpersist
+from fastpersist.integrations import _startup
+from fastpersist.integrations._replicated import group_save_available, save_replicated
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FastPersistCheckpointIO",
+    "FastPersistDDPStrategy",
+    "FastPersistFSDPStrategy",
+    "classes_for",
+    "register_strategies",
+]
+
+# Feature checks: the adapter uses what the installed fastpersist offers.
+HAS_ASYNC = hasattr(fastpersist, "save_async") and hasattr(fastpersist, "wait_all")
+
+
+HAS_GROUP_SAVE = group_save_available()
+
+
+def _dcp_writer() -> Optional[type]:
+    try:
+        from fastpersist.dcp import FastPersistWriter
+    except ImportError:
+        return None
+    return FastPersistWriter
+
+
+_LOCAL_PROTOCOLS = ("file", "local")
+
+# Every FastPersistCheckpointIO alive, so that ModelCheckpoint's link of last.ckpt can
+# finish their pending saves first.
+_instances: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_classes: dict[str, types.SimpleNamespace] = {}
+_classes_lock = threading.Lock()
+
+
+def _is_local(path: Any) -> bool:
+    if isinstance(path, os.PathLike):
+        return True
+    text = str(path)
+    protocol, sep, _ = text.partition("://")
+    return not sep or protocol in _LOCAL_PROTOCOLS
+
+
+def _local_path(path: Any) -> str:
+    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    for protocol in _LOCAL_PROTOCOLS:
+        if text.startswith(protocol + "://"):
+            return text[len(protocol) + 3 :]
+    return text
+
+
+def finish_pending() -> None:
+    """Finish the pending background saves of every :class:`FastPersistCheckpointIO`
+    (raises the first error)."""
+    for io in list(_instances):
+        io.finalize()
+
+
+def _install_link_guard(callbacks_module: Any) -> None:
+    """Make ``ModelCheckpoint._link_checkpoint`` (``save_last="link"``, and its copy
+    fallback) finish pending saves first, so ``last.ckpt`` never names a file that is
+    not complete yet. Installed once per Lightning package; a no-op for other
+    CheckpointIOs (nothing pending)."""
+    cls = getattr(callbacks_module, "ModelCheckpoint", None)
+    original = getattr(cls, "_link_checkpoint", None) if cls is not None else None
+    if original is None or getattr(original, "_fastpersist_guard", False):
+        return
+
+    def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+        finish_pending()
+        return original(trainer, filepath, linkpath)
+
+    _link_checkpoint._fastpersist_guard = True  # type: ignore[attr-defined]
+    _link_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    cls._link_checkpoint = staticmethod(_link_checkpoint)
+
+
+def _group() -> Any:
+    """The world process group when torch.distributed runs more than one rank, else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def _unwrap(io: Any, wrapper_cls: type) -> Any:
+    while isinstance(io, wrapper_cls) and io.checkpoint_io is not None:
+        io = io.checkpoint_io
+    return io
+
+
+def _define(package: str) -> types.SimpleNamespace:
+    """Build the adapter classes against ``package`` (``"lightning.pytorch"`` or
+    ``"pytorch_lightning"``), whose class hierarchies are distinct."""
+    pl = importlib.import_module(package)
+    fabric = "lightning.fabric" if package.startswith("lightning.") else "lightning_fabric"
+    CheckpointIO = importlib.import_module(f"{fabric}.plugins.io.checkpoint_io").CheckpointIO
+    TorchCheckpointIO = importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
+    wrapper = importlib.import_module(f"{package}.plugins.io.wrapper")._WrappingCheckpointIO
+    strategies = importlib.import_module(f"{package}.strategies")
+    _install_link_guard(importlib.import_module(f"{package}.callbacks.model_checkpoint"))
+    del pl
+
+    class FastPersistCheckpointIO(CheckpointIO):
+        """Lightning ``CheckpointIO`` that saves and loads through fastpersist.
+
+        Args:
+            async_save: write in the background with :func:`fastpersist.save_async`
+                (default: when the installed fastpersist has it). ``False``: every
+                save returns when the file is durable.
+            mode: ``save_async``'s capture mode, ``"snapshot"`` (default) or ``"lazy"``.
+            config: a :class:`fastpersist.Config` for every save and load.
+
+        With ``async_save``, ``trainer.save_checkpoint(path)`` returns before ``path``
+        exists; call :meth:`finalize` (or let the Trainer tear down) before reading it
+        yourself. Loggers that upload checkpoint files in ``after_save_checkpoint``
+        (``log_model="all"``) need ``async_save=False``.
+        """
+
+        def __init__(self, async_save: Optional[bool] = None, mode: str = "snapshot", config: Any = None) -> None:
+            super().__init__()
+            if async_save and not HAS_ASYNC:
+                raise ValueError("async_save=True needs fastpersist.save_async, which this fastpersist lacks")
+            self.async_save = HAS_ASYNC if async_save is None else bool(async_save)
+            self.mode = mode
+            self.config = config
+            self._pending: list[Any] = []
+            self._lock = threading.Lock()
+            self._fallback = TorchCheckpointIO()
+            #: saves/loads done by fastpersist in this process (sync, async, collective, load)
+            self.counts = {"save": 0, "save_async": 0, "save_group": 0, "load": 0, "load_group": 0, "torch": 0}
+            _instances.add(self)
+
+        # -- saves
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+            if storage_options is not None:
+                raise TypeError(
+                    f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}"
+                )
+            if not _is_local(path):
+                self.finalize()
+                self.counts["torch"] += 1
+                return self._fallback.save_checkpoint(checkpoint, path)
+            target = _local_path(path)
+            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+            if not self.async_save:
+                fastpersist.save(checkpoint, target, config=self.config)
+                self.counts["save"] += 1
+                return
+            self._collect(block=False)
+            future = fastpersist.save_async(checkpoint, target, mode=self.mode, config=self.config)
+            with self._lock:
+                self._pending.append(future)
+            self.counts["save_async"] += 1
+
+        def _collect(self, block: bool) -> None:
+            """Drop finished futures, raising the first error; with ``block`` wait for all."""
+            with self._lock:
+                pending, self._pending = self._pending, []
+            error: Optional[BaseException] = None
+            keep = []
+            for future in pending:
+                if not block and not future.done():
+                    keep.append(future)
+                    continue
+                try:
+                    future.wait()
+                except BaseException as e:  # report the first, still wait for the rest
+                    error = error or e
+            with self._lock:
+                self._pending[:0] = keep
+            if error is not None:
+                raise error
+
+        def finalize(self) -> None:
+            """Wait until every checkpoint this plugin started is durable under its name."""
+            self._collect(block=True)
+
+        @property
+        def pending(self) -> int:
+            """How many background saves have not finished."""
+            with self._lock:
+                return sum(1 for f in self._pending if not f.done())
+
+        # -- loads and removals
+        def load_checkpoint(
+            self,
+            path: Any,
+            map_location: Optional[Any] = lambda storage, loc: storage,
+            weights_only: Optional[bool] = None,
+        ) -> dict[str, Any]:
+            self.finalize()
+            if not _is_local(path):
+                self.counts["torch"] += 1
+                return self._fallback.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            target = _local_path(path)
+            if not os.path.exists(target):
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
+            self.counts["load"] += 1
+            return fastpersist.load(target, map_location=map_location, weights_only=weights_only, config=self.config)
+
+        def load_group(self, path: Any, group: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
+            """Collective load: the ranks of ``group`` read the file once in total."""
+            self.finalize()
+            target = _local_path(path)
+            if not os.path.exists(target):
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
+            self.counts["load_group"] += 1
+            return fastpersist.load(
+                target, map_location=map_location, weights_only=weights_only, config=self.config, group=group
+            )
+
+        def remove_checkpoint(self, path: Any) -> None:
+            # Retention: the checkpoint that replaces this one must be durable first.
+            self.finalize()
+            self._fallback.remove_checkpoint(path)
+
+        def teardown(self) -> None:
+            self.finalize()
+
+    class FastPersistDDPStrategy(strategies.DDPStrategy):
+        """DDP whose checkpoints every rank writes together through fastpersist.
+
+        ``save_checkpoint`` is called by Lightning on every rank; with more than one
+        rank and a fastpersist that has collective saves, all ranks call
+        ``fastpersist.save(checkpoint, path, group=WORLD)``: one ordinary torch file,
+        each rank writing a block-aligned slice (byte-identical to a one-rank save).
+        Otherwise (one rank, no collective saves, or a CheckpointIO that is not
+        :class:`FastPersistCheckpointIO`) rank 0 saves through the CheckpointIO, as
+        stock DDP does. The ranks first compare digests of their checkpoints
+        (pickle and CRC-32 of every tensor, ``integrations/_replicated.py``); if they
+        differ (for example a ``ModelCheckpoint`` monitoring a metric logged without
+        ``sync_dist``), rank 0 writes its own checkpoint alone with
+        :func:`fastpersist.save`, as stock DDP would.
+        """
+
+        def __init__(self, *args: Any, checkpoint_io: Any = None, **kwargs: Any) -> None:
+            super().__init__(*args, checkpoint_io=checkpoint_io or FastPersistCheckpointIO(), **kwargs)
+
+        def _fastpersist_io(self) -> Any:
+            io = _unwrap(self.checkpoint_io, wrapper)
+            return io if isinstance(io, FastPersistCheckpointIO) else None
+
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+        ) -> None:
+            io = self._fastpersist_io()
+            group = _group() if HAS_GROUP_SAVE else None
+            if io is None or group is None or storage_options is not None or not _is_local(filepath):
+                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            io.finalize()
+            target = _local_path(filepath)
+            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+            split = save_replicated(checkpoint, target, group=group, writer=self.is_global_zero, config=io.config)
+            if split:
+                io.counts["save_group"] += 1
+            elif self.is_global_zero:
+                io.counts["save"] += 1
+
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+            io = self._fastpersist_io()
+            group = _group() if HAS_GROUP_SAVE else None
+            if io is None or group is None or not _is_local(checkpoint_path):
+                return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return io.load_group(
+                checkpoint_path, group, map_location=lambda storage, loc: storage, weights_only=weights_only
+            )
+
+        def remove_checkpoint(self, filepath: Any) -> None:
+            io = self._fastpersist_io()
+            if io is not None:
+                io.finalize()  # every rank: nothing of its own pending when rank 0 deletes
+            super().remove_checkpoint(filepath)
+
+    FSDPStrategy = strategies.FSDPStrategy
+
+    class FastPersistFSDPStrategy(FSDPStrategy):
+        """FSDP whose sharded checkpoints go through fastpersist's DCP storage layer.
+
+        ``state_dict_type="sharded"``: each rank writes its shards with
+        ``torch.distributed.checkpoint.save(..., storage_writer=FastPersistWriter(dir))``
+        (aligned, durable, checksummed; a stock DCP directory that Lightning's and
+        DCP's own readers load), and rank 0 writes the remaining trainer state
+        (``meta.pt``) with :func:`fastpersist.save`. ``state_dict_type="full"`` saves
+        go through the CheckpointIO (:class:`FastPersistCheckpointIO` by default).
+        Loads are Lightning's own. Without ``fastpersist.dcp`` sharded saves are
+        Lightning's own.
+        """
+
+        def __init__(self, *args: Any, checkpoint_io: Any = None, **kwargs: Any) -> None:
+            super().__init__(*args, checkpoint_io=checkpoint_io or FastPersistCheckpointIO(), **kwargs)
+
+        def save_checkpoint(
+            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+        ) -> None:
+            writer = _dcp_writer()
+            if self._state_dict_type != "sharded" or writer is None or storage_options is not None:
+                return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            from pathlib import Path
+
+            import torch.distributed.checkpoint as dcp
+
+            fsdp_module = importlib.import_module(f"{package}.strategies.fsdp")
+            path = Path(self.broadcast(filepath))
+            if path.is_file():
+                path.unlink()
+            path.mkdir(parents=True, exist_ok=True)
+            converted = {"model": checkpoint.pop("state_dict")}
+            converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+            dcp.save(converted, storage_writer=writer(path))
+            if self.global_rank == 0:
+                fastpersist.save(checkpoint, path / fsdp_module._METADATA_FILENAME)
+
+    return types.SimpleNamespace(
+        FastPersistCheckpointIO=FastPersistCheckpointIO,
+        FastPersistDDPStrategy=FastPersistDDPStrategy,
+        FastPersistFSDPStrategy=FastPersistFSDPStrategy,
+        StrategyRegistry=strategies.StrategyRegistry,
+        package=package,
+    )
+
+
+def classes_for(package: str = "lightning.pytorch") -> types.SimpleNamespace:
+    """The adapter classes for ``package`` (``"lightning.pytorch"`` or
+    ``"pytorch_lightning"``), built once, with the strategy names registered."""
+    with _classes_lock:
+        ns = _classes.get(package)
+        if ns is None:
+            ns = _classes[package] = _define(package)
+            register_strategies(ns)
+        return ns
+
+
+def register_strategies(ns: Optional[types.SimpleNamespace] = None) -> list[str]:
+    """Register ``ddp_fastpersist``, ``ddp_fastpersist_spawn``, ``ddp_fastpersist_fork``
+    and ``fsdp_fastpersist`` in the package's ``StrategyRegistry`` (replacing the
+    start-up hook's lazy entries). Returns the names registered."""
+    ns = ns or classes_for()
+    registry = ns.StrategyRegistry
+    for name, (class_name, _params, _description) in _startup.STRATEGIES.items():
+        if name in registry:
+            registry.remove(name)
+    return _startup.register_strategies(registry, ns.package, lambda _pkg, cls_name: getattr(ns, cls_name))
+
+
+def _default_package() -> str:
+    try:
+        importlib.import_module("lightning.pytorch")
+        return "lightning.pytorch"
+    except ImportError:
+        return "pytorch_lightning"
+
+
+_ns = classes_for(_default_package())
+FastPersistCheckpointIO: Callable[..., Any] = _ns.FastPersistCheckpointIO
+FastPersistDDPStrategy: Callable[..., Any] = _ns.FastPersistDDPStrategy
+FastPersistFSDPStrategy: Callable[..., Any] = _ns.FastPersistFSDPStrategy
+del _ns
