@@ -19,7 +19,7 @@ log = logging.getLogger("fastpersist.dcp")
 
 PathLike = Union[str, "os.PathLike[str]"]
 #: Bytes read per native call (items larger than this are read alone).
-_BATCH_BYTES = 256 << 20
+_BATCH_BYTES = 64 << 20
 _ALIGN = 4096
 
 
@@ -39,6 +39,36 @@ def narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
         if off != 0 or n != t.size(dim):
             t = t.narrow(dim, off, n)
     return t
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over a memoryview: ``torch.load`` reads records from it
+    with ``readinto`` (one copy into each storage; ``io.BytesIO`` would copy the item first)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        memoryview(b).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
 
 
 class FastPersistReader(FileSystemReader):
@@ -79,55 +109,88 @@ class FastPersistReader(FileSystemReader):
         ):
             log.info("fastpersist.dcp: reading %s with DCP's FileSystemReader", self.path)
             return super().read_data(plan, planner)
-        per_file: dict[str, dict[Any, list[Any]]] = {}
+        by_index: dict[Any, list[Any]] = {}
         for req in plan.items:
-            info = self.storage_data[req.storage_index]
-            per_file.setdefault(info.relative_path, {}).setdefault(req.storage_index, []).append(req)
-        for relative_path, by_index in per_file.items():
-            self._read_file(relative_path, by_index, planner)
+            by_index.setdefault(req.storage_index, []).append(req)
+        batches = self._batches(by_index)
+        if batches:
+            self._pipeline(batches, by_index, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _read_file(self, relative_path: str, by_index: dict[Any, list[Any]], planner: LoadPlanner) -> None:
-        path = os.path.join(os.fsdecode(os.fspath(self.path)), relative_path)
-        order = sorted(by_index, key=lambda idx: self.storage_data[idx].offset)
-        batch: list[Any] = []
-        nbytes = 0
-        for idx in order:
-            n = _align_up(self.storage_data[idx].length)
-            if batch and nbytes + n > _BATCH_BYTES:
-                self._read_batch(path, batch, by_index, planner)
-                batch, nbytes = [], 0
-            batch.append(idx)
-            nbytes += n
-        if batch:
-            self._read_batch(path, batch, by_index, planner)
+    def _batches(self, by_index: dict[Any, list[Any]]) -> list[tuple[str, list[Any], list[int], int]]:
+        """``(path, items, buffer offsets, buffer bytes)`` per read: items of one file in
+        offset order, up to :data:`_BATCH_BYTES` (a larger item alone)."""
+        root = os.fsdecode(os.fspath(self.path))
+        per_file: dict[str, list[Any]] = {}
+        for idx in by_index:
+            per_file.setdefault(self.storage_data[idx].relative_path, []).append(idx)
+        out = []
+        for rel, idxs in per_file.items():
+            path = os.path.join(root, rel)
+            idxs.sort(key=lambda i: (self.storage_data[i].offset, self.storage_data[i].length))
+            batch: list[Any] = []
+            places: list[int] = []
+            total = 0
+            end = -1
+            for idx in idxs:
+                info = self.storage_data[idx]
+                if info.offset < end:  # items overlap: not a file any writer of ours or DCP's made
+                    raise CheckpointFormatError(f"{path}: item {item_name(idx)} overlaps the previous item",
+                                                path, info.offset)
+                end = info.offset + info.length
+                n = _align_up(max(1, info.length))
+                if batch and total + n > _BATCH_BYTES:
+                    out.append((path, batch, places, total))
+                    batch, places, total = [], [], 0
+                batch.append(idx)
+                places.append(total)
+                total += n
+            if batch:
+                out.append((path, batch, places, total))
+        return out
 
-    def _read_batch(self, path: str, batch: list[Any], by_index: dict[Any, list[Any]], planner: LoadPlanner) -> None:
+    def _pipeline(self, batches: list[tuple[str, list[Any], list[int], int]], by_index: dict[Any, list[Any]],
+                  planner: LoadPlanner) -> None:
+        """Read batch k+1 (native, in the background) while batch k is checked and handed
+        to the planner; two aligned buffers, reused."""
         from fastpersist import _native
 
-        places = []
-        total = 0
-        for idx in batch:
-            places.append(total)
-            total += _align_up(max(1, self.storage_data[idx].length))
-        buf = _native.PinnedBuffer(max(total, _ALIGN), _ALIGN, False)
-        mem = memoryview(buf)
-        extents = []
-        end = -1
-        for slot, (idx, at) in enumerate(zip(batch, places)):
-            info = self.storage_data[idx]
-            if info.offset < end:  # items overlap: not a file any writer of ours or DCP's made
-                raise CheckpointFormatError(f"{path}: item {item_name(idx)} overlaps the previous item", path,
-                                            info.offset)
-            end = info.offset + info.length
-            if info.length:
-                extents.append((info.offset, buf.ptr + at, info.length, slot))
+        handle = self._get_handle()
+        size = max(max(b[3] for b in batches), _ALIGN)
+        bufs = [_native.PinnedBuffer(size, _ALIGN, False) for _ in range(min(2, len(batches)))]
+
+        def submit(k: int) -> int:
+            path, batch, places, _total = batches[k]
+            buf = bufs[k % len(bufs)]
+            extents = [(self.storage_data[idx].offset, buf.ptr + at, self.storage_data[idx].length, slot)
+                       for slot, (idx, at) in enumerate(zip(batch, places)) if self.storage_data[idx].length]
+            return handle.submit_read(path, extents, len(batch))
+
         try:
-            crcs = self._get_handle().read(path, extents, len(batch)) if extents else [0] * len(batch)
-        except EOFError as e:
-            raise CheckpointFormatError(f"{path} is shorter than .metadata says ({e})", path) from e
+            pending = submit(0)
+            for k, (path, batch, places, _total) in enumerate(batches):
+                try:
+                    crcs = dict(handle.wait())[pending]
+                except EOFError as e:
+                    raise CheckpointFormatError(f"{path} is shorter than .metadata says ({e})", path) from e
+                if k + 1 < len(batches):
+                    pending = submit(k + 1)
+                self._check(path, batch, crcs)
+                mem = memoryview(bufs[k % len(bufs)])
+                for idx, at in zip(batch, places):
+                    raw = mem[at : at + self.storage_data[idx].length]
+                    for req in by_index[idx]:
+                        self._deliver(req, raw, planner)
+        finally:
+            if handle.pending():
+                try:
+                    handle.wait()
+                except Exception:  # noqa: BLE001 - the error already propagating is the one to report
+                    pass
+
+    def _check(self, path: str, batch: list[Any], crcs: list[int]) -> None:
         bad = [
             item_name(idx)
             for idx, crc in zip(batch, crcs)
@@ -140,17 +203,13 @@ class FastPersistReader(FileSystemReader):
                 path,
                 bad,
             )
-        for idx, at in zip(batch, places):
-            raw = mem[at : at + self.storage_data[idx].length]
-            for req in by_index[idx]:
-                self._deliver(req, raw, planner)
 
     @staticmethod
     def _deliver(req: Any, raw: memoryview, planner: LoadPlanner) -> None:
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(bytes(raw)))
             return
-        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        tensor = torch.load(_MemoryFile(raw), map_location="cpu", weights_only=True)
         tensor = narrow(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
