@@ -115,7 +115,10 @@ class Config:
         dist_timeout: Collective saves/loads (``group=``): seconds a rank waits for the
             others at each step before raising an error naming the missing ranks.
         dist_load: Collective loads: ``"slices"`` (each rank reads a disjoint slice,
-            the ranks exchange them) or ``"whole"`` (every rank reads the whole file).
+            the ranks exchange them), ``"whole"`` (every rank reads the whole file) or
+            ``"auto"`` (default): slices for NCCL groups, whole for gloo groups, where
+            the exchange over TCP measured slower than reading the file again
+            (docs/benchmarks.md, "Multi-rank").
         async_staging_limit: Bytes of page-locked host memory for
             :func:`fastpersist.save_async` snapshots (a pool reused across saves; a save
             that needs more waits for its earlier windows to reach the disk); also the
@@ -139,8 +142,9 @@ class Config:
     #: before raising an error that names the missing ranks.
     dist_timeout: float = 600.0
     #: Collective loads: ``"slices"``: each rank reads a disjoint slice of the file and
-    #: the ranks exchange them; ``"whole"``: every rank reads the whole file itself.
-    dist_load: str = "slices"
+    #: the ranks exchange them; ``"whole"``: every rank reads the whole file itself;
+    #: ``"auto"``: slices when the group moves CUDA tensors (NCCL), else whole.
+    dist_load: str = "auto"
 
     # -- asynchronous saves (fastpersist.asyncsave) --
     #: Page-locked host memory that ``save_async(mode="snapshot")`` copies state into
@@ -254,7 +258,7 @@ def _validate_field(name: str, value: Any) -> None:
 
 
 #: Values accepted for :attr:`Config.dist_load`.
-DIST_LOAD = ("slices", "whole")
+DIST_LOAD = ("auto", "slices", "whole")
 _DIST_FIELDS = frozenset({"dist_timeout", "dist_load"})
 
 
@@ -446,10 +450,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "before raising an error naming the ranks that did not arrive (dead or hung).",
     ),
     EnvVar(
-        "FASTPERSIST_DIST_LOAD", "dist_load", _parse_dist_load, "slices or whole",
+        "FASTPERSIST_DIST_LOAD", "dist_load", _parse_dist_load, "auto, slices or whole",
         "Collective loads (`load(path, group=...)`): `slices`: each rank reads a disjoint slice "
         "of the file and the ranks exchange them over the group, so the storage is read once; "
-        "`whole`: every rank reads the whole file (see docs/benchmarks.md, \"Multi-rank\").",
+        "`whole`: every rank reads the whole file; `auto`: `slices` when the group's backend moves CUDA "
+        "tensors (NCCL), `whole` for gloo, where on the reference VM the exchange over loopback TCP was "
+        "slower than each rank reading the file (docs/benchmarks.md, \"Multi-rank\").",
     ),
     EnvVar(
         "FASTPERSIST_PATCH_TORCH_SAVE", None, parse_bool, "boolean",

@@ -55,7 +55,10 @@ aligned slice (O_DIRECT) into an anonymous memory file, the slices are broadcast
 over the group (gloo: CPU tensors; NCCL: through CUDA tensors), and every rank
 then loads the assembled bytes with the ordinary loader, with all its checks
 (``Config.dist_load="slices"``). With ``dist_load="whole"`` every rank reads the
-whole file itself. The ranks first check that they see the same file (size and a
+whole file itself. The default, ``"auto"``, takes slices for NCCL groups (an
+exchange over NVLink/InfiniBand is far faster than storage) and whole for gloo
+groups: on the 2-vCPU reference VM, broadcasting 1 GB over loopback TCP cost more
+than each rank reading the file again (docs/benchmarks.md, "Multi-rank"). The ranks first check that they see the same file (size and a
 hash of its first and last 64 KiB, which hold the zip central directory with every
 record's CRC, or the safetensors header).
 """
@@ -177,14 +180,7 @@ class _Coordinator:
     def gather(self, step: str, value: Any) -> list[Any]:
         """All ranks' ``value`` for ``step``, in rank order; raises :class:`DistributedTimeoutError`
         naming the ranks that did not arrive if the exchange fails."""
-        t0 = time.monotonic()
-        if self.store is not None:
-            key = self._key(step, self.rank)
-            try:
-                self.store.set(key, b"1")
-                self._marks.append(key)
-            except Exception:  # noqa: BLE001 - diagnosis only
-                pass
+        t0 = self.mark(step)
         out: list[Any] = [None] * self.size
         try:
             dist.all_gather_object(out, value, group=self.side)
@@ -194,6 +190,18 @@ class _Coordinator:
             self._first = False
             self._forget_previous()
         return out
+
+    def mark(self, step: str) -> float:
+        """Leave this rank's arrival mark for ``step`` in the store; returns the time (for :meth:`_lost`)."""
+        t0 = time.monotonic()
+        if self.store is not None:
+            key = self._key(step, self.rank)
+            try:
+                self.store.set(key, b"1")
+                self._marks.append(key)
+            except Exception:  # noqa: BLE001 - diagnosis only
+                pass
+        return t0
 
     def _forget_previous(self) -> None:
         """Delete this rank's marks of the previous operation on this group: every rank has
@@ -574,7 +582,10 @@ def load(
     fspath = os.fsdecode(os.fspath(path))
     co = _Coordinator(group, cfg.dist_timeout, f"fastpersist.load({fspath!r}) over {dist.get_world_size(group)} ranks")
     try:
-        slices = cfg.dist_load == "slices" and not mmap and hasattr(os, "memfd_create")
+        mode = cfg.dist_load
+        if mode == "auto":
+            mode = "slices" if _bulk_device(group) is not None else "whole"
+        slices = mode == "slices" and not mmap and hasattr(os, "memfd_create")
         if slices:
             return _load_slices(co, fspath, cfg, map_location, local_load)
         loc = _Local()
@@ -646,7 +657,7 @@ def _load_slices(co: _Coordinator, fspath: str, cfg: Any, map_location: Any, loc
 def _exchange(co: _Coordinator, buf: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
     """Broadcast every rank's slice of ``buf`` to all ranks."""
     device = _bulk_device(co.group)
-    t0 = time.monotonic()
+    t0 = co.mark("exchange")
     try:
         for r, (lo, hi) in enumerate(bounds):
             if hi <= lo:
