@@ -110,6 +110,10 @@ Guarded where they are used (no feature here): ``torch._guards.detect_fake_mode`
 pickle naming anything else is not overlapped with the read, the safe side).
 ``patch.py`` uses no private name (``inspect.signature(torch.serialization.save)``
 is public). ``config.py``, ``formats/base.py`` and ``bench/`` use none.
+
+DCP storage layer (``fastpersist.dcp``, ``formats/dcpverify.py``): ``dcp_storage_layer``
+(DCP's ``_StorageInfo`` and the ``FileSystemWriter``/``Reader`` attributes it reads;
+described with its probe in the block at the end of this module).
 """
 
 from __future__ import annotations
