@@ -22,8 +22,19 @@ replacement needs a temporary file beside the target; torch overwrites in place)
 A write-protected file raises ``PermissionError`` either way, as with torch.
 ``torch.save`` always writes torch's zip format, whatever the file name; ``torch.load``
 of a ``.safetensors`` name is left to the original (whose handling depends on the
-torch version). Setting ``FASTPERSIST_PATCH_TORCH_SAVE=1`` patches at
-``import fastpersist``.
+torch version).
+
+``FASTPERSIST_PATCH_TORCH_SAVE=1`` patches with no code change: in every Python process
+of an environment where fastpersist is installed (torchrun, Lightning, Accelerate and
+DeepSpeed workers included), the start-up hook ``_fastpersist_startup`` (run by
+``fastpersist-startup.pth``; source ``integrations/_startup.py``) calls
+:func:`patch_torch_save` right after ``import torch`` completes; it imports neither
+torch nor fastpersist before that. ``import fastpersist`` also patches when the
+variable is set. Check it in the environment that runs your job::
+
+    FASTPERSIST_PATCH_TORCH_SAVE=1 python -c "import torch; print(hasattr(torch.save, '_fastpersist_original'))"
+
+(``True``: patched; this line itself never imports fastpersist.)
 """
 
 from __future__ import annotations
