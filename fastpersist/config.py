@@ -459,9 +459,34 @@ ENV_VARS: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         "FASTPERSIST_PATCH_TORCH_SAVE", None, parse_bool, "boolean",
-        "When true, `import fastpersist` calls `fastpersist.patch_torch_save()`, routing "
-        "`torch.save`/`torch.load` on paths through fastpersist. Read once, at import.",
+        "When true, `torch.save`/`torch.load` on paths go through fastpersist in every Python "
+        "process of the environment, with no code change: the start-up hook installed with the "
+        "package (`fastpersist-startup.pth`) calls `fastpersist.patch_torch_save()` right after "
+        "`import torch` (and `import fastpersist` does too). Also switches on the Accelerate and "
+        "DeepSpeed adapters unless their own variables say off. Check: "
+        "`python -c \"import torch; print(hasattr(torch.save, '_fastpersist_original'))\"`.",
         default="off",
+    ),
+    EnvVar(
+        "FASTPERSIST_ACCELERATE", None, parse_bool, "boolean",
+        "When true, every `Accelerator.save_state`/`load_state` of the process goes through "
+        "fastpersist (`fastpersist.integrations.accelerate.install_from_env()`, run by the start-up "
+        "hook when `accelerate.accelerator` is imported). Unset: follows FASTPERSIST_PATCH_TORCH_SAVE.",
+        default="unset",
+    ),
+    EnvVar(
+        "FASTPERSIST_DEEPSPEED", None, parse_bool, "boolean",
+        "When true, every DeepSpeed engine checkpoints through fastpersist's CheckpointEngine "
+        "(`fastpersist.integrations.deepspeed.install_from_env()`, run by the start-up hook when "
+        "`deepspeed.runtime.engine` is imported). Unset: follows FASTPERSIST_PATCH_TORCH_SAVE.",
+        default="unset",
+    ),
+    EnvVar(
+        "FASTPERSIST_STARTUP", None, parse_bool, "boolean",
+        "`0`/off turns the start-up hook off entirely (no import watcher: no torch.save switch, no "
+        "adapter switches, no Lightning strategy names registered without an import of "
+        "`fastpersist.integrations.lightning`).",
+        default="on",
     ),
     EnvVar(
         "FASTPERSIST_FAULT", None, _parse_fault, "op:nth:action[:count]",

@@ -5,6 +5,10 @@ into :func:`fastpersist.save` / :func:`fastpersist.save_async` / :func:`fastpers
 
 - :mod:`fastpersist.integrations.lightning`: ``FastPersistCheckpointIO`` and the
   ``"ddp_fastpersist"`` / ``"fsdp_fastpersist"`` strategy names.
+- :mod:`fastpersist.integrations.accelerate`: ``enable(accelerator)`` or
+  ``FASTPERSIST_ACCELERATE=1``: ``save_state``/``load_state`` through fastpersist.
+- :mod:`fastpersist.integrations.deepspeed`: ``FastPersistCheckpointEngine``,
+  ``enable(engine)`` / ``enable()`` or ``FASTPERSIST_DEEPSPEED=1``.
 
 The source lives in the top-level ``integrations/`` folder of the repository; a wheel
 installs it as ``fastpersist/integrations/`` (``wheel.force-include`` in

@@ -12,6 +12,10 @@ Lightning or fastpersist itself. It puts one import watcher at the front of
   ``fastpersist.patch_torch_save()`` runs right after ``import torch`` completes,
   so ``torch.save``/``torch.load`` on paths go through fastpersist in a program
   that never imports fastpersist.
+* ``accelerate.accelerator`` / ``deepspeed.runtime.engine``, when
+  ``FASTPERSIST_ACCELERATE`` / ``FASTPERSIST_DEEPSPEED`` or the torch.save switch is
+  set: the adapter's ``install_from_env()`` runs (it reads its own variable first,
+  so ``FASTPERSIST_ACCELERATE=0`` keeps Accelerate stock under the switch).
 * ``lightning.pytorch.strategies`` / ``pytorch_lightning.strategies``, always:
   the strategy names of :data:`STRATEGIES` are registered in Lightning's
   ``StrategyRegistry`` as small factories; fastpersist is imported only when a
@@ -29,6 +33,11 @@ import sys
 
 ENV_SWITCH = "FASTPERSIST_PATCH_TORCH_SAVE"
 ENV_STARTUP = "FASTPERSIST_STARTUP"
+#: adapter module -> (the module whose import triggers it, its own variable)
+ADAPTERS = {
+    "accelerate": ("accelerate.accelerator", "FASTPERSIST_ACCELERATE"),
+    "deepspeed": ("deepspeed.runtime.engine", "FASTPERSIST_DEEPSPEED"),
+}
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 
@@ -54,7 +63,7 @@ STRATEGIES = {
 }
 
 #: What the hook did in this process (``fastpersist info`` prints it).
-state = {"torch_patched": False, "lightning_registered": [], "errors": []}
+state = {"torch_patched": False, "lightning_registered": [], "adapters": [], "errors": []}
 
 
 def _flag(name):  # -> Optional[bool]; no typing import at start-up
@@ -86,6 +95,19 @@ def _patch_torch(_module: object) -> None:
         state["torch_patched"] = True
     except BaseException as e:  # never break "import torch"
         _warn(f"{ENV_SWITCH} is set but torch.save could not be patched", e)
+
+
+def _adapter_installer(name: str):
+    def run(_module: object) -> None:
+        try:
+            import importlib
+
+            if importlib.import_module(f"fastpersist.integrations.{name}").install_from_env():
+                state["adapters"].append(name)
+        except BaseException as e:  # never break the framework's import
+            _warn(f"could not switch on the fastpersist {name} adapter", e)
+
+    return run
 
 
 def _strategy_factory(package: str, class_name: str):
@@ -181,6 +203,9 @@ def install() -> None:
     }
     if _flag(ENV_SWITCH):
         watches["torch"] = _patch_torch
+    for name, (trigger, variable) in ADAPTERS.items():
+        if _flag(variable) or (_flag(ENV_SWITCH) and _flag(variable) is not False):
+            watches[trigger] = _adapter_installer(name)
     _watcher = _Watcher()
     for name, callback in watches.items():
         module = sys.modules.get(name)
