@@ -335,18 +335,49 @@ def _define(package: str) -> types.SimpleNamespace:
     class FastPersistFSDPStrategy(FSDPStrategy):
         """FSDP whose sharded checkpoints go through fastpersist's DCP storage layer.
 
-        ``state_dict_type="sharded"``: each rank writes its shards with
+        ``state_dict_type="sharded"`` (the default here; Lightning's ``FSDPStrategy``
+        defaults to ``"full"``): each rank writes its shards with
         ``torch.distributed.checkpoint.save(..., storage_writer=FastPersistWriter(dir))``
         (aligned, durable, checksummed; a stock DCP directory that Lightning's and
         DCP's own readers load), and rank 0 writes the remaining trainer state
         (``meta.pt``) with :func:`fastpersist.save`. ``state_dict_type="full"`` saves
         go through the CheckpointIO (:class:`FastPersistCheckpointIO` by default).
-        Loads are Lightning's own. Without ``fastpersist.dcp`` sharded saves are
-        Lightning's own.
+        Loads are Lightning's own (DCP's stock reader). Without ``fastpersist.dcp``
+        sharded saves are Lightning's own.
+
+        On CPU (``accelerator="cpu"``, gloo) the module is wrapped with
+        ``device_id=torch.device("cpu")``: Lightning passes ``device_id=None`` there,
+        and torch's FSDP then refuses ("FSDP needs a non-CPU accelerator device").
+        (``Trainer(strategy="fsdp", accelerator="cpu")`` is refused by Lightning
+        itself; ``strategy="fsdp_fastpersist"`` is not.)
         """
 
-        def __init__(self, *args: Any, checkpoint_io: Any = None, **kwargs: Any) -> None:
-            super().__init__(*args, checkpoint_io=checkpoint_io or FastPersistCheckpointIO(), **kwargs)
+        def __init__(self, *args: Any, checkpoint_io: Any = None, state_dict_type: str = "sharded",
+                     **kwargs: Any) -> None:
+            super().__init__(*args, checkpoint_io=checkpoint_io or FastPersistCheckpointIO(),
+                             state_dict_type=state_dict_type, **kwargs)
+            #: sharded checkpoints written through ``FastPersistWriter`` by this strategy
+            self.dcp_saves = 0
+
+        def _setup_model(self, model: Any) -> Any:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+                return super()._setup_model(model)
+            import torch
+
+            fsdp_module = importlib.import_module(f"{package}.strategies.fsdp")
+            model = FullyShardedDataParallel(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=torch.device("cpu"),
+                **self.kwargs,
+            )
+            fsdp_module._move_torchmetrics_to_device(model, self.root_device)
+            fsdp_module._setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+            return model
 
         def save_checkpoint(
             self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
@@ -368,6 +399,7 @@ def _define(package: str) -> types.SimpleNamespace:
             dcp.save(converted, storage_writer=writer(path))
             if self.global_rank == 0:
                 fastpersist.save(checkpoint, path / fsdp_module._METADATA_FILENAME)
+            self.dcp_saves += 1
 
     return types.SimpleNamespace(
         FastPersistCheckpointIO=FastPersistCheckpointIO,
