@@ -48,6 +48,15 @@ multi-rank save and the ranks checked that their replicas are identical; otherwi
 the main process writes them. Other distributed types (FSDP, DeepSpeed,
 Megatron-LM, XLA) keep Accelerate's own path for their model and optimizer files;
 for DeepSpeed, enable :mod:`fastpersist.integrations.deepspeed` as well.
+
+FSDP is not routed through :mod:`fastpersist.dcp` yet: Accelerate runs FSDP only on
+accelerators (on CPU, ``Accelerator(cpu=True, fsdp_plugin=...)`` silently stays
+``MULTI_CPU`` with DDP, and ``accelerate launch --use_fsdp`` refuses without a
+device), so it could not be tested here. The hook point when it is:
+``accelerate.utils.fsdp_utils`` imports ``torch.distributed.checkpoint`` inside each
+save/load function and looks up ``FileSystemWriter``/``FileSystemReader`` on it at
+call time, so those two attributes, swapped for ``FastPersistWriter``/``Reader``
+while an enabled ``save_state``/``load_state`` runs, are the narrowest place.
 """
 
 from __future__ import annotations
