@@ -365,13 +365,9 @@ def _class_settings(accelerator: Any) -> Optional[_Settings]:
 def env_enabled() -> bool:
     """``FASTPERSIST_ACCELERATE`` if set, else ``FASTPERSIST_PATCH_TORCH_SAVE``
     (booleans: 1/0, true/false, on/off, yes/no; anything else raises ValueError)."""
-    from fastpersist.config import parse_bool
+    from fastpersist.integrations._env import adapter_enabled
 
-    for name in (ENV_VAR, _SWITCH):
-        raw = os.environ.get(name, "")
-        if raw.strip():
-            return parse_bool(name, raw)
-    return False
+    return adapter_enabled(ENV_VAR)
 
 
 def install_from_env() -> bool:
