@@ -185,6 +185,17 @@ def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
                     traceback.format_exc())
             with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
                 pickle.dump(out, f)
+        with open(os.path.join(d, f"done-{rank}"), "w"):
+            pass
+        if rank == 0:
+            # Rank 0 hosts the rendezvous store, which the other survivors still read
+            # to name a dead rank: leaving before they are done would make them
+            # report rank 0 as the missing one. ("kill" makes rank 1 die.)
+            alive = world - (1 if "kill" in names else 0)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and \
+                    sum(os.path.exists(os.path.join(d, f"done-{r}")) for r in range(world)) < alive:
+                time.sleep(0.05)
     finally:
         sys.stdout.flush()
         os._exit(0)  # no destroy_process_group: a killed peer could hang it
