@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -85,24 +85,27 @@ _ONE = object.__new__(_StandIn)
 
 
 class _DryUnpickler(pickle.Unpickler):
-    """Runs a pickle with every global replaced by :class:`_StandIn`, recording each
-    global and each persistent id. Nothing is imported and no checkpoint code runs."""
+    """Runs a pickle with every global replaced by a :class:`_StandIn` subclass that
+    carries the global's name (``ref``), recording each global and each persistent
+    id. Nothing is imported and no checkpoint code runs."""
 
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data), encoding="latin1")
-        self.globals: set[tuple[str, str]] = set()
+        self.globals: dict[tuple[str, str], type] = {}
         self.storages: dict[str, Any] = {}
+        self.pids: list[Any] = []
 
     def find_class(self, module: str, name: str) -> Any:
-        self.globals.add((str(module), str(name)))
-        return _StandIn
+        ref = (str(module), str(name))
+        cls = self.globals.get(ref)
+        if cls is None:
+            cls = self.globals[ref] = type("_Global", (_StandIn,), {"ref": ref})
+        return cls
 
     def persistent_load(self, pid: Any) -> Any:
+        self.pids.append(pid)
         if isinstance(pid, tuple) and len(pid) == 5:
-            key = pid[2]
-            if isinstance(key, bytes):
-                key = key.decode("latin-1")
-            self.storages[str(key)] = pid[4]
+            self.storages[f"{pid[2]}"] = pid[4]  # the key as torch formats it ("data/{key}")
         return _ONE
 
 
@@ -114,6 +117,9 @@ class PickleScan:
     globals: Optional[set[tuple[str, str]]]
     #: storage key -> element count of every persistent id (None: not known)
     storages: Optional[dict[str, Any]] = None
+    #: every persistent id as the pickle built it; globals in it are classes with a
+    #: ``ref`` attribute ``(module, name)``, other computed values the stand-in
+    pids: list[Any] = field(default_factory=list)
     error: Optional[str] = None  #: why the pickle could not be run (malformed ...)
 
     @property
@@ -129,7 +135,13 @@ def scan_pickle(data: bytes) -> PickleScan:
         dry.load()
     except Exception as e:  # noqa: BLE001 - any failure means "not understood"
         return PickleScan(globals=None, error=f"{type(e).__name__}: {e}")
-    return PickleScan(globals=dry.globals, storages=dry.storages)
+    return PickleScan(globals=set(dry.globals), storages=dry.storages, pids=dry.pids)
+
+
+def global_ref(obj: Any) -> Optional[tuple[str, str]]:
+    """``(module, name)`` when ``obj`` is what a global resolved to in the dry run, else None."""
+    ref = getattr(obj, "ref", None) if isinstance(obj, type) and issubclass(obj, _StandIn) else None
+    return ref if isinstance(ref, tuple) else None
 
 
 def is_data_free_global(module: str, name: str) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import io
 import os
-import pickletools
 import re
 import sys
 import warnings
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from fastpersist.errors import ZipFormatError
+from fastpersist.formats.picklescan import _StandIn, global_ref, scan_pickle
 from fastpersist.formats.zipindex import ZipEntry, ZipIndex, buffer_reader, fd_reader, parse_zip_index
 
 #: The first bytes of a legacy (``_use_new_zipfile_serialization=False``) torch file:
@@ -186,113 +186,33 @@ def _element_size(module: str, name: str) -> Optional[int]:
     return torch._utils._element_size(dtype)
 
 
-class _Mark:
-    pass
-
-
-_MARK = _Mark()
-_UNKNOWN = object()
-_STRING_OPS = {
-    "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8",
-    "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
-}
-_INT_OPS = {"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"}
-
-
 def storage_references(pickle_bytes: bytes) -> list[tuple[str, str, int, Any]]:
     """``(key, storage class "module name", numel, location)`` of every persistent id
-    a torch pickle references, found by walking its opcodes (nothing is executed).
+    a torch pickle references, from the dry run of :mod:`fastpersist.formats.picklescan`
+    (nothing is imported or executed).
 
     Raises:
-        ValueError: the pickle cannot be parsed, or a persistent id is not a
+        ValueError: the pickle cannot be run, or a persistent id is not a
             ``('storage', <class>, key, location, numel)`` tuple torch can load.
     """
-    stack: list[Any] = []
-    memo: dict[int, Any] = {}
-    refs: list[tuple[str, str, int, Any]] = []
-
-    def pop_to_mark() -> list[Any]:
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i] is _MARK:
-                items = stack[i + 1 :]
-                del stack[i:]
-                return items
-        raise ValueError("no MARK on the stack")
-
-    def pop() -> Any:
-        if not stack or stack[-1] is _MARK:
-            raise ValueError("stack underflow")
-        return stack.pop()
-
-    for op, arg, pos in pickletools.genops(io.BytesIO(pickle_bytes)):
-        name = op.name
-        if name in _STRING_OPS:
-            stack.append(arg.decode("ascii", "replace") if isinstance(arg, bytes) else arg)
-        elif name in _INT_OPS:
-            stack.append(arg)
-        elif name == "MARK":
-            stack.append(_MARK)
-        elif name == "GLOBAL":
-            stack.append(("global", arg))
-        elif name == "STACK_GLOBAL":
-            n, m = pop(), pop()
-            stack.append(("global", f"{m} {n}") if isinstance(m, str) and isinstance(n, str) else _UNKNOWN)
-        elif name == "TUPLE":
-            stack.append(tuple(pop_to_mark()))
-        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-            n = int(name[-1])
-            items = [pop() for _ in range(n)][::-1]
-            stack.append(tuple(items))
-        elif name == "EMPTY_TUPLE":
-            stack.append(())
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            if not stack:
-                raise ValueError(f"memo put on an empty stack at byte {pos}")
-            memo[arg] = stack[-1]
-        elif name == "MEMOIZE":
-            if not stack:
-                raise ValueError(f"memoize on an empty stack at byte {pos}")
-            memo[len(memo)] = stack[-1]
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            if arg not in memo:
-                raise ValueError(f"memo key {arg} read before it was written (byte {pos})")
-            stack.append(memo[arg])
-        elif name in ("PERSID", "BINPERSID"):
-            pid = arg if name == "PERSID" else pop()
-            refs.append(_storage_ref(pid, pos))
-            stack.append(_UNKNOWN)
-        elif name == "STOP":
-            break
-        else:  # generic stack effect from pickletools' description of the opcode
-            before = op.stack_before
-            if pickletools.markobject in before:
-                k = before.index(pickletools.markobject)
-                pop_to_mark()
-                for _ in range(k):
-                    pop()
-            else:
-                for _ in before:
-                    pop()
-            for item in op.stack_after:
-                stack.append(_MARK if item is pickletools.markobject else _UNKNOWN)
-    return refs
+    scan = scan_pickle(pickle_bytes)
+    if scan.error is not None:
+        raise ValueError(scan.error)
+    return [_storage_ref(pid) for pid in scan.pids]
 
 
-def _storage_ref(pid: Any, pos: int) -> tuple[str, str, int, Any]:
+def _storage_ref(pid: Any) -> tuple[str, str, int, Any]:
+    cls = global_ref(pid[1]) if isinstance(pid, tuple) and len(pid) == 5 else None
     if (
-        isinstance(pid, tuple)
-        and len(pid) == 5
+        cls is not None
         and pid[0] == "storage"
-        and isinstance(pid[1], tuple)
-        and len(pid[1]) == 2
-        and pid[1][0] == "global"
         and isinstance(pid[2], str)
         and isinstance(pid[4], int)
         and not isinstance(pid[4], bool)
     ):
-        return pid[2], pid[1][1], pid[4], pid[3]
-    shown = tuple("?" if x is _UNKNOWN else x for x in pid) if isinstance(pid, tuple) else pid
-    raise ValueError(f"persistent id at byte {pos} is not a ('storage', type, key, location, numel) tuple: {shown!r}")
+        return pid[2], f"{cls[0]} {cls[1]}", pid[4], pid[3]
+    shown = tuple("?" if isinstance(x, _StandIn) or global_ref(x) else x for x in pid) if isinstance(pid, tuple) else pid
+    raise ValueError(f"a persistent id is not a ('storage', type, key, location, numel) tuple: {shown!r}")
 
 
 def _structure_problems(path: str, index: ZipIndex, read_at: Any) -> list[str]:
