@@ -160,24 +160,30 @@ _CHILD = textwrap.dedent(
 )
 
 
+def start_big_save(path) -> tuple[subprocess.Popen, str]:
+    """Start a child process saving 200 MiB to ``path``; return it once its temporary
+    file beside ``path`` holds more than 8 MiB (the save is under way), with that name."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and child.poll() is None:
+        names = _leftovers(path.parent)
+        if names and os.path.getsize(path.parent / names[0]) > (8 << 20):
+            return child, names[0]
+        time.sleep(0.0005)
+    child.kill()
+    child.wait()
+    raise AssertionError(f"no temporary file seen in time (child exit {child.poll()})")
+
+
 @pytest.mark.slow
 def test_sigkill_mid_save_keeps_previous(tmp_path):
     path = tmp_path / "ckpt.pt"
     fastpersist.save({"old": torch.arange(1000), "step": 1}, path)
     before = path.read_bytes()
     stat_before = os.stat(path)
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    child, temp = start_big_save(path)
     try:
-        assert child.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 120
-        temp = None
-        while temp is None and time.monotonic() < deadline and child.poll() is None:
-            names = _leftovers(tmp_path)
-            if names and os.path.getsize(tmp_path / names[0]) > (8 << 20):
-                temp = names[0]
-            else:
-                time.sleep(0.0005)
-        assert temp is not None, f"no temporary file seen in time (child exit {child.poll()})"
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait(60) == -signal.SIGKILL
     finally:

@@ -19,6 +19,7 @@ import fastpersist
 from fastpersist import commit
 from fastpersist.cli import main
 from fastpersist.commit import FOREIGN_TMP_GRACE_S, TMP_MARKER, clean_stale_temps, scan_temps, temp_path_for
+from test_atomic import start_big_save
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="owner checks need Linux /proc")
 
@@ -50,35 +51,13 @@ def _save_other(directory) -> None:
 
 # ---- a real SIGKILL mid-save ---------------------------------------------------------
 
-_CHILD = textwrap.dedent(
-    """
-    import sys, torch, fastpersist
-    state = {"big": torch.full((50 * 1024 * 1024,), 7.0), "step": 2}   # 200 MiB
-    cfg = fastpersist.Config(chunk_size=256 << 10, queue_depth=2, threads=1, fsync=True)
-    print("ready", flush=True)
-    fastpersist.save(state, sys.argv[1], config=cfg)
-    print("saved", flush=True)
-    """
-)
-
-
 @pytest.mark.slow
 def test_sigkill_leftover_is_removed_by_next_save(tmp_path):
     path = tmp_path / "ckpt.pt"
     fastpersist.save({"old": torch.arange(1000), "step": 1}, path)
     before = path.read_bytes()
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    child, temp = start_big_save(path)
     try:
-        assert child.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 120
-        temp = None
-        while temp is None and time.monotonic() < deadline and child.poll() is None:
-            names = _leftovers(tmp_path)
-            if names and os.path.getsize(tmp_path / names[0]) > (8 << 20):
-                temp = names[0]
-            else:
-                time.sleep(0.0005)
-        assert temp is not None, f"no temporary file seen in time (child exit {child.poll()})"
         assert f"{TMP_MARKER}{child.pid}-" in temp
         # while the writer runs, its file is live and survives a save next to it
         [t] = scan_temps(str(tmp_path))
