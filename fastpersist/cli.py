@@ -71,6 +71,13 @@ def _names(text: str) -> list[str]:
     return [] if text.strip().lower() in ("", "none") else [n.strip() for n in text.split(",") if n.strip()]
 
 
+def _add_outputs(p: argparse.ArgumentParser, plot: str) -> None:
+    """The output options every benchmark takes: --json, --plot (what the chart shows), --no-progress."""
+    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
+    p.add_argument("--plot", metavar="FILE.png", help=plot)
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``fastpersist`` command."""
     debug = argparse.ArgumentParser(add_help=False)
@@ -131,10 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(off), both, or what loads do on this machine (auto, the default; see read_staging in "
                    "docs/config.md)")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per configuration (default: 3)")
-    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
     p.add_argument("--no-fio", action="store_true", help="do not measure fio's ceiling")
-    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (PNG)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_outputs(p, plot="write a bar chart (PNG)")
     p.set_defaults(func=cmd_bench_io)
 
     p = bsub.add_parser(
@@ -152,10 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated peers: torch, safetensors, dcp, fio, or none "
                    "(default: torch,safetensors,dcp,fio)")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
-    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
-    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (PNG)")
+    _add_outputs(p, plot="write a bar chart (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files of the last run")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench_save)
 
     # -- bench train (fastpersist.bench.train_bench) --
@@ -175,9 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive, default=8, help="batch size (default: 8)")
     p.add_argument("--methods", type=_names, default=None,
                    help="comma-separated: none, torch.save, fastpersist.save, async-snapshot, async-lazy (default: all)")
-    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
-    p.add_argument("--plot", metavar="FILE.png", help="step time over steps, checkpoints marked (PNG)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_outputs(p, plot="step time over steps, checkpoints marked (PNG)")
     p.set_defaults(func=cmd_bench_train)
 
     # -- bench dist (fastpersist.bench.dist_bench) --
@@ -197,10 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fastpersist threads and DCP thread_count per rank (default: Config.threads)")
     p.add_argument("--no-dcp", action="store_true", help="skip the sharded (DCP) methods")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
-    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
-    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (PNG)")
+    _add_outputs(p, plot="write a bar chart (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the files of the last round")
-    p.add_argument("--no-progress", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_bench_dist)
     return parser
 
