@@ -34,6 +34,7 @@ pytest.importorskip("lightning")
 
 import fastpersist  # noqa: E402
 from fastpersist import _compat  # noqa: E402
+from test_integration_lightning import assert_state_equal  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 NO_FASTPERSIST_ENV = {**os.environ, "FASTPERSIST_STARTUP": "0", "FASTPERSIST_PATCH_TORCH_SAVE": "0"}
@@ -96,21 +97,6 @@ def stock_read(src: Path, dst: Path) -> dict[str, Any]:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def assert_state_equal(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_state_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_state_equal(x, y)
-    else:
-        assert a == b
 
 
 def test_fsdp_fastpersist_two_processes(tmp_path: Path) -> None:
