@@ -155,13 +155,11 @@ class _Arena:
     alignment is the same as reading the whole file into one buffer."""
 
     def __init__(self) -> None:
-        self.ranges: list[tuple[int, int, int]] = []  # (file_offset, length, buffer_offset)
         self.size = 0
         self.buffer: Any = None
 
     def place(self, file_offset: int, length: int) -> int:
         pos = self.size + (file_offset - self.size) % _PAGE
-        self.ranges.append((file_offset, length, pos))
         self.size = pos + length
         return pos
 
@@ -244,7 +242,6 @@ class _Load:
         self.records: list[_Record] = []
         self.by_short: dict[str, _Record] = {}
         self.arena = _Arena()
-        self.cd_off = 0
         self.headers_checked = False
 
     # -- index ---------------------------------------------------------------
@@ -272,7 +269,6 @@ class _Load:
         if offsets is None:
             cd_off, offsets, entries = _exact(self.fd, self.path, self.size)
             self.headers_checked = True
-        self.cd_off = cd_off
         for e in entries:
             if not e.name.startswith(prefix):
                 continue  # torch's reader ignores records outside its folder
