@@ -9,6 +9,8 @@ Public API::
     fastpersist.patch_torch_save()       # route torch.save/torch.load through fastpersist
     fastpersist.Config                   # engine, buffers, queue depth, threads, O_DIRECT, fsync, checksum
     fastpersist.io                       # low-level I/O handle, pinned tensors, byte views
+    fastpersist.load_state_dict(model, path)  # read a checkpoint straight into a model's/optimizer's tensors
+    fastpersist.open(path)               # lazy reader: keys()/info() from the index, get()/get_many() read only those
 """
 
 from __future__ import annotations
@@ -20,9 +22,16 @@ from fastpersist.api import load, save, verify  # noqa: E402
 from fastpersist.asyncsave import SaveFuture, guard, save_async, wait_all  # noqa: E402
 from fastpersist.config import Config  # noqa: E402
 from fastpersist.patch import patch_torch_save, unpatch_torch_save  # noqa: E402
+from fastpersist.lazy import CheckpointReader, open  # noqa: E402,A004
+from fastpersist.loadinto import PartialLoadError, StateDictMismatchError, load_state_dict  # noqa: E402
 
 __all__ = [
+    "CheckpointReader",
     "Config",
+    "PartialLoadError",
+    "StateDictMismatchError",
+    "load_state_dict",
+    "open",
     "SaveFuture",
     "__version__",
     "io",
