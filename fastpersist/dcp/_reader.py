@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -13,7 +14,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fastpersist import _compat
-from fastpersist.errors import ChecksumError, CheckpointFormatError
+from fastpersist.dcp._metadata import ADVICE, inside, item_name, load_metadata, table_problems
+from fastpersist.errors import ChecksumError, CheckpointFormatError, FastPersistError
 
 log = logging.getLogger("fastpersist.dcp")
 
@@ -25,13 +27,6 @@ _ALIGN = 4096
 
 def _align_up(x: int, a: int = _ALIGN) -> int:
     return (x + a - 1) // a * a
-
-
-def item_name(index: Any) -> str:
-    """``fqn`` or ``fqn@offsets`` for messages."""
-    fqn = getattr(index, "fqn", str(index))
-    offset = getattr(index, "offset", None)
-    return f"{fqn}@{tuple(offset)}" if offset is not None and len(offset) else str(fqn)
 
 
 def narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
@@ -103,6 +98,34 @@ class FastPersistReader(FileSystemReader):
             self._handle = _native.Handle(**cfg.handle_kwargs(read=True))
         return self._handle
 
+    # ------------------------------------------------------------------ StorageReader
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """Stock ``read_metadata``, with the restricted unpickler and the seal check of
+        :mod:`fastpersist.dcp._metadata`: damaged or foreign metadata is a
+        ``CheckpointFormatError`` naming the file, never unpickled code."""
+        if not _compat.ok("dcp_storage_layer"):
+            return super().read_metadata(*args, **kwargs)
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = os.fsdecode(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
+        metadata, _sealed = load_metadata(path)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if not isinstance(self.storage_data, dict):
+            raise CheckpointFormatError(f"{self.path}: .metadata has no storage_data table; {ADVICE}", str(self.path))
+        problems = table_problems(self.storage_data, os.path.join(os.fsdecode(os.fspath(self.path)), ".metadata"))
+        if problems:
+            _index, rel, off, msg = problems[0]
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            raise CheckpointFormatError(f"{msg}{more}: .metadata does not describe a valid checkpoint; {ADVICE}",
+                                        os.path.join(os.fsdecode(os.fspath(self.path)), rel or ".metadata"), off)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if not _compat.ok("dcp_storage_layer") or any(
             getattr(self.storage_data[r.storage_index], "transform_descriptors", None) for r in plan.items
@@ -129,18 +152,37 @@ class FastPersistReader(FileSystemReader):
         out = []
         for rel, idxs in per_file.items():
             path = os.path.join(root, rel)
+            if not inside(rel):
+                raise CheckpointFormatError(f"{root}/.metadata: item {item_name(idxs[0])} names no file inside the "
+                                            f"checkpoint ({rel!r}); {ADVICE}", path)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    errno.ENOENT, f"missing file of the checkpoint: .metadata stores {len(idxs)} item(s) to load in it "
+                    f"({', '.join(item_name(i) for i in idxs[:3])}{', ...' if len(idxs) > 3 else ''}); the "
+                    f"directory is incomplete: copy the whole checkpoint directory, or {ADVICE}", path) from None
             idxs.sort(key=lambda i: (self.storage_data[i].offset, self.storage_data[i].length))
             batch: list[Any] = []
             places: list[int] = []
             total = 0
-            end = -1
+            end = 0
             for idx in idxs:
                 info = self.storage_data[idx]
-                if info.offset < end:  # items overlap: not a file any writer of ours or DCP's made
-                    raise CheckpointFormatError(f"{path}: item {item_name(idx)} overlaps the previous item",
-                                                path, info.offset)
-                end = info.offset + info.length
-                n = _align_up(max(1, info.length))
+                off, n = info.offset, info.length
+                if type(off) is not int or type(n) is not int or off < 0 or n < 0:
+                    raise CheckpointFormatError(f"{path}: .metadata gives item {item_name(idx)} offset {off!r} and "
+                                                f"length {n!r}; {ADVICE}", path)
+                if off + n > size:
+                    raise CheckpointFormatError(
+                        f"{path}: .metadata places item {item_name(idx)} at [{off}, {off + n}), the file has {size} "
+                        f"bytes: the file is truncated (an interrupted copy?) or .metadata belongs to another "
+                        f"checkpoint; {ADVICE}", path, off)
+                if n and off < end:  # not a file any writer of ours or DCP's made
+                    raise CheckpointFormatError(f"{path}: item {item_name(idx)} at [{off}, {off + n}) overlaps the "
+                                                f"previous item (ending at {end}); {ADVICE}", path, off)
+                end = max(end, off + n)
+                n = _align_up(max(1, n))
                 if batch and total + n > _BATCH_BYTES:
                     out.append((path, batch, places, total))
                     batch, places, total = [], [], 0
@@ -173,8 +215,8 @@ class FastPersistReader(FileSystemReader):
             for k, (path, batch, places, _total) in enumerate(batches):
                 try:
                     crcs = dict(handle.wait())[pending]
-                except EOFError as e:
-                    raise CheckpointFormatError(f"{path} is shorter than .metadata says ({e})", path) from e
+                except EOFError as e:  # shrank since _batches looked at its size
+                    raise CheckpointFormatError(f"{path} is shorter than .metadata says ({e}); {ADVICE}", path) from e
                 if k + 1 < len(batches):
                     pending = submit(k + 1)
                 self._check(path, batch, crcs)
@@ -182,7 +224,7 @@ class FastPersistReader(FileSystemReader):
                 for idx, at in zip(batch, places):
                     raw = mem[at : at + self.storage_data[idx].length]
                     for req in by_index[idx]:
-                        self._deliver(req, raw, planner)
+                        self._deliver(req, raw, planner, path, self.storage_data[idx])
         finally:
             if handle.pending():
                 try:
@@ -191,31 +233,58 @@ class FastPersistReader(FileSystemReader):
                     pass
 
     def _check(self, path: str, batch: list[Any], crcs: list[int]) -> None:
-        bad = [
-            item_name(idx)
-            for idx, crc in zip(batch, crcs)
-            if (want := _compat.dcp_storage_crc(self.storage_data[idx])) is not None and want != crc
-        ]
+        bad = []
+        for idx, crc in zip(batch, crcs):
+            info = self.storage_data[idx]
+            want = _compat.dcp_storage_crc(info)
+            if want is not None and want != crc:
+                bad.append((idx, info, crc, want))
         if bad:
-            raise ChecksumError(
-                f"{path}: CRC-32 mismatch in {len(bad)} item(s) ({', '.join(bad[:5])}"
-                f"{', ...' if len(bad) > 5 else ''}): the file changed after it was written",
+            idx, info, crc, want = bad[0]
+            names = [item_name(b[0]) for b in bad]
+            err = ChecksumError(
+                f"{path}: CRC-32 mismatch in {len(bad)} item(s) ({', '.join(names[:5])}{', ...' if len(bad) > 5 else ''}"
+                f"); first: {names[0]} at [{info.offset}, {info.offset + info.length}) has CRC-32 {crc:08x}, "
+                f".metadata records {want:08x}: the file was damaged after it was written, or .metadata belongs to "
+                f"another checkpoint; {ADVICE}",
                 path,
-                bad,
+                names,
             )
+            err.offset = info.offset  # type: ignore[attr-defined]
+            raise err
 
     @staticmethod
-    def _deliver(req: Any, raw: memoryview, planner: LoadPlanner) -> None:
+    def _deliver(req: Any, raw: memoryview, planner: LoadPlanner, path: str = "?", info: Any = None) -> None:
+        where = (f"{path}: item {item_name(req.storage_index)}"
+                 + (f" at [{info.offset}, {info.offset + info.length})" if info is not None else ""))
+        off = getattr(info, "offset", None)
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(bytes(raw)))
+            try:
+                planner.load_bytes(req, io.BytesIO(bytes(raw)))
+            except FastPersistError:
+                raise
+            except Exception as e:  # noqa: BLE001 - torch.load of damaged bytes raises anything
+                raise CheckpointFormatError(f"{where}: loading the bytes item failed ({type(e).__name__}: {e}); "
+                                            f"{ADVICE}", path, off) from e
             return
-        tensor = torch.load(_MemoryFile(raw), map_location="cpu", weights_only=True)
-        tensor = narrow(tensor, req.storage_offsets, req.lengths)
+        try:
+            tensor = torch.load(_MemoryFile(raw), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch.load of damaged bytes raises anything
+            raise CheckpointFormatError(f"{where} is not a tensor saved by torch.save ({type(e).__name__}: {e}); "
+                                        f"{ADVICE}", path, off) from e
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointFormatError(f"{where} holds a {type(tensor).__name__}, not a tensor; {ADVICE}", path, off)
+        try:
+            tensor = narrow(tensor, req.storage_offsets, req.lengths)
+        except (RuntimeError, IndexError, ValueError) as e:
+            raise CheckpointFormatError(
+                f"{where}: the stored tensor of shape {tuple(tensor.size())} does not hold the chunk .metadata "
+                f"describes (offsets {tuple(req.storage_offsets)}, lengths {tuple(req.lengths)}); {ADVICE}",
+                path, off) from e
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CheckpointFormatError(
-                f"item {item_name(req.storage_index)}: stored shape {tuple(tensor.size())} does not match the "
-                f"requested {tuple(target.size())}"
-            )
+                f"{where}: stored shape {tuple(tensor.size())} does not match the requested "
+                f"{tuple(target.size())}; {ADVICE}", path, off)
         target.copy_(tensor)
         planner.commit_tensor(req, target)

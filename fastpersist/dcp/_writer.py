@@ -17,6 +17,7 @@ from torch.futures import Future
 from fastpersist import _compat
 from fastpersist.commit import clean_stale_temps, fsync_dir, temp_path_for
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
+from fastpersist.dcp._metadata import seal
 
 log = logging.getLogger("fastpersist.dcp")
 
@@ -228,7 +229,7 @@ class FastPersistWriter(FileSystemWriter):
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
-        data = pickle.dumps(metadata)
+        data = seal(pickle.dumps(metadata))  # stock pickle.load ignores the trailer
         directory = self._dir()
         final = os.path.join(directory, self._metadata_name())
         tmp = temp_path_for(final)

@@ -5,7 +5,10 @@ written with ``use_collectives=False``) is a DCP checkpoint. Checked:
 
 * ``.metadata`` unpickles with a restricted unpickler (DCP's own metadata
   classes, torch dtypes/sizes/layouts, paths: nothing that runs code) into a
-  ``Metadata`` with a ``storage_data`` table;
+  ``Metadata`` with a ``storage_data`` table, and when it carries fastpersist's
+  seal (a CRC-32 of the pickle, see :mod:`fastpersist.dcp._metadata`) the seal
+  matches: the checks are those :class:`fastpersist.dcp.FastPersistReader` makes
+  before loading, with the same messages;
 * every tensor chunk and bytes entry of ``state_dict_metadata`` has a storage
   record, and every record names an existing file in the directory and a byte
   range inside it, not overlapping another record's;
@@ -26,32 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastpersist import _compat
+from fastpersist.dcp._metadata import ADVICE, MetadataUnpickler, item_name, load_metadata, table_problems
+from fastpersist.errors import CheckpointFormatError
 
-_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}
-_SAFE_BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "int", "float", "str", "bytes", "bool", "slice"}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only the classes a DCP ``.metadata`` is made of."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module == "torch.distributed.checkpoint" or module.startswith("torch.distributed.checkpoint."):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # dataclasses and enums, never functions
-                return obj
-        elif module == "torch":
-            obj = getattr(torch, name, None)
-            if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) or obj is torch.Size:
-                return obj
-        elif (
-            (module, name) in (("torch.serialization", "_get_layout"), ("collections", "OrderedDict"))
-            or (module == "pathlib" and name in _PATHS)
-            or (module == "builtins" and name in _SAFE_BUILTINS)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP checkpoint metadata")
+_MetadataUnpickler = MetadataUnpickler  # the name this module used to define
 
 
 @dataclass
@@ -62,10 +43,7 @@ class DcpCheck:
     problems: list[str] = field(default_factory=list)
 
 
-def _name(index: Any) -> str:
-    fqn = getattr(index, "fqn", str(index))
-    off = getattr(index, "offset", None)
-    return f"{fqn}@{tuple(off)}" if off is not None and len(off) else str(fqn)
+_name = item_name
 
 
 def _key(index: Any) -> tuple:
@@ -82,17 +60,10 @@ def metadata_files(directory: str) -> list[str]:
 
 
 def _load_metadata(path: str, check: DcpCheck) -> Any:
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    with open(path, "rb") as f:
-        raw = f.read()
     try:
-        md = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except Exception as e:  # noqa: BLE001 - any malformed pickle is a verdict, not a crash
-        check.problems.append(f"{path}: not DCP checkpoint metadata ({type(e).__name__}: {e})")
-        return None
-    if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
-        check.problems.append(f"{path}: not DCP checkpoint metadata (a {type(md).__name__} without storage_data)")
+        md, _sealed = load_metadata(path)
+    except CheckpointFormatError as e:
+        check.problems.append(str(e))
         return None
     return md
 
@@ -117,7 +88,8 @@ def check_dcp(directory: str, handle: Any) -> DcpCheck:
     check = DcpCheck()
     files = metadata_files(directory)
     if not files:
-        check.problems.append(f"{directory}: a directory without DCP .metadata is not a checkpoint")
+        check.problems.append(f"{directory}: no .metadata: not a DCP checkpoint, or a save that did not finish "
+                              f"(.metadata is written last); nothing here can be loaded; {ADVICE}")
         return check
     per_file: dict[str, list[tuple[Any, Any]]] = {}
     with_crc = without_crc = 0
@@ -126,16 +98,16 @@ def check_dcp(directory: str, handle: Any) -> DcpCheck:
         if md is None:
             continue
         _structure(md, mpath, check)
+        bad = table_problems(md.storage_data, mpath)
+        check.problems.extend(p[3] for p in bad)
+        skip = {id(p[0]) for p in bad}
         for index, info in md.storage_data.items():
-            rel = getattr(info, "relative_path", None)
-            if not isinstance(rel, str) or os.path.isabs(rel) or ".." in rel.split(os.sep):
-                check.problems.append(f"{mpath}: item {_name(index)} names no file inside the checkpoint ({rel!r})")
-                continue
-            per_file.setdefault(rel, []).append((index, info))
             if _compat.dcp_storage_crc(info) is None:
                 without_crc += 1
             else:
                 with_crc += 1
+            if id(index) not in skip:
+                per_file.setdefault(info.relative_path, []).append((index, info))
     check.records = with_crc + without_crc
     if with_crc and without_crc:
         check.problems.append(f"{directory}: {without_crc} of {check.records} items have no CRC-32")
@@ -149,21 +121,15 @@ def _check_file(path: str, items: list[tuple[Any, Any]], handle: Any, check: Dcp
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        check.problems.append(f"{path}: missing ({len(items)} items of the checkpoint are stored in it)")
+        check.problems.append(f"{path}: missing ({len(items)} items of the checkpoint are stored in it); {ADVICE}")
         return
-    items = sorted(items, key=lambda it: (it[1].offset, it[1].length))
-    end = 0
     good = []
-    for index, info in items:
+    for index, info in sorted(items, key=lambda it: (it[1].offset, it[1].length)):
         off, n = info.offset, info.length
-        if not (isinstance(off, int) and isinstance(n, int)) or off < 0 or n < 0 or off + n > size:
-            check.problems.append(f"{path}: item {_name(index)} at [{off}, {off}+{n}) lies outside the file "
-                                  f"({size} bytes)")
+        if off + n > size:
+            check.problems.append(f"{path}: item {_name(index)} at [{off}, {off + n}) lies outside the file "
+                                  f"({size} bytes): truncated, or .metadata belongs to another checkpoint")
             continue
-        if off < end:
-            check.problems.append(f"{path}: item {_name(index)} at offset {off} overlaps the previous item")
-            continue
-        end = off + n
         good.append((index, info))
     if not read or not good:
         return
@@ -180,7 +146,8 @@ def _check_file(path: str, items: list[tuple[Any, Any]], handle: Any, check: Dcp
         check.nbytes += info.length
         if want != crc:
             check.problems.append(f"{path}: item {_name(index)} at offset {info.offset} ({info.length} bytes): "
-                                  f"CRC-32 {crc:08x}, recorded {want:08x}")
+                                  f"CRC-32 {crc:08x}, recorded {want:08x}: damaged after it was written, or "
+                                  f".metadata belongs to another checkpoint")
 
 
 def verify_dcp(directory: str, handle: Any) -> Any:
