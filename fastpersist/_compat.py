@@ -111,6 +111,18 @@ pickle naming anything else is not overlapped with the read, the safe side).
 ``patch.py`` uses no private name (``inspect.signature(torch.serialization.save)``
 is public). ``config.py``, ``formats/base.py`` and ``bench/`` use none.
 
+Collective saves and loads (``fastpersist.distributed``, ``group=``):
+
+``default_store`` -- ``torch.distributed.distributed_c10d._get_default_store()``:
+    the default process group's rendezvous store (``set``, ``get``, ``check``,
+    ``add``, ``compare_set``, ``delete_key``), where ranks leave arrival marks, the
+    published verdict on which ranks are missing, and (``save_async(group=)``) the
+    background status exchanges. Probe: the name is callable with no argument;
+    when a default process group is initialized, the call returns an object with
+    those methods. Fallback: :func:`default_store` returns None; collective
+    saves and loads still work and still time out, but a timeout cannot name
+    the missing ranks, and ``save_async(group=...)`` raises (it needs the store).
+
 DCP storage layer (``fastpersist.dcp``, ``formats/dcpverify.py``): ``dcp_storage_layer``
 (DCP's ``_StorageInfo`` and the ``FileSystemWriter``/``Reader`` attributes it reads;
 described with its probe in the block at the end of this module).
@@ -137,6 +149,7 @@ log = logging.getLogger("fastpersist.compat")
 __all__ = [
     "Status",
     "check_dill_version",
+    "default_store",
     "default_to_weights_only",
     "fast_pickle_ok",
     "file_reader",
@@ -645,6 +658,52 @@ def load_mmap_default() -> bool:
 
         return bool(config.load.mmap)
     return False
+
+
+# --------------------------------------------------------------------------- collective saves
+
+_STORE_METHODS = ("set", "get", "check", "add", "compare_set", "delete_key")
+
+
+@_feature(
+    "default_store",
+    "collective timeouts cannot name the missing ranks, and save_async(group=...) is refused",
+)
+def _probe_default_store() -> None:
+    import torch.distributed as dist
+
+    get = dist.distributed_c10d._get_default_store
+    if not callable(get):
+        raise Unavailable("torch.distributed.distributed_c10d._get_default_store is not callable")
+    required = [p for p in _params(get).values()
+                if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if required:
+        raise Unavailable(f"_get_default_store takes arguments now ({', '.join(p.name for p in required)})")
+    if dist.is_available() and dist.is_initialized():
+        store = get()
+        lacking = [m for m in _STORE_METHODS if not callable(getattr(store, m, None))]
+        if lacking:
+            raise Unavailable(f"the default store ({type(store).__name__}) has no {', '.join(lacking)}")
+
+
+def default_store() -> Any:
+    """The default process group's rendezvous store (``torch.distributed``'s private
+    ``_get_default_store``), or None where this torch offers none (the feature's
+    probe failed, logged once) or no default process group is initialized."""
+    if not ok("default_store"):
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception as e:  # noqa: BLE001 - an initialized group without a store
+        log.debug("fastpersist: no default store (%s: %s)", type(e).__name__, e)
+        return None
+    if any(not callable(getattr(store, m, None)) for m in _STORE_METHODS):
+        return None
+    return store
 
 
 # --------------------------------------------------------------------------- DCP storage layer

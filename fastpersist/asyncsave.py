@@ -40,6 +40,34 @@ skip this: the previous checkpoint then stays.)
 
 Pickling (the layout plan) runs on the caller's thread at call time, with the
 process's cyclic GC paused only for that planning. Saves queue in call order.
+
+Collective async saves (``save_async(obj, path, group=g)``)
+    Every rank of ``g`` calls it with the same object, in the same order relative to
+    its other collective calls (as for ``fastpersist.save(..., group=g)``). The file is
+    the one ``fastpersist.save(obj, path, group=g)`` writes: byte-identical to a
+    1-rank save, each rank writing its own slice. At call time, on the caller's
+    thread, the ranks agree on the plan and on who shares the target, the write
+    group leader creates the temporary file (collectives on a gloo side group, as the
+    blocking collective save), and each rank captures *its slice only*: ``snapshot``
+    copies it into the staging pool (CRC-32s computed during the copy) and starts its
+    writes; ``lazy`` writes it from the live tensors under the guards, its CRC-32s
+    computed at call time from the bytes the write will read. Errors up to here are
+    raised by ``save_async`` on every rank (nothing written). The rest runs on the
+    finisher thread: the ranks exchange the partial CRC-32s, each fills the CRC fields
+    of its slice once its writes are done and fsyncs, and the write group leaders
+    commit once every rank reported success. Those exchanges go through the process
+    group's rendezvous store, never through collectives: the caller's thread is
+    meanwhile free to run collectives of its own (training's all-reduces) on any
+    group, and collectives issued from two threads on one group can pair up
+    differently on different ranks and deadlock. A failure on any rank (I/O error,
+    killed rank, ``Config.dist_timeout`` passed) fails every rank's future with the
+    same :class:`~fastpersist.distributed.DistributedCheckpointError` (a
+    ``DistributedTimeoutError`` naming the missing ranks), the temporary file is
+    removed and the previous checkpoint stays. ``wait()``, ``wait_all()`` and the
+    exit handling are those of 1-rank saves; at exit every rank waits for its pending
+    collective saves, which need the other ranks alive (a rank gone makes them fail
+    after the timeout, printed on stderr). Objects only torch's writer can lay out
+    are saved at call time (the future is done on return).
 """
 
 from __future__ import annotations
@@ -121,6 +149,7 @@ class _Job:
         self.writes: list[Any] = []  # native Futures, file order
         self.keepalive: Any = None
         self.owners: list["weakref.ref[Any]"] = []  # guarded optimizers whose tensors are written live
+        self.collective: Optional[Any] = None  # save_async(group=): the background commit (see _GroupCommit)
 
     def consumed(self) -> None:
         """Wait (GIL released) until the writes no longer read their sources."""
@@ -210,6 +239,13 @@ def _naming(final: str, tmp: str, e: BaseException) -> BaseException:
 def _finish(job: _Job) -> None:
     fut = job.future
     exc: Optional[BaseException] = None
+    if job.collective is not None:
+        try:
+            job.collective.run(job)
+        except BaseException as e:  # noqa: BLE001 - the same error on every rank's future
+            exc = e
+        _settle(job, exc)
+        return
     try:
         job.consumed()
         for f in job.writes:
@@ -224,7 +260,13 @@ def _finish(job: _Job) -> None:
     except BaseException as e:  # noqa: BLE001 - reported through the future
         _remove_quietly(job.tmp)
         exc = _naming(fut.path, job.tmp, e)
+    _settle(job, exc)
+
+
+def _settle(job: _Job, exc: Optional[BaseException]) -> None:
+    fut = job.future
     job.keepalive = None
+    job.collective = None
     with _lock:
         fut._exc = exc
         if exc is not None:
@@ -318,8 +360,15 @@ def save_async(
     mode: str = "snapshot",
     config: Any = None,
     format: Optional[str] = None,
+    group: Any = None,
 ) -> SaveFuture:
     """Save ``obj`` to ``path`` like :func:`fastpersist.save`, in the background.
+
+    With ``group`` (a ``torch.distributed`` process group), every rank of the group
+    calls it with the same object, in the same order as its other collective calls:
+    the ranks write one file together as ``fastpersist.save(obj, path, group=group)``
+    does, and each rank's future completes when the group's commit is done (see
+    "Collective async saves" in the module docstring).
 
     Returns once the state is captured (see the module docstring for ``mode``):
     the file will hold exactly the bytes of ``obj`` at this moment. Raises the
@@ -329,13 +378,24 @@ def save_async(
         LazySaveError: ``mode="lazy"`` without a :func:`guard`-ed optimizer, or
             with more than ``async_staging_limit`` bytes to copy.
         ValueError, TypeError: bad arguments, as :func:`fastpersist.save`.
+        fastpersist.distributed.DistributedCheckpointError: with ``group``, a rank
+            failed before the state was captured (planning, different states,
+            no guard for ``lazy``...), raised on every rank; nothing was written.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if not api._is_path(path):
         raise TypeError(f"fastpersist.save_async writes to a file path (str or os.PathLike), got {type(path).__name__}")
-    _raise_unreported()
     cfg = api._config(config)
+    if group is not None:
+        import torch.distributed as dist
+
+        from fastpersist.distributed import _check_group
+
+        _check_group(group)
+        if dist.get_world_size(group) > 1:
+            return _save_async_group(obj, path, mode, cfg, format, group)
+    _raise_unreported()
     final = resolve_target(path)
     fmt = api._format_of(final, format)
     if mode == "lazy" and not list(_guards.keys()):
@@ -377,6 +437,172 @@ def save_async(
         _enqueue(job)
     del plan
     return fut
+
+
+class _GroupCommit:
+    """The background part of one ``save_async(group=...)`` on one rank (finisher thread).
+
+    Exchanges go through the rendezvous store only (``distributed._StoreCoordinator``):
+    the finisher thread must not run collectives on a process group the caller's thread
+    may be using at the same moment (their order would differ between ranks and the
+    collectives would pair up wrongly or hang). Steps, each ending with every rank's
+    status: ``crc`` (the capture's outcome and the slice's partial CRC-32s), ``write``
+    (the slice is on disk with its CRC fields, fsynced), then the commit of
+    ``distributed._commit``. Any rank's failure raises the same
+    :class:`~fastpersist.distributed.DistributedCheckpointError` on every rank.
+    """
+
+    def __init__(self, co: Any, agreed: Any, lo: int, hi: int, tmp: str, temps: list[Any], cfg: Any) -> None:
+        self.co = co
+        self.agreed = agreed
+        self.lo, self.hi = lo, hi
+        self.tmp = tmp
+        self.temps = temps
+        self.cfg = cfg
+        self.partial: Optional[dict[int, tuple[int, int]]] = None
+        self.local: Optional[BaseException] = None
+
+    def run(self, job: _Job) -> None:
+        from fastpersist import distributed as D
+        from fastpersist.formats import split
+
+        co, agreed = self.co, self.agreed
+        plan = agreed.layout.plan
+        loc = D._Local()
+        loc.exc = self.local
+        try:
+            info = co.gather("crc", (loc.status, self.partial))
+            co.check("crc", [v[0] for v in info], local=loc.exc, after="Nothing was written under the final name")
+            crcs = split.combine_crcs([info[r][1] for r in agreed.mygroup], plan.nslots)
+
+            def write() -> None:
+                try:
+                    job.consumed()
+                    for f in job.writes:
+                        f.result()
+                    _patch_slice(self.tmp, plan.patches, crcs, self.lo, self.hi, self.cfg.fsync)
+                except OSError as e:
+                    raise _naming(agreed.final, self.tmp, e) from e
+
+            loc.run(write)
+            job.keepalive = None
+            wrote = co.gather("write", loc.status)
+            co.check("write", wrote, local=loc.exc,
+                     after="The temporary files were removed; the previous file at the path is untouched")
+            D._commit(co, agreed, self.tmp, self.cfg, loc)
+        except BaseException:
+            for f in job.writes:  # nothing may read the sources or the staging windows any more
+                f.wait()
+            for t in self.temps:
+                D._remove(t)
+            raise
+        finally:
+            co.finish()
+
+
+def _patch_slice(tmp: str, patches: list[Any], crcs: list[int], lo: int, hi: int, fsync: bool) -> None:
+    """Write the CRC fields of ``patches`` that fall inside ``[lo, hi)`` into ``tmp`` (after its
+    slice's O_DIRECT writes completed), then fsync it."""
+    from fastpersist.formats.split import _patch_bytes
+
+    fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for off, slot, kind in patches:
+            b = _patch_bytes(kind, crcs[slot])
+            a, z = max(off, lo), min(off + len(b), hi)
+            if a < z:
+                os.pwrite(fd, b[a - off:z - off], a)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str], group: Any) -> SaveFuture:
+    """``save_async(..., group=group)`` with more than one rank (see the module docstring)."""
+    import torch.distributed as dist
+
+    from fastpersist import distributed as D
+    from fastpersist.asyncstage import snapshot_slice
+    from fastpersist.formats import split
+
+    size = dist.get_world_size(group)
+    what = f"fastpersist.save_async({os.fsdecode(os.fspath(path))!r}, mode={mode!r}) over {size} ranks"
+    co = D._Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
+    bg = D._StoreCoordinator(group, cfg.dist_timeout, what)  # the finisher thread: store exchanges only
+    loc = D._Local()
+    try:
+        _raise_unreported()  # reported at the plan step, so that every rank stops there
+    except BaseException as e:  # noqa: BLE001
+        loc.exc = e
+    if bg.store is None:
+        loc.run(_no_store)
+    if mode == "lazy" and not list(_guards.keys()):
+        loc.run(lambda: _lazy_split(WritePlan([], [], 0, 0), cfg.async_staging_limit, os.fspath(path)))
+    try:
+        with _copy_lock:
+            agreed = D._agree(co, obj, path, cfg, format, loc)  # raises on every rank; nothing written
+            fut = SaveFuture(agreed.final, mode)
+            leader = agreed.leader == co.rank
+            if agreed.fallback:  # torch's writer: the group leaders save at call time
+                log.debug("%s: the object needs torch's writer; saved at call time", what)
+                D._save_fallback(co, obj, agreed.final, cfg, agreed.fmt, leader, loc)
+                fut._event.set()
+                return fut
+            plan = agreed.layout.plan
+            lo, hi = agreed.bounds(co.rank)
+            extents = split.clip(plan.extents, lo, hi)
+            tmp = loc.run(lambda: D._create_temp(agreed.final, plan.file_size)) if leader else None
+            created = co.gather("create", (loc.status, tmp))
+            temps = [created[g[0]][1] for g in agreed.groups]
+            tmp = created[agreed.leader][1]
+            try:
+                co.check("create", [v[0] for v in created], local=loc.exc, after="Nothing was written")
+            except BaseException:
+                for t in temps:
+                    D._remove(t)
+                raise
+            handle = api._handle(cfg)
+            job = _Job(fut, tmp, cfg.fsync)
+            commit = _GroupCommit(bg, agreed, lo, hi, tmp, temps, cfg)
+
+            def capture() -> None:
+                if mode == "snapshot":
+                    pool = _pool_for(cfg.async_staging_limit)
+                    job.keepalive = pool
+                    commit.partial, job.writes = snapshot_slice(
+                        extents, pool, handle,
+                        lambda off, ptr, n: handle.write_async(tmp, [(off, ptr, n, -1)], truncate=False))
+                else:
+                    mine = WritePlan(extents, [], 0, plan.file_size)
+                    keep, owners = _lazy_split(mine, cfg.async_staging_limit, agreed.final)
+                    with _lock:
+                        earlier = list(_jobs)
+                    for j in earlier:  # a lazy save queues behind earlier saves
+                        j.consumed()
+                    out, private, _n = copy_private(mine, handle, keep)
+                    commit.partial = split.partial_crcs(handle, out)  # the bytes the write will read
+                    job.owners = owners
+                    job.keepalive = (plan, private, obj)
+                    plain = [(o, p, n, -1) for o, p, n, _slot in out]  # CRCs: computed above, patched later
+                    job.writes = [handle.write_async(tmp, plain, [], 0, truncate=False)] if plain else []
+
+            loc.run(capture)  # a failure here reaches every rank's future through the first exchange
+            commit.local = loc.exc
+            job.collective = commit
+            with _lock:
+                _jobs.append(job)
+            _enqueue(job)
+            return fut
+    finally:
+        co.finish()
+
+
+def _no_store() -> None:
+    raise RuntimeError(
+        "save_async(group=...) needs torch.distributed's rendezvous store (the default process group's), "
+        "which this torch does not expose (fastpersist._compat.report()['default_store']); "
+        "use fastpersist.save(obj, path, group=...) instead")
 
 
 def wait_all(timeout: Optional[float] = None) -> bool:

@@ -212,6 +212,72 @@ def snapshot_plan(
         raise
 
 
+def snapshot_slice(
+    extents: list[tuple[int, int, int, int]],
+    pool: StagingPool,
+    handle: Any,
+    submit: Callable[[int, int, int], Any],
+) -> tuple[dict[int, tuple[int, int]], list[Any]]:
+    """One rank's slice of a collective async save: copy ``extents`` (clipped to the
+    slice, file order) into staging windows, computing CRCs during the copy, and
+    submit each window as soon as it is full. CRC fields are written as planned
+    (placeholders): the caller patches them once the group's CRCs are known.
+
+    Returns ``({slot: (crc, length)}, futures)``, the partial CRCs in the form of
+    :func:`fastpersist.formats.split.partial_crcs`. When this returns, no source byte
+    is read any more.
+    """
+    partial: dict[int, tuple[int, int]] = {}
+    futures: list[Any] = []
+    taken: list[_Window] = []
+    try:
+        k, k_off = 0, 0
+        while k < len(extents):
+            if extents[k][2] == 0:
+                k += 1
+                continue
+            start = extents[k][0] + k_off
+            lead = start % _PAGE
+            win = pool.acquire()
+            taken.append(win)
+            end = start + pool.window - lead
+            pos = start
+            ranges: list[tuple[int, int, int]] = []
+            slots: list[tuple[int, int]] = []
+            while k < len(extents) and pos < end:
+                off, ptr, n, slot = extents[k]
+                if off + k_off != pos:  # a gap in the plan: the next window starts at the next extent
+                    break
+                take = min(n - k_off, end - pos)
+                if take:
+                    ranges.append((win.buf.ptr + lead + pos - start, ptr + k_off, take))
+                    slots.append((slot, take))
+                pos += take
+                k_off += take
+                if k_off == n:
+                    k, k_off = k + 1, 0
+            piece_crcs = handle.copy_ranges(ranges, True)  # GIL released, on the handle's threads
+            for (slot, n), c in zip(slots, piece_crcs):
+                if slot >= 0:
+                    if slot in partial:
+                        crc, have = partial[slot]
+                        partial[slot] = (_native.crc32_combine(crc, c, n), have + n)
+                    else:
+                        partial[slot] = (c, n)
+            fut = submit(start, win.buf.ptr + lead, pos - start)
+            pool.submitted(win, fut)
+            futures.append(fut)
+        return partial, futures
+    except BaseException:
+        submitted = {id(f) for f in futures}
+        for w in taken:
+            if w.future is None or id(w.future) not in submitted:
+                pool.release(w)
+        for f in futures:
+            f.wait()
+        raise
+
+
 def copy_private(plan: WritePlan, handle: Any, keep: Callable[[Any], bool]) -> tuple[list[tuple[int, int, int, int]], Any, int]:
     """Lazy saves: extents for which ``keep(extent)`` is false are copied into one
     private buffer (returned with the retargeted extents and its size in bytes)."""

@@ -69,6 +69,7 @@ import hashlib
 import logging
 import mmap as _mmap
 import os
+import pickle
 import secrets
 import socket
 import time
@@ -115,19 +116,18 @@ class DistributedTimeoutError(DistributedCheckpointError, TimeoutError):
 _side_groups: dict[tuple, Any] = {}
 _op_counters: dict[tuple, int] = {}
 _stale_marks: dict[tuple, list[str]] = {}
+_announced: set[tuple] = set()
+
+#: After a verdict on missing ranks, how long (at most, past the timeout) a survivor
+#: waits for the other survivors to read it before raising (see :meth:`_Coordinator._linger`).
+VERDICT_GRACE_S = 10.0
 
 
 def _default_store() -> Any:
-    """The default process group's rendezvous store, or None where torch offers none.
-    (``_get_default_store`` is private torch API; without it errors cannot name
-    the ranks that never arrived, and say so.)"""
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if get is None:
-        return None
-    try:
-        return get()
-    except Exception:  # noqa: BLE001
-        return None
+    """The default process group's rendezvous store, or None (see ``_compat.default_store``)."""
+    from fastpersist import _compat
+
+    return _compat.default_store()
 
 
 def _check_group(group: Any) -> None:
@@ -140,8 +140,59 @@ def _check_group(group: Any) -> None:
         raise RuntimeError("this process is not a member of the group passed as group=")
 
 
+def _my_identity() -> str:
+    """``HOST|PID|START`` of this process (see ``commit._identity``): lets a peer on the
+    same host tell for sure that this process has exited."""
+    from fastpersist.commit import _identity
+
+    host, start = _identity()
+    return f"{host}|{os.getpid()}|{start}"
+
+
+def _provably_dead(identity: Optional[str]) -> bool:
+    """Whether the process ``identity`` names is known to have exited (same host and pid
+    namespace only; anything else is "not known")."""
+    from fastpersist.commit import _UNKNOWN_HOST, _identity, _stat_fields
+
+    if not identity:
+        return False
+    try:
+        host, pid_s, start = identity.split("|")
+        pid = int(pid_s)
+    except ValueError:
+        return False
+    mine = _identity()[0]
+    if host != mine or mine == _UNKNOWN_HOST or start in ("", "0") or pid == os.getpid():
+        return False
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return True
+    try:
+        return format(int(fields[19]), "x") != start
+    except (ValueError, IndexError):  # pragma: no cover - malformed /proc
+        return False
+
+
 class _Coordinator:
-    """Status exchanges of one collective operation over a gloo group with a timeout."""
+    """Status exchanges of one collective operation, with a timeout and a verdict on missing ranks.
+
+    :meth:`gather` runs over a gloo side group of the same ranks (created once per
+    group and timeout, used only from the caller's thread). :class:`_StoreCoordinator`
+    exchanges through the rendezvous store instead (background threads).
+
+    When an exchange fails, :meth:`_lost` decides which ranks are missing: those
+    without an arrival mark for the step by the deadline, or whose process is known to
+    have exited (a peer on the same host; then no need to wait for the deadline). The
+    first rank to decide publishes its verdict in the store (``compare_set``: the
+    first one wins) and every other survivor adopts it, so every surviving rank
+    raises the same error naming the same ranks. Survivors then wait (at most
+    :data:`VERDICT_GRACE_S` past the deadline) until every survivor has read the
+    verdict: the process hosting the store (rank 0, usually) must not leave before
+    the others have read it. Without a store (or with the store gone) each rank
+    raises its own local verdict.
+    """
+
+    kind = "side group"
 
     def __init__(self, group: Any, timeout: float, what: str) -> None:
         self.group = group
@@ -152,6 +203,23 @@ class _Coordinator:
         self.global_ranks = list(dist.get_process_group_ranks(group))
         world = dist.group.WORLD
         gkey = (id(world), tuple(self.global_ranks))
+        self.side = self._side(world, gkey)
+        self.gkey = gkey
+        self._ns = self._namespace()
+        count = _op_counters.get(gkey + (self._ns,), 0) + 1
+        _op_counters[gkey + (self._ns,)] = count
+        self.tag = hashlib.blake2b(repr(self.global_ranks).encode(), digest_size=6).hexdigest()
+        self.prefix = f"fastpersist/{self.tag}/{self._ns}{count}"
+        self.store = _default_store()
+        self._marks: list[str] = []
+        self._first = True
+        self._who: dict[int, Optional[str]] = {}
+        self._announce(world)
+
+    def _namespace(self) -> str:
+        return ""
+
+    def _side(self, world: Any, gkey: tuple) -> Any:
         skey = gkey + (self.timeout,)
         side = _side_groups.get(skey)
         if side is None or side[0] is not world:
@@ -160,15 +228,18 @@ class _Coordinator:
                 use_local_synchronization=True,
             )
             side = _side_groups[skey] = (world, pg)
-        self.side = side[1]
-        self.gkey = gkey
-        count = _op_counters.get(gkey, 0) + 1
-        _op_counters[gkey] = count
-        tag = hashlib.blake2b(repr(self.global_ranks).encode(), digest_size=6).hexdigest()
-        self.prefix = f"fastpersist/{tag}/{count}"
-        self.store = _default_store()
-        self._marks: list[str] = []
-        self._first = True
+        return side[1]
+
+    def _announce(self, world: Any) -> None:
+        """Leave this process's identity in the store once per group (for :func:`_provably_dead`)."""
+        akey = (id(world), self.tag, self.rank, os.getpid())
+        if self.store is None or akey in _announced:
+            return
+        try:
+            self.store.set(f"fastpersist/{self.tag}/who/{self.rank}", _my_identity())
+            _announced.add(akey)
+        except Exception:  # noqa: BLE001 - diagnosis only
+            pass
 
     def name(self, rank: int) -> str:
         g = self.global_ranks[rank]
@@ -186,27 +257,30 @@ class _Coordinator:
             dist.all_gather_object(out, value, group=self.side)
         except Exception as exc:  # noqa: BLE001
             raise self._lost(step, exc, t0) from exc
+        self._passed_first()
+        return out
+
+    def _passed_first(self) -> None:
         if self._first:
             self._first = False
             self._forget_previous()
-        return out
 
-    def mark(self, step: str) -> float:
+    def mark(self, step: str, value: bytes = b"1") -> float:
         """Leave this rank's arrival mark for ``step`` in the store; returns the time (for :meth:`_lost`)."""
         t0 = time.monotonic()
         if self.store is not None:
             key = self._key(step, self.rank)
             try:
-                self.store.set(key, b"1")
+                self.store.set(key, value)
                 self._marks.append(key)
             except Exception:  # noqa: BLE001 - diagnosis only
                 pass
         return t0
 
     def _forget_previous(self) -> None:
-        """Delete this rank's marks of the previous operation on this group: every rank has
-        now passed the first exchange of this one, so nobody waits on them."""
-        old = _stale_marks.pop(self.gkey, [])
+        """Delete this rank's keys of the previous operation on this group: every rank has
+        now passed the first exchange of this one, so nobody reads them any more."""
+        old = _stale_marks.pop(self.gkey + (self._ns,), [])
         for key in old:
             try:
                 self.store.delete_key(key)
@@ -214,31 +288,66 @@ class _Coordinator:
                 break
 
     def finish(self) -> None:
-        _stale_marks.setdefault(self.gkey, []).extend(self._marks)
+        _stale_marks.setdefault(self.gkey + (self._ns,), []).extend(self._marks)
         self._marks = []
+
+    def _identity_of(self, rank: int) -> Optional[str]:
+        if rank not in self._who:
+            key = f"fastpersist/{self.tag}/who/{rank}"
+            self._who[rank] = self.store.get(key).decode() if self.store.check([key]) else None
+        return self._who[rank]
+
+    def _missing(self, step: str, deadline: float) -> list[int]:
+        """The ranks missing at ``step``: the published verdict if there is one, else this
+        rank's own (then published). Raises what the store raises."""
+        store = self.store
+        vkey = f"{self.prefix}/{step}/verdict"
+        others = [r for r in range(self.size) if r != self.rank]
+        pending = list(others)
+        verdict: Optional[list[int]] = None
+        delay = 0.005
+        while True:
+            if store.check([vkey]):
+                verdict = _decode_ranks(store.get(vkey))
+                break
+            pending = [r for r in pending if not store.check([self._key(step, r)])]
+            dead = [r for r in others if _provably_dead(self._identity_of(r))]
+            if all(r in dead for r in pending) or time.monotonic() >= deadline:
+                mine = sorted(set(pending) | set(dead))
+                verdict = _decode_ranks(store.compare_set(vkey, "", _encode_ranks(mine)))  # first one wins
+                break
+            time.sleep(delay)
+            delay = min(0.05, delay * 2)
+        self._linger(vkey, self.size - len(verdict), deadline)
+        return verdict
+
+    def _linger(self, vkey: str, survivors: int, deadline: float) -> None:
+        """Count this rank as having read the verdict; wait until every survivor has (bounded)."""
+        ack = f"{vkey}/read"
+        try:
+            n = self.store.add(ack, 1)
+            end = max(deadline, time.monotonic()) + min(VERDICT_GRACE_S, self.timeout)
+            while n < survivors and time.monotonic() < end:
+                time.sleep(0.02)
+                n = self.store.add(ack, 0)
+        except Exception:  # noqa: BLE001 - the store went away: nobody is left to read it
+            pass
 
     def _lost(self, step: str, exc: BaseException, t0: float) -> DistributedTimeoutError:
         missing: Optional[list[int]] = None
         if self.store is not None:
-            deadline = t0 + self.timeout
             try:
-                pending = [r for r in range(self.size) if r != self.rank]
-                while True:
-                    pending = [r for r in pending if not self.store.check([self._key(step, r)])]
-                    if not pending or time.monotonic() >= deadline:
-                        break
-                    time.sleep(0.05)
-                missing = pending
+                missing = self._missing(step, t0 + self.timeout)
             except Exception as store_exc:  # noqa: BLE001
                 msg = (f"{self.what}: the exchange at step {step!r} failed ({exc}) and the rendezvous store is "
                        f"unreachable too ({store_exc}): the process hosting it (global rank 0, usually) has "
-                       f"probably died")
+                       f"probably died. Check that process's log; the previous checkpoint at the path is untouched")
                 return DistributedTimeoutError(msg, [0])
         if missing:
             who = ", ".join(self.name(r) for r in missing)
             msg = (f"{self.what}: {who} did not reach step {step!r} within {self.timeout:g} s "
                    f"(process died or hung; FASTPERSIST_DIST_TIMEOUT / Config.dist_timeout sets the limit); "
-                   f"the exchange failed with: {exc}")
+                   f"the exchange failed with: {exc}. The previous checkpoint at the path is untouched")
         elif missing is None:
             msg = (f"{self.what}: the exchange at step {step!r} failed within {self.timeout:g} s: {exc} "
                    "(which ranks are missing cannot be told: no rendezvous store)")
@@ -257,6 +366,58 @@ class _Coordinator:
         if after:
             msg += f". {after}"
         raise DistributedCheckpointError(msg, failures) from local
+
+
+def _encode_ranks(ranks: Sequence[int]) -> str:
+    return "missing:" + ",".join(str(r) for r in ranks)
+
+
+def _decode_ranks(raw: Any) -> list[int]:
+    text = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+    body = text.split(":", 1)[1] if ":" in text else ""
+    return [int(r) for r in body.split(",") if r]
+
+
+class _StoreCoordinator(_Coordinator):
+    """A :class:`_Coordinator` whose exchanges go through the rendezvous store only: for
+    the background part of ``save_async(group=...)``, which runs on the finisher thread
+    while the caller's thread may be running collectives of its own on any group. Store
+    requests from several threads are safe; collectives from two threads on one group
+    are not (their order would differ between ranks). Construct it on the caller's
+    thread (it counts operations in call order, which every rank shares)."""
+
+    kind = "store"
+
+    def _namespace(self) -> str:
+        return "async"
+
+    def _side(self, world: Any, gkey: tuple) -> Any:
+        return None
+
+    def gather(self, step: str, value: Any) -> list[Any]:
+        if self.store is None:
+            raise DistributedCheckpointError(
+                f"{self.what}: no rendezvous store (torch.distributed's default store is unavailable here); "
+                "save_async(group=...) exchanges its status through it")
+        t0 = self.mark(step, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        keys = [self._key(step, r) for r in range(self.size)]
+        deadline = t0 + self.timeout
+        delay = 0.002
+        try:
+            while not self.store.check(keys):
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no status from every rank through the store within {self.timeout:g} s")
+                if self.store.check([f"{self.prefix}/{step}/verdict"]):
+                    raise TimeoutError("another rank found ranks missing")
+                if any(_provably_dead(self._identity_of(r)) for r in range(self.size) if r != self.rank):
+                    raise TimeoutError("a rank's process has exited")
+                time.sleep(delay)
+                delay = min(0.05, delay * 2)
+            out = [pickle.loads(self.store.get(k)) for k in keys]
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost(step, exc, t0) from exc
+        self._passed_first()
+        return out
 
 
 def _describe(exc: BaseException) -> str:
@@ -406,11 +567,34 @@ def _plan(obj: Any, final: str, fmt: str, cfg: Any) -> tuple[Optional[split.Layo
         return None, align
 
 
-def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]) -> None:
-    from fastpersist import api
-    from fastpersist.commit import _keep_mode, clean_stale_temps, fsync_dir, fsync_path, resolve_target, temp_path_for
+class _Agreed:
+    """What every rank of a collective save agreed on (see :func:`_agree`)."""
 
-    loc = _Local()
+    def __init__(self, final: str, directory: str, fmt: str, layout: Optional[split.Layout], align: int,
+                 groups: list[list[int]], mygroup: list[int], fallback: bool) -> None:
+        self.final = final
+        self.directory = directory
+        self.fmt = fmt
+        self.layout = layout
+        self.align = align
+        self.groups = groups
+        self.mygroup = mygroup
+        self.leader = mygroup[0]
+        self.fallback = fallback
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        """This rank's slice ``[lo, hi)`` of the file within its write group."""
+        assert self.layout is not None
+        return split.slice_bounds(self.layout.plan.file_size, len(self.mygroup), self.align)[self.mygroup.index(rank)]
+
+
+def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str], loc: "_Local") -> _Agreed:
+    """Steps 1 and 2 of the module docstring: plan, agree on the plan, find who shares the target.
+    Raises on every rank (nothing written) when a rank failed or the plans differ.
+    ``loc`` may already hold an error of the caller's (reported at the plan step)."""
+    from fastpersist import api
+    from fastpersist.commit import resolve_target
+
     final = loc.run(lambda: resolve_target(path))
     directory = os.path.dirname(final) if final else None
     fmt = loc.run(lambda: api._format_of(final, format)) if final else None
@@ -451,7 +635,6 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
 
     groups = _write_groups(co, directory, [v[4] for v in info], probe0, loc)
     mygroup = next(g for g in groups if co.rank in g)
-    leader = mygroup[0] == co.rank
     if co.rank == 0:
         if len(groups) == 1:
             log.debug("%s: all ranks see the target directory (shared filesystem): one file, %d slices",
@@ -459,8 +642,38 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         else:
             log.info("%s: the ranks do not share the target directory; one complete copy per group: %s",
                      co.what, groups)
+    assert final is not None and directory is not None and fmt is not None
+    return _Agreed(final, directory, fmt, layout, align, groups, mygroup, all(fallback))
 
-    if all(fallback):
+
+def _create_temp(final: str, size: int) -> str:
+    """The write group leader's temporary file next to ``final``, preallocated to ``size``."""
+    from fastpersist.commit import clean_stale_temps, temp_path_for
+
+    clean_stale_temps(os.path.dirname(final))
+    name = temp_path_for(final)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        _preallocate(fd, size)
+    except BaseException:
+        os.close(fd)
+        _remove(name)
+        raise
+    os.close(fd)
+    return name
+
+
+def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]) -> None:
+    from fastpersist import api
+
+    loc = _Local()
+    agreed = _agree(co, obj, path, cfg, format, loc)
+    final, directory, layout, align = agreed.final, agreed.directory, agreed.layout, agreed.align
+    groups, mygroup = agreed.groups, agreed.mygroup
+    leader = agreed.leader == co.rank
+    fmt = agreed.fmt
+
+    if agreed.fallback:
         _save_fallback(co, obj, final, cfg, fmt, leader, loc)
         return
 
@@ -471,21 +684,8 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
     handle = api._handle(cfg)
     tmp: Optional[str] = None
 
-    def create() -> str:
-        clean_stale_temps(directory)
-        name = temp_path_for(final)
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            _preallocate(fd, plan.file_size)
-        except BaseException:
-            os.close(fd)
-            _remove(name)
-            raise
-        os.close(fd)
-        return name
-
     if leader:
-        tmp = loc.run(create)
+        tmp = loc.run(lambda: _create_temp(final, plan.file_size))
     partial = loc.run(lambda: split.partial_crcs(handle, extents))
     temps: list[Optional[str]] = []
     try:
@@ -506,25 +706,86 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         co.check("write", wrote, local=loc.exc,
                  after="The temporary files were removed; the previous file at the path is untouched")
 
-        def commit() -> None:
-            if cfg.fsync:
-                fsync_path(tmp)
-            _keep_mode(final, tmp)
-            os.rename(tmp, final)
-            if cfg.fsync:
-                fsync_dir(directory)
-
-        if leader:
-            loc.run(commit)
-        committed = co.gather("commit", loc.status)
+        _commit(co, agreed, tmp, cfg, loc)  # a renamed temporary name no longer exists: removing it is harmless
         temps = []
-        co.check("commit", committed, local=loc.exc,
-                 after=f"Write groups {groups}: a group whose leader did not fail has its new file in place")
         del extents, plan, layout
     except BaseException:
         for t in temps:
             _remove(t)
         raise
+
+
+def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local") -> None:
+    """Step 5: once every rank has written, each write group's leader puts its file in place.
+
+    With one write group (a shared filesystem) that is fsync, rename, directory fsync.
+    With several (node-local copies) the leaders first agree that every copy is
+    durable, and each keeps a hard link to the previous file while renaming; if any
+    leader's rename fails, the others put their previous file back, so the nodes never
+    end with different checkpoints under the same name (a crash between the renames
+    can still leave them different; the removed link is then a leftover temporary file).
+    Raises :class:`DistributedCheckpointError` on every rank on failure."""
+    from fastpersist.commit import _keep_mode, fsync_dir, fsync_path, temp_path_for
+
+    final, directory = agreed.final, agreed.directory
+    leader = agreed.leader == co.rank
+    several = len(agreed.groups) > 1
+    if several:
+        if leader and cfg.fsync:
+            loc.run(lambda: fsync_path(tmp))
+        ready = co.gather("ready", loc.status)
+        try:
+            co.check("ready", ready, local=loc.exc,
+                     after="The temporary files were removed; the previous file at the path is untouched")
+        except DistributedCheckpointError:
+            if leader:
+                _remove(tmp)
+            raise
+    state = {"renamed": False, "backup": None}
+
+    def place() -> None:
+        if cfg.fsync and not several:
+            fsync_path(tmp)
+        _keep_mode(final, tmp)
+        if several and os.path.exists(final):
+            backup = temp_path_for(final)
+            try:
+                os.link(final, backup)
+                state["backup"] = backup
+            except OSError as e:  # no hard links here: the previous file cannot be put back
+                log.warning("%s: could not keep the previous %s while committing (%s); if another node's "
+                            "commit fails, this node keeps the new file", co.what, final, e)
+        os.rename(tmp, final)
+        state["renamed"] = True
+        if cfg.fsync:
+            fsync_dir(directory)
+
+    if leader:
+        loc.run(place)
+        if not state["renamed"]:
+            _remove(tmp)
+    committed = co.gather("commit", loc.status)
+    failed = any(committed)
+    after = "The temporary files were removed; the previous file at the path is untouched"
+    if several and leader:
+        backup = state["backup"]
+        if failed and state["renamed"]:
+            try:
+                if backup is not None:
+                    os.rename(backup, final)
+                    after = f"Write groups {agreed.groups}: every group's previous file was put back"
+                else:
+                    after = (f"Write groups {agreed.groups}: this group's new file could not be rolled back "
+                             "(no hard link of the previous one)")
+                if cfg.fsync:
+                    fsync_dir(directory)
+            except OSError as e:
+                after = f"Write groups {agreed.groups}: putting the previous {final!r} back failed: {e}"
+        elif backup is not None:
+            _remove(backup)
+    elif several and failed:
+        after = f"Write groups {agreed.groups}: every group's previous file was put back"
+    co.check("commit", committed, local=loc.exc, after=after)
 
 
 def _preallocate(fd: int, size: int) -> None:

@@ -144,8 +144,53 @@ def sc_nonshared(rank: int, world: int, d: str) -> Any:
     return True
 
 
+def sc_nonshared_rollback(rank: int, world: int, d: str) -> Any:
+    """After ``nonshared``: the second node's leader fails its rename; the first node, whose rename
+    succeeded, puts its previous file back, so both nodes keep the same (previous) checkpoint."""
+    import errno
+
+    sub = os.path.join(d, "nodeA" if rank < world // 2 else "nodeB")
+    real = os.rename
+    if rank == world // 2:  # the leader of nodeB's write group
+
+        def failing(src: Any, dst: Any, *a: Any, **k: Any) -> Any:
+            if ".fp-tmp-" in os.fspath(src) and os.fspath(dst).endswith("copy.pt"):
+                raise OSError(errno.EIO, "injected rename failure", dst)
+            return real(src, dst, *a, **k)
+
+        os.rename = failing
+    try:
+        fastpersist.save(state(3), os.path.join(sub, "copy.pt"), group=torch.distributed.group.WORLD, config=cfg())
+    finally:
+        os.rename = real
+
+
+def _die_in_write(victim: int) -> None:
+    real = split.apply_patches
+
+    def die(*a: Any, **k: Any) -> Any:
+        real(*a, **k)
+        os._exit(3)
+
+    split.apply_patches = die
+
+
+def sc_kill0(rank: int, world: int, d: str) -> Any:
+    """Rank 0, which hosts the rendezvous store, dies while writing: the survivors name it."""
+    if rank == 0:
+        _die_in_write(0)
+    t0 = time.monotonic()
+    try:
+        fastpersist.save(state(2), os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
+    except Exception as e:
+        e.elapsed = time.monotonic() - t0  # type: ignore[attr-defined]
+        raise
+
+
 def sc_kill(rank: int, world: int, d: str) -> Any:
-    """Rank 1 dies (os._exit) while writing its slice; the others must raise within the timeout."""
+    """Rank 1 dies (os._exit) while writing its slice; the others must raise within the timeout.
+    Rank 0 (the store host) leaves as soon as it has raised: the product must keep the
+    store up until the other survivors have read the verdict."""
     if rank == 1:
         real = split.apply_patches
 
@@ -187,15 +232,6 @@ def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
                 pickle.dump(out, f)
         with open(os.path.join(d, f"done-{rank}"), "w"):
             pass
-        if rank == 0:
-            # Rank 0 hosts the rendezvous store, which the other survivors still read
-            # to name a dead rank: leaving before they are done would make them
-            # report rank 0 as the missing one. ("kill" makes rank 1 die.)
-            alive = world - (1 if "kill" in names else 0)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and \
-                    sum(os.path.exists(os.path.join(d, f"done-{r}")) for r in range(world)) < alive:
-                time.sleep(0.05)
     finally:
         sys.stdout.flush()
         os._exit(0)  # no destroy_process_group: a killed peer could hang it
@@ -273,7 +309,14 @@ def world3(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
 def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
     d = str(tmp_path_factory.mktemp("world4"))
     reference(d)
-    return d, launch(4, d, ["identical", "load", "fault", "nonshared"])
+    return d, launch(4, d, ["identical", "load", "fault", "nonshared", "nonshared_rollback"])
+
+
+@pytest.fixture(scope="module")
+def world3_kill0(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
+    d = str(tmp_path_factory.mktemp("world3k0"))
+    reference(d)
+    return d, launch(3, d, ["kill0"])
 
 
 WORLDS = ["world2", "world3", "world4"]
@@ -357,6 +400,33 @@ def test_killed_rank_is_named_within_the_timeout(world3: tuple) -> None:
 
     assert_same_object(fastpersist.load(os.path.join(d, "ref.pt"), weights_only=True), state())
     assert temps(d) == []
+
+
+def test_killed_store_host_is_named_by_the_survivors(world3_kill0: tuple) -> None:
+    d, results = world3_kill0
+    assert "kill0" not in results[0]
+    for rank in (1, 2):
+        got = outcome(results, "kill0", rank)
+        assert got[0] == "error" and got[1] == "DistributedTimeoutError", got
+        assert got[3]["missing"] == [0], got
+        assert "rank 0" in got[2], got[2]
+    from conftest import assert_same_object
+
+    assert_same_object(fastpersist.load(os.path.join(d, "ref.pt"), weights_only=True), state())
+
+
+def test_failed_rename_on_one_node_rolls_back_the_others(world4: tuple) -> None:
+    d, results = world4
+    messages = set()
+    for rank in range(4):
+        got = outcome(results, "nonshared_rollback", rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert "rank 2" in got[2] and "injected rename failure" in got[2], got[2]
+        assert list(got[3]["failures"]) == [2], got
+        messages.add(got[2])
+    for node in ("nodeA", "nodeB"):  # both nodes still hold the previous (nonshared) checkpoint
+        assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, node, "copy.pt"), shallow=False)
+        assert temps(os.path.join(d, node)) == []
 
 
 def test_nonshared_directories_each_get_a_complete_copy(world4: tuple) -> None:
