@@ -325,3 +325,51 @@ def test_child_forked_while_a_thread_holds_a_compat_lock_gets_it_unlocked(lock):
         t.join()
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+# ---------------------------------------------------------------- collective saves: the rendezvous store
+
+
+def test_default_store_is_none_without_a_process_group():
+    if torch.distributed.is_initialized():  # pragma: no cover
+        pytest.skip("a process group is initialized in this process")
+    assert _compat.ok("default_store")
+    assert _compat.default_store() is None
+
+
+def test_default_store_returns_the_groups_store(fresh):
+    dist = torch.distributed
+    store = dist.HashStore()
+    fresh.setattr(dist, "is_initialized", lambda: True)
+    fresh.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    assert _compat.default_store() is store
+    assert _compat.report()["default_store"] == "ok"
+
+
+@pytest.mark.parametrize("case", ["missing", "takes-arguments", "not-a-store"])
+def test_default_store_changed_falls_back_with_a_reason(fresh, caplog, case):
+    dist = torch.distributed
+    fresh.setattr(dist, "is_initialized", lambda: True)
+    if case == "missing":
+        fresh.delattr(dist.distributed_c10d, "_get_default_store")
+        reason = "_get_default_store"
+    elif case == "takes-arguments":
+        fresh.setattr(dist.distributed_c10d, "_get_default_store", lambda group: dist.HashStore())
+        reason = "takes arguments now (group)"
+    else:
+        fresh.setattr(dist.distributed_c10d, "_get_default_store", lambda: object())
+        reason = "has no set, get, check, add, compare_set, delete_key"
+    with caplog.at_level(logging.DEBUG, logger=LOGGER):
+        assert _compat.default_store() is None
+        assert _compat.default_store() is None  # probed once, logged once
+    msgs = [r.getMessage() for r in caplog.records if r.name == LOGGER and "default_store" in r.getMessage()]
+    assert len(msgs) == 1 and reason in msgs[0], msgs
+    assert _compat.report()["default_store"].startswith("fallback: collective timeouts cannot name the missing ranks")
+
+
+def test_distributed_reaches_the_store_only_through_compat():
+    import fastpersist.distributed as d
+
+    src = inspect.getsource(d)
+    assert "_get_default_store" not in src
+    assert "_compat.default_store()" in src

@@ -507,3 +507,72 @@ def test_group_without_init_is_an_error(tmp_path: Any) -> None:
         pytest.skip("a process group is initialized in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         fastpersist.save(state(), str(tmp_path / "a.pt"), group=object(), config=cfg())
+
+
+# --------------------------------------------------------------------------- the verdict on missing ranks (one process)
+
+
+def _bare_coordinator(store: Any, rank: int, size: int, timeout: float) -> Any:
+    """A coordinator of ``size`` ranks as ``rank`` sees it, over ``store``, without a process group."""
+    from fastpersist.distributed import _Coordinator
+
+    co = object.__new__(_Coordinator)
+    co.what, co.timeout, co.rank, co.size = "op", timeout, rank, size
+    co.global_ranks, co.tag, co.prefix = list(range(size)), "t", "fastpersist/t/1"
+    co.store, co._marks, co._first, co._who = store, [], True, {}
+    return co
+
+
+def test_published_verdict_is_adopted() -> None:
+    store = torch.distributed.HashStore()
+    co = _bare_coordinator(store, 0, 3, 30.0)
+    store.set(co._key("write", 2), "1")
+    store.set("fastpersist/t/1/write/verdict", "missing:1")  # another survivor decided first
+    store.add("fastpersist/t/1/write/verdict/read", 1)
+    err = co._lost("write", RuntimeError("connection closed"), time.monotonic())
+    assert err.missing == [1] and "rank 1 did not reach step 'write'" in str(err)
+
+
+def test_first_local_verdict_is_published_for_the_others() -> None:
+    store = torch.distributed.HashStore()
+    co = _bare_coordinator(store, 0, 3, 0.2)
+    store.set(co._key("write", 1), "1")  # rank 1 arrived, rank 2 never does
+    err = co._lost("write", RuntimeError("timed out"), time.monotonic())
+    assert err.missing == [2]
+    assert store.get("fastpersist/t/1/write/verdict") == b"missing:2"
+    assert store.add("fastpersist/t/1/write/verdict/read", 0) == 1  # this rank read it
+    other = _bare_coordinator(store, 1, 3, 0.2)  # the other survivor gets the same verdict
+    assert other._lost("write", RuntimeError("x"), time.monotonic()).missing == [2]
+
+
+def test_exited_peer_is_named_without_waiting_for_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from fastpersist import distributed as D
+    from fastpersist.commit import _identity
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # exited and reaped: its pid is free
+    host, start = _identity()
+    store = torch.distributed.HashStore()
+    store.set("fastpersist/t/who/1", f"{host}|{gone.pid}|{start}")
+    store.add("fastpersist/t/1/crc/verdict/read", 1)  # the other survivor, rank 2, read the verdict
+    store.set("fastpersist/t/1/crc/2", "1")
+    co = _bare_coordinator(store, 0, 3, 3600.0)
+    frozen = time.monotonic()
+    monkeypatch.setattr(D.time, "monotonic", lambda: frozen)  # the deadline never comes: only the exit can end it
+    err = co._lost("crc", RuntimeError("connection closed"), frozen)
+    assert err.missing == [1]
+
+
+def test_store_gone_gives_the_local_verdict() -> None:
+    class Gone:
+        def __getattr__(self, name: str) -> Any:
+            def fail(*a: Any, **k: Any) -> Any:
+                raise RuntimeError("Connection reset by peer")
+            return fail
+
+    err = _bare_coordinator(Gone(), 1, 3, 1.0)._lost("write", RuntimeError("closed"), time.monotonic())
+    assert err.missing == [0] and "rendezvous store is unreachable" in str(err) and "untouched" in str(err)
+    err = _bare_coordinator(None, 1, 3, 1.0)._lost("write", RuntimeError("closed"), time.monotonic())
+    assert err.missing == [] and "no rendezvous store" in str(err)
