@@ -203,7 +203,10 @@ class CheckpointFile:
             self._read(wants, handle)
         except _HeaderMismatch:
             self._reindex_exact()
-            self._read(wants, handle)
+            try:
+                self._read(wants, handle)
+            except _HeaderMismatch as e:
+                raise _bad(self.path, None, f"the local header of {e} disagrees with the central directory") from None
 
     def _reindex_exact(self) -> None:
         import dataclasses
@@ -552,6 +555,25 @@ class _IndexReader:
 
 
 def _index_torch(f: CheckpointFile) -> None:
+    """Records from the central directory with predicted data offsets; if a local header
+    shows the prediction wrong (odd writers), again from every local header."""
+    from fastpersist.formats import torchload
+
+    try:
+        _index_torch_once(f, exact=False)
+    except torchload._HeaderMismatch:
+        f.records.clear()
+        f.tensors.clear()
+        f.ambiguous.clear()
+        f.paths.clear()
+        f.meta_ids.clear()
+        try:
+            _index_torch_once(f, exact=True)
+        except torchload._HeaderMismatch as e:
+            raise _bad(f.path, None, f"the local header of {e} disagrees with the central directory") from None
+
+
+def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
     from fastpersist import _compat
     from fastpersist.formats import torchload
 
@@ -559,13 +581,8 @@ def _index_torch(f: CheckpointFile) -> None:
     if not _compat.ok("weights_only_unpickler"):
         raise UnsupportedLayoutError("torch's weights-only unpickler is not usable here")
     load = torchload._Load(f.path, f.fd, f.size, f.checksum, False)
-    load.index()
-    try:
-        load.read_small(load.record("data.pkl"))
-    except torchload._HeaderMismatch:
-        load = torchload._Load(f.path, f.fd, f.size, f.checksum, False)
-        load.index(exact=True)
-        load.read_small(load.record("data.pkl"))
+    load.index(exact)
+    load.read_small(load.record("data.pkl"))
     f._load = load
     order = load.by_short.get("byteorder")
     f.native_order = order is None or load.read_small(order) == sys.byteorder.encode()
