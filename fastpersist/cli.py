@@ -303,7 +303,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not os.path.exists(path):
         raise FileNotFoundError(2, "No such file", path)
     if os.path.isdir(path):
-        raise IsADirectoryError(21, "Is a directory (verify takes a checkpoint file)", path)
+        from fastpersist.formats.dcpverify import looks_like_dcp
+
+        if not looks_like_dcp(path):  # a DCP checkpoint directory is verified like a file
+            raise IsADirectoryError(21, "Is a directory (verify takes a checkpoint file or a DCP checkpoint "
+                                        "directory)", path)
     try:
         result = fastpersist.verify(path)
     except (FastPersistError, UnicodeError) as exc:  # bad content that escaped verify: still FAILED, never 2
