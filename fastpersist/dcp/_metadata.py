@@ -118,7 +118,67 @@ def load_metadata(path: str) -> tuple[Any, bool]:
         raise CheckpointFormatError(
             f"{path}: not DCP checkpoint metadata (a {type(md).__name__} without a storage_data table); {ADVICE}",
             path)
+    why = _malformed(md)
+    if why:
+        raise CheckpointFormatError(f"{path}: malformed DCP checkpoint metadata ({why}); {ADVICE}", path)
     return md, sealed
+
+
+def _missing_fields(obj: Any) -> list[str]:
+    import dataclasses
+
+    if not dataclasses.is_dataclass(obj):
+        return []
+    return [f.name for f in dataclasses.fields(obj) if not hasattr(obj, f.name)]
+
+
+def _malformed(md: Any) -> Optional[str]:
+    """What makes an unpickled ``Metadata`` unusable (fields lost to a damaged name,
+    wrong types, chunks outside their tensor), or None. DCP's planner would fail on
+    these with a bare ``AttributeError``/``TypeError`` or place chunks wrongly."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+
+    def sizes(v: Any) -> bool:
+        return isinstance(v, (torch.Size, tuple, list)) and all(type(x) is int and x >= 0 for x in v)
+
+    if _missing_fields(md):
+        return f"Metadata without {', '.join(_missing_fields(md))}"
+    if not isinstance(md.state_dict_metadata, dict):
+        return "state_dict_metadata is not a dict"
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            return f"state_dict_metadata key {fqn!r} is not a string"
+        if isinstance(meta, BytesStorageMetadata):
+            continue
+        if not isinstance(meta, TensorStorageMetadata) or _missing_fields(meta):
+            return f"{fqn}: a {type(meta).__name__} {_missing_fields(meta) or ''} in state_dict_metadata"
+        props = meta.properties
+        if not isinstance(props, TensorProperties) or _missing_fields(props) or not isinstance(props.dtype,
+                                                                                               torch.dtype):
+            return f"{fqn}: tensor properties {props!r}"
+        if not sizes(meta.size) or not isinstance(meta.chunks, list):
+            return f"{fqn}: size {meta.size!r}, chunks {type(meta.chunks).__name__}"
+        for c in meta.chunks:
+            if (not isinstance(c, ChunkStorageMetadata) or _missing_fields(c) or not sizes(c.offsets)
+                    or not sizes(c.sizes) or len(c.offsets) != len(meta.size) or len(c.sizes) != len(meta.size)
+                    or any(o + n > d for o, n, d in zip(c.offsets, c.sizes, meta.size))):
+                return f"{fqn}: chunk {c!r} outside the tensor's size {tuple(meta.size)}"
+    for index, info in md.storage_data.items():
+        if not isinstance(index, MetadataIndex) or _missing_fields(index) or not isinstance(index.fqn, str):
+            return f"storage_data key {index!r}"
+        if not isinstance(info, _StorageInfo) or _missing_fields(info):
+            return f"storage record {info!r} of {item_name(index)}"
+    have = {(k.fqn, tuple(k.offset) if k.offset is not None else None) for k in md.storage_data}
+    for fqn, meta in md.state_dict_metadata.items():
+        wanted = ([(fqn, tuple(c.offsets)) for c in meta.chunks] if isinstance(meta, TensorStorageMetadata)
+                  else [(fqn, None)])
+        for key in wanted:
+            if key not in have:
+                return f"no storage record for {key[0]}{'@' + str(key[1]) if key[1] else ''}"
+    return None
 
 
 def item_name(index: Any) -> str:
