@@ -591,11 +591,19 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
     reader = _IndexReader(f, load)
     try:
         obj = private_load(reader, "cpu", _compat.weights_only_unpickler(), weights_only=True, encoding="utf-8")
+    except (CheckpointFormatError, ChecksumError, UnsupportedLayoutError, OSError):
+        raise
+    except torchload._HeaderMismatch:
+        raise
     except pickle.UnpicklingError as e:
         raise pickle.UnpicklingError(
             f"{f.path}: the pickle holds something weights_only loading refuses ({e}); fastpersist.open and "
             "fastpersist.load_state_dict read only what torch.load(weights_only=True) accepts (allow more with "
             "torch.serialization.add_safe_globals)"
+        ) from e
+    except Exception as e:  # noqa: BLE001 - a rebuild that needs the bytes (quantized, sparse ...) or a bad pickle
+        raise UnsupportedLayoutError(
+            f"{f.path}: its object cannot be rebuilt without reading tensor bytes ({type(e).__name__}: {e})"
         ) from e
     f.obj = obj
     for r in load.records:
@@ -617,6 +625,9 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
 
     def add(t: torch.Tensor, keys: tuple[Any, ...]) -> None:
         name = ".".join(str(k) for k in keys)
+        if t.layout != torch.strided or t.is_quantized or type(t) not in (torch.Tensor, torch.nn.Parameter) \
+                or t.is_nested:
+            raise UnsupportedLayoutError(f"tensor {name!r} is a {type(t).__name__} of layout {t.layout}")
         if t.device.type != "meta":
             raise UnsupportedLayoutError(f"tensor {name!r} was not built over a storage of the file")
         hit = reader.storages.get(t.untyped_storage()._cdata)
@@ -624,8 +635,6 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
             raise UnsupportedLayoutError(f"tensor {name!r} does not lie in a storage record")
         record = hit[0]
         rec = f.records[record]
-        if t.layout != torch.strided or t.is_quantized or type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise UnsupportedLayoutError(f"tensor {name!r} is a {type(t).__name__} of layout {t.layout}")
         f.meta_ids[id(t)] = name
         info = TensorInfo(name, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), record, rec.offset,
                           rec.size, t.requires_grad, isinstance(t, torch.nn.Parameter))
