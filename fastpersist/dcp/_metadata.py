@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from fastpersist.errors import CheckpointFormatError
 
+_DCP = "torch.distributed.checkpoint"
 MAGIC = b"FPDCPMD1"
 _TRAILER = struct.Struct("<8sIQ")
 TRAILER_SIZE = _TRAILER.size
@@ -53,7 +54,7 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
-        if module == "torch.distributed.checkpoint" or module.startswith("torch.distributed.checkpoint."):
+        if module == _DCP or module.startswith(_DCP + "."):
             obj = super().find_class(module, name)
             if isinstance(obj, type):  # dataclasses and enums, never functions
                 return obj
@@ -153,6 +154,8 @@ def _malformed(md: Any) -> Optional[str]:
             return f"state_dict_metadata key {fqn!r} is not a string"
         if isinstance(meta, BytesStorageMetadata):
             continue
+        if not isinstance(meta, TensorStorageMetadata) and type(meta).__module__.startswith(_DCP):
+            continue  # a kind of entry this code does not know (a newer DCP): DCP's planner judges it
         if not isinstance(meta, TensorStorageMetadata) or _missing_fields(meta):
             return f"{fqn}: a {type(meta).__name__} {_missing_fields(meta) or ''} in state_dict_metadata"
         props = meta.properties
@@ -173,8 +176,12 @@ def _malformed(md: Any) -> Optional[str]:
             return f"storage record {info!r} of {item_name(index)}"
     have = {(k.fqn, tuple(k.offset) if k.offset is not None else None) for k in md.storage_data}
     for fqn, meta in md.state_dict_metadata.items():
-        wanted = ([(fqn, tuple(c.offsets)) for c in meta.chunks] if isinstance(meta, TensorStorageMetadata)
-                  else [(fqn, None)])
+        if isinstance(meta, TensorStorageMetadata):
+            wanted = [(fqn, tuple(c.offsets)) for c in meta.chunks]
+        elif isinstance(meta, BytesStorageMetadata):
+            wanted = [(fqn, None)]
+        else:
+            continue
         for key in wanted:
             if key not in have:
                 return f"no storage record for {key[0]}{'@' + str(key[1]) if key[1] else ''}"
