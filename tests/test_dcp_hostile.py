@@ -429,6 +429,24 @@ def test_duplicated_and_overlapping_records(work: tuple[str, str, str], case: st
     assert any("overlaps" in p for p in res.problems), res.problems
 
 
+def test_crc_stripped_from_one_item(ckpts: dict[str, str], tmp_path: Any) -> None:
+    """An edited .metadata whose damaged item lost its CRC: the others still have theirs,
+    which no writer leaves; refused instead of loaded unchecked."""
+    dst = fresh(ckpts["fp"], str(tmp_path / "c"))
+    md = metadata(dst)
+    (info,) = [v for k, v in md.storage_data.items() if k.fqn == "i"]
+    del info.fastpersist_crc32
+    write_metadata(dst, md)
+    with open(os.path.join(dst, info.relative_path), "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x08]))
+    err = load(dst, FastPersistReader)
+    assert isinstance(err, CheckpointFormatError) and "have no CRC-32" in str(err), err
+    assert verify_status(dst) == "corrupt"
+
+
 def test_record_outside_directory(work: tuple[str, str, str], tmp_path: Any) -> None:
     writer, src, dst = work
     dst = fresh(src, dst)

@@ -120,6 +120,12 @@ class FastPersistReader(FileSystemReader):
         if not isinstance(self.storage_data, dict):
             raise CheckpointFormatError(f"{self.path}: .metadata has no storage_data table; {ADVICE}", str(self.path))
         problems = table_problems(self.storage_data, os.path.join(os.fsdecode(os.fspath(self.path)), ".metadata"))
+        unchecked = [i for i, info in self.storage_data.items() if _compat.dcp_storage_crc(info) is None]
+        if unchecked and len(unchecked) < len(self.storage_data):  # no writer leaves some items without a CRC
+            problems.append((unchecked[0], None, None,
+                             f"{self.path}/.metadata: {len(unchecked)} of {len(self.storage_data)} items have no "
+                             f"CRC-32 (first: {item_name(unchecked[0])}), the others have one: the metadata was "
+                             f"edited"))
         if problems:
             _index, rel, off, msg = problems[0]
             more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
