@@ -301,8 +301,15 @@ def _what(target: Any) -> str:
 
 def _into_module_or_dict(target: Any, f: CheckpointFile, strict: bool, key: Any, cast: bool, handle: Any) -> Any:
     sub, found, ambiguous = f.tensors_under(key)
+    extra: dict[str, Any] = {}  # non-tensor state_dict entries (get_extra_state)
+    module_sd: dict[str, Any] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else {}
     if isinstance(target, torch.nn.Module):
-        expected: dict[str, torch.Tensor] = dict(target.state_dict())
+        expected: dict[str, torch.Tensor] = {}
+        for k, v in module_sd.items():
+            if isinstance(v, torch.Tensor):
+                expected[k] = v
+            elif isinstance(sub, Mapping) and k in sub:
+                extra[k] = _materialize(f, sub[k], handle)
     else:
         expected = {}
         _flatten(target, "", expected)
@@ -311,8 +318,10 @@ def _into_module_or_dict(target: Any, f: CheckpointFile, strict: bool, key: Any,
     if bad:
         raise StateDictMismatchError(f"{f.path}: the names {bad} stand for several tensors in the checkpoint "
                                      "(keys that format to the same dotted name); nothing was read")
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected] + [k for k in ambiguous if k not in expected]
+    missing = [k for k in (module_sd or expected) if k not in found and k not in extra]
+    inside_extra = tuple(k + "." for k in extra)
+    unexpected = [k for k in found if k not in expected and not (inside_extra and k.startswith(inside_extra))]
+    unexpected += [k for k in ambiguous if k not in expected]
     if strict and (missing or unexpected):
         raise _keys_error(what, missing, unexpected)
     pairs = [(k, expected[k], found[k]) for k in expected if k in found]
@@ -320,7 +329,9 @@ def _into_module_or_dict(target: Any, f: CheckpointFile, strict: bool, key: Any,
     plan = _plan(f, pairs)
     plan.execute(handle, "the " + ("model" if isinstance(target, torch.nn.Module) else "target dict"))
     if isinstance(target, torch.nn.Module):
-        filled: Any = collections.OrderedDict((k, expected[k]) for k in expected if k in found)
+        filled: Any = collections.OrderedDict(
+            (k, expected[k] if k in expected else extra[k]) for k in module_sd if k in found or k in extra
+        )
         meta = getattr(sub, "_metadata", None)
         if meta is not None:
             filled._metadata = meta
@@ -329,6 +340,32 @@ def _into_module_or_dict(target: Any, f: CheckpointFile, strict: bool, key: Any,
             result.unexpected_keys.extend(k for k in unexpected if k not in result.unexpected_keys)
         return result
     return IncompatibleKeys(missing, unexpected)
+
+
+def _materialize(f: CheckpointFile, obj: Any, handle: Any) -> Any:
+    """``obj`` (part of the file's object) with its tensors read (fresh memory)."""
+    names: dict[int, str] = {}
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor) and id(o) in f.meta_ids:
+            names[id(o)] = f.meta_ids[id(o)]
+        elif isinstance(o, Mapping):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    if not names:
+        return obj
+    infos = {n: f.info(n) for n in names.values()}
+    records = f.read_records({i.record for i in infos.values()}, handle)
+
+    def replace(t: torch.Tensor) -> Any:
+        n = names.get(id(t))
+        if n is None:
+            raise UnsupportedLayoutError("a tensor without a name of its own")
+        return f.tensor_from_record(infos[n], records[infos[n].record])
+
+    return f.rebuild(obj, replace)
 
 
 def _into_optimizer(opt: torch.optim.Optimizer, f: CheckpointFile, key: Any, cast: bool, handle: Any) -> None:
@@ -375,7 +412,15 @@ def _load_with_torch(target: Any, path: str, *, strict: bool, key: Any, cast: bo
     the same checks and copies."""
     from fastpersist.formats.torchindex import _step
 
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    import struct
+
+    from fastpersist.errors import CheckpointFormatError
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (IndexError, KeyError, struct.error, UnicodeDecodeError, RecursionError) as e:
+        raise CheckpointFormatError(f"{path}: not a loadable checkpoint (torch.load failed: "
+                                    f"{type(e).__name__}: {e})", path) from e
     if key is not None and key != ():
         for part in key if isinstance(key, tuple) else (key,):
             obj, _ = _step(obj, part, path, key)

@@ -436,3 +436,97 @@ def test_collections_ordered_dict_target(tmp_path):
     assert torch.equal(target["a"], torch.arange(4.0))
     with pytest.raises(ValueError, match="safetensors files are flat"):
         fastpersist.load_state_dict(target, p, key="x")
+
+
+class WithExtra(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.extra = {"calls": 0, "scale": torch.zeros(2)}
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state):
+        self.extra = state
+
+
+def test_extra_state_reaches_set_extra_state(tmp_path):
+    src = WithExtra()
+    src.extra = {"calls": 5, "scale": torch.tensor([1.5, 2.5])}
+    p = tmp_path / "x.pt"
+    fastpersist.save(src.state_dict(), p)
+    m = WithExtra()
+    fastpersist.load_state_dict(m, p)
+    assert m.extra["calls"] == 5 and torch.equal(m.extra["scale"], torch.tensor([1.5, 2.5]))
+    assert torch.equal(m.lin.weight, src.lin.weight)
+    sd = dict(src.state_dict())
+    del sd["_extra_state"]
+    fastpersist.save(sd, p)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*_extra_state"):
+        fastpersist.load_state_dict(WithExtra(), p)
+
+
+# --------------------------------------------------------------------------- hostile files
+
+def _hostile_files(tmp_path, writer):
+    sd = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.tensor([1, 0, 1], dtype=torch.bool),
+          "h": torch.arange(5, dtype=torch.bfloat16)}
+    src = _path(tmp_path, writer, "src")
+    _save(sd, src, writer)
+    data = src.read_bytes()
+    if writer == "safetensors":
+        offsets = list(range(len(data)))
+    else:
+        idx = read_zip_index(src)
+        keep = set(range(idx.cd_offset, len(data)))
+        for e in idx.entries:
+            keep.update(range(e.header_offset, min(e.header_offset + 38 + len(e.name.encode()), e.data_offset)))
+            keep.update(range(e.data_offset, e.data_end))
+        offsets = sorted(keep)
+    return sd, data, offsets
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_hostile_files_give_the_values_or_a_clear_error_and_untouched_target(tmp_path, writer):
+    """Truncated and flipped files: the saved values, or an error; an error other than
+    PartialLoadError leaves the target's bytes as they were."""
+    import pickle
+    import zipfile
+
+    from fastpersist.errors import CheckpointFormatError, UnsupportedLayoutError
+
+    sd, data, offsets = _hostile_files(tmp_path, writer)
+    p = _path(tmp_path, writer, "bad")
+    variants = [data[:n] for n in range(0, len(data), max(1, len(data) // 300))]
+    for off in offsets[:: max(1, len(offsets) // 600)]:
+        bad = bytearray(data)
+        bad[off] ^= 0x21
+        variants.append(bytes(bad))
+    outcomes = {"ok": 0, "error": 0, "partial": 0}
+    for v in variants:
+        p.write_bytes(v)
+        target = {k: torch.full_like(t, 3) for k, t in sd.items()}
+        before = _snapshot(target)
+        try:
+            fastpersist.load_state_dict(target, p)
+        except fastpersist.PartialLoadError:
+            outcomes["partial"] += 1
+            continue
+        except (KeyError, IndexError, struct_error(), UnicodeDecodeError, RecursionError) as e:
+            if not isinstance(e, CheckpointFormatError):
+                pytest.fail(f"raw {type(e).__name__}: {e}")
+        except (CheckpointFormatError, ChecksumError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError,
+                OSError, pickle.UnpicklingError, UnsupportedLayoutError, TypeError, AttributeError):
+            _assert_bytes_equal(target, before)
+            outcomes["error"] += 1
+            continue
+        _assert_bytes_equal(target, sd)
+        outcomes["ok"] += 1
+    assert outcomes["error"] > 0
+
+
+def struct_error():
+    import struct
+
+    return struct.error
