@@ -138,6 +138,7 @@ class Handle:
         direct: bool = True,         # use O_DIRECT when the filesystem allows it
         max_async: int = 2,          # async ops executed concurrently; others queue
         stage_reads: bool = False,   # reads: every chunk through the staging ring, then copied out
+        read_mode: str = "direct",   # what loaders on this handle do: "direct" | "buffered" | "auto" (carried only)
     ) -> None: ...
     @property
     def engine(self) -> str: ...        # as requested ("auto" stays "auto")
@@ -151,6 +152,8 @@ class Handle:
     def direct(self) -> bool: ...
     @property
     def stage_reads(self) -> bool: ...
+    @property
+    def read_mode(self) -> str: ...     # "direct" | "buffered" | "auto" (the loaders' choice; fastpersist.io.plan_read)
     @property
     def last_engine(self) -> str: ...   # engine actually used by the last completed op ("aio", "psync", "psync-buffered")
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 __all__ = [
     "ENGINES",
+    "READ_MODES",
     "READ_STAGING",
     "ENV_VARS",
     "Config",
@@ -46,6 +47,9 @@ ENGINES = ("auto", "aio", "psync", "cufile")
 
 #: Values accepted for :attr:`Config.read_staging`.
 READ_STAGING = ("auto", "on", "off")
+
+#: Values accepted for :attr:`Config.read_mode`.
+READ_MODES = ("auto", "direct", "buffered")
 
 _PAGE = 4096
 
@@ -101,6 +105,17 @@ class Config:
             reads are staged (a buffered read already copies out of the page cache).
             The ring costs ``read_queue_depth x chunk_size`` bytes (128 MiB by
             default), which the reading handle keeps for its next read.
+        read_mode: How loads (``load``, safetensors loads) read a file: ``"direct"``:
+            parallel ``O_DIRECT`` reads (staged or not, see :attr:`read_staging`);
+            ``"buffered"``: parallel reads through the page cache (kernel readahead);
+            ``"auto"`` (default): a file that is mostly in the page cache already is
+            read buffered (a copy from memory, no disk I/O); a cold file of 64 MiB or
+            more is read the way that loaded fastest on its filesystem so far (GB/s of
+            the whole load, recorded per filesystem in memory and in
+            ``$XDG_CACHE_HOME/fastpersist/read-modes.json``), trying a way that has no
+            record yet first, and the other way again every 8th load so a change of
+            the disk's behaviour is noticed; smaller cold files are read direct.
+            With ``direct=False`` every read is buffered.
         threads: Worker threads that fill staging buffers (and do the I/O for ``psync``); >= 1.
         direct: Use ``O_DIRECT`` where the filesystem accepts it (bypasses the page cache).
         fsync: ``fsync`` the file and its directory before a save is reported complete.
@@ -130,6 +145,7 @@ class Config:
     queue_depth: int = 8
     read_queue_depth: int = 16
     read_staging: str = "auto"
+    read_mode: str = "auto"
     threads: int = 2
     direct: bool = True
     fsync: bool = True
@@ -189,6 +205,7 @@ class Config:
         }
         if read:
             kwargs["stage_reads"] = self.stages_reads()
+            kwargs["read_mode"] = self.read_mode
         return kwargs
 
     @classmethod
@@ -237,6 +254,9 @@ def _validate_field(name: str, value: Any) -> None:
     elif name == "read_staging":
         if value not in READ_STAGING:
             raise ValueError(f"read_staging must be one of {', '.join(READ_STAGING)}, not {value!r}")
+    elif name == "read_mode":
+        if value not in READ_MODES:
+            raise ValueError(f"read_mode must be one of {', '.join(READ_MODES)}, not {value!r}")
     elif name in ("direct", "fsync", "checksum", "fast_pickle"):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
@@ -345,6 +365,13 @@ def _parse_read_staging(name: str, raw: str) -> str:
     return text
 
 
+def _parse_read_mode(name: str, raw: str) -> str:
+    text = raw.strip().lower()
+    if text not in READ_MODES:
+        raise ValueError(f"{name}={raw!r} is not a read mode; use one of {', '.join(READ_MODES)}")
+    return text
+
+
 def _parse_fault(name: str, raw: str) -> str:
     """Syntax check only; the native module applies the fault."""
     parts = raw.strip().split(":")
@@ -415,6 +442,22 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "(docs/benchmarks.md, \"Staged reads\"); `off` on bare metal. Only O_DIRECT reads are "
         "staged: a buffered read is already a copy out of the page cache. The ring costs "
         "`read_queue_depth` x `chunk_size` bytes (128 MiB by default), kept by the reading handle for its next read.",
+    ),
+    EnvVar(
+        "FASTPERSIST_READ_MODE", "read_mode", _parse_read_mode, "auto, direct or buffered",
+        "How loads read a file. `direct`: parallel O_DIRECT reads (staged or not, see "
+        "FASTPERSIST_READ_STAGING). `buffered`: parallel reads through the page cache (kernel "
+        "readahead, then a copy). `auto`: measured, not assumed. A file that is mostly in the page cache "
+        "already (checked with mincore, which starts no I/O) is read buffered: a copy from memory. A cold "
+        "file of 64 MiB or more is read the way that loaded fastest on its filesystem so far: each such "
+        "load's GB/s is recorded per filesystem (device number and size) in memory and in "
+        "`$XDG_CACHE_HOME/fastpersist/read-modes.json` (default `~/.cache`; a moving average, so a "
+        "process starts from what earlier ones measured); a way with no record yet is tried first, and "
+        "the slower way is tried again every 8th load, so a change of the disk's behaviour is noticed. "
+        "Why: on virtual disks neither way wins everywhere. On the reference VM, O_DIRECT loads ran "
+        "2.4x faster than buffered ones in one hour and buffered readers beat O_DIRECT in another "
+        "(docs/benchmarks.md, \"Choosing the read path\"), which no CPU flag or filesystem type tells "
+        "in advance. Smaller cold files are read direct. With FASTPERSIST_DIRECT off every read is buffered.",
     ),
     EnvVar(
         "FASTPERSIST_THREADS", "threads", _parse_int, "integer >= 1",

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import struct
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence, Union
 
@@ -36,6 +37,7 @@ import torch
 
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.base import PATCH_HEX8, WritePlan
+from fastpersist.io import plan_read, reader_handle, record_read
 
 __all__ = [
     "CRC_METADATA_KEY",
@@ -609,9 +611,11 @@ def load_safetensors(
 
     check = checksum and header.crcs is not None
     extents, slots = _data_extents(header, lambda off: base_ptr + off)
+    reader, plan = _plan_reader(path, header.file_size, handle)
+    started = time.perf_counter()
     if check:
         read_extents = [(0, base_ptr, header.data_start, -1)] + extents
-        crcs = handle.read(path, read_extents, len(slots))
+        crcs = reader.read(path, read_extents, len(slots))
         problems = _crc_problems(header, slots, crcs)
         if problems:
             raise ChecksumError(
@@ -621,12 +625,33 @@ def load_safetensors(
                 [name for name, _ in problems],
             )
     else:
-        handle.read(path, [(0, base_ptr, header.file_size, -1)], 0)
+        reader.read(path, [(0, base_ptr, header.file_size, -1)], 0)
+    if plan is not None:
+        record_read(plan, header.file_size, time.perf_counter() - started)
 
     try:
         return _tensors(header, base, device)
     except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
         raise SafetensorsFormatError(f"{path}: cannot make tensors of the header's dtypes and shapes ({exc})", path) from exc
+
+
+def _plan_reader(path: str, nbytes: int, handle: Any) -> tuple[Any, Any]:
+    """The handle a load reads with (``handle`` itself, or a pooled one reading the way
+    :func:`fastpersist.io.plan_read` chose) and the plan (None: ``handle`` as it is)."""
+    mode = getattr(handle, "read_mode", None)
+    if mode is None or not hasattr(handle, "stage_reads"):
+        return handle, None  # a stand-in reader (tests): read with it as it is
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return handle, None  # the read itself raises the error, naming the path
+    try:
+        plan = plan_read(fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads)
+    finally:
+        os.close(fd)
+    if plan.direct == handle.direct and plan.stage == handle.stage_reads:
+        return handle, plan
+    return reader_handle(handle, plan), plan
 
 
 def _tensors(header: SafetensorsHeader, base: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:

@@ -36,6 +36,8 @@ import os
 import stat
 import struct
 import sys
+import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -45,6 +47,7 @@ import torch
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats.picklescan import data_free, scan_pickle
 from fastpersist.formats.zipindex import CentralEntry, fd_reader, parse_zip_index, read_central_directory
+from fastpersist.io import plan_read, reader_handle, record_read
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +513,6 @@ def _load_fd(
     path: str, fd: int, size: int, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
     weights_only: bool, checksum: bool, exact: bool = False, **pickle_load_args: Any,
 ) -> Any:
-    from fastpersist import _native
 
     load = _Load(path, fd, size, checksum, _wants_pinned(map_location))
     load.index(exact)
@@ -522,16 +524,17 @@ def _load_fd(
     overlap = _overlap_allowed(scan, native_order, map_location)
 
     extents, bulk = load.plan_bulk(wanted)
-    reader_handle = _native.Handle(
-        handle.engine, handle.chunk_size, handle.queue_depth, handle.threads, handle.direct,
-        stage_reads=handle.stage_reads,
-    )
+    nbytes = sum(r.size for r in bulk)
+    plan = plan_read(fd, nbytes, read_mode=getattr(handle, "read_mode", "direct"), direct=handle.direct,
+                     stage=handle.stage_reads)
+    reader = reader_handle(handle, plan)
     crcs: list[int] = []
+    started = time.perf_counter()
 
     def finish() -> None:
         nonlocal crcs
         try:
-            done = reader_handle.wait()
+            done = reader.wait()
         except EOFError as e:
             raise _bad(path, None, f"the file is shorter than its index says (truncated, or rewritten in place "
                        f"while loading): {e}") from e
@@ -541,9 +544,10 @@ def _load_fd(
             raise
         crcs = done[0][1] if done else []
         load.check_bulk(bulk, crcs)
+        record_read(plan, nbytes, time.perf_counter() - started)
 
     if extents:
-        reader_handle.submit_read(fd, extents, len(bulk))
+        reader.submit_read(fd, extents, len(bulk))
     def unpickle() -> Any:
         # The unpickler allocates several tracked objects per tensor; with the cyclic GC
         # on, its collections walk them again and again (6% of a 2 GiB load's samples,
@@ -564,7 +568,7 @@ def _load_fd(
     try:
         result = unpickle()
     except BaseException:
-        _drain(reader_handle)  # the read must be over before its buffers can go
+        _drain(reader)  # the read must be over before its buffers can go
         raise
     finish()
     return result

@@ -210,15 +210,17 @@ NB_MODULE(_native, m) {
   m.def("fault_hits", &sys::fault_hits);
 
   nb::class_<Handle>(m, "Handle")
-      .def(nb::init<std::string, size_t, unsigned, unsigned, bool, unsigned, bool>(), nb::arg("engine") = "auto",
-           nb::arg("chunk_size") = size_t(8) << 20, nb::arg("queue_depth") = 8, nb::arg("threads") = 2,
-           nb::arg("direct") = true, nb::arg("max_async") = 2, nb::arg("stage_reads") = false)
+      .def(nb::init<std::string, size_t, unsigned, unsigned, bool, unsigned, bool, std::string>(),
+           nb::arg("engine") = "auto", nb::arg("chunk_size") = size_t(8) << 20, nb::arg("queue_depth") = 8,
+           nb::arg("threads") = 2, nb::arg("direct") = true, nb::arg("max_async") = 2, nb::arg("stage_reads") = false,
+           nb::arg("read_mode") = "direct")
       .def_prop_ro("engine", &Handle::engine)
       .def_prop_ro("chunk_size", &Handle::chunk_size)
       .def_prop_ro("queue_depth", &Handle::queue_depth)
       .def_prop_ro("threads", &Handle::threads)
       .def_prop_ro("direct", &Handle::direct)
       .def_prop_ro("stage_reads", &Handle::stage_reads)
+      .def_prop_ro("read_mode", &Handle::read_mode)
       .def_prop_ro("last_engine", &Handle::last_engine)
       .def(
           "write",

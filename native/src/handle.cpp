@@ -35,8 +35,12 @@ File open_target(const Target& t, bool write, bool truncate, bool direct) {
 }  // namespace
 
 Handle::Handle(std::string engine, size_t chunk_size, unsigned queue_depth, unsigned threads,
-               bool direct, unsigned max_async, bool stage_reads)
+               bool direct, unsigned max_async, bool stage_reads, std::string read_mode)
     : max_async_(std::max(max_async, 1u)) {
+  if (read_mode != "auto" && read_mode != "direct" && read_mode != "buffered") {
+    throw ArgError("read_mode must be 'auto', 'direct' or 'buffered', not '" + read_mode + "'");
+  }
+  read_mode_ = std::move(read_mode);
   opt_.chunk_size = round_chunk(chunk_size);
   if (engine != "auto" && engine != "aio" && engine != "psync" && engine != "cufile") {
     throw ArgError("engine must be 'auto', 'aio', 'psync' or 'cufile', not '" + engine + "'");

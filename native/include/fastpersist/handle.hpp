@@ -78,7 +78,7 @@ struct WaitTimeout : std::runtime_error {
 class Handle {
  public:
   Handle(std::string engine, size_t chunk_size, unsigned queue_depth, unsigned threads,
-         bool direct, unsigned max_async, bool stage_reads = false);
+         bool direct, unsigned max_async, bool stage_reads = false, std::string read_mode = "direct");
   ~Handle();
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
@@ -107,6 +107,11 @@ class Handle {
   unsigned threads() const { return opt_.threads; }
   bool direct() const { return opt_.direct; }
   bool stage_reads() const { return opt_.stage_reads; }
+  // How the loaders built on this handle read a file: "direct" (O_DIRECT, staged
+  // per stage_reads), "buffered" (through the page cache), or "auto" (they choose
+  // per file from what they measured; fastpersist/io.py, plan_read). The handle
+  // itself only carries the setting: its read()/submit_read() follow `direct`.
+  const std::string& read_mode() const { return read_mode_; }
   std::string last_engine();
 
  private:
@@ -142,6 +147,7 @@ class Handle {
   std::shared_ptr<AsyncOp> find_pending(State& s, uint64_t id);
 
   ExecOptions opt_;
+  std::string read_mode_;
   unsigned max_async_;
   std::atomic<uint64_t> next_id_{1};  // unique across forks: a child's ids never repeat its parent's
   std::atomic<State*> st_{nullptr};
