@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional, Union
 
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 _PAGE = 4096
+#: Scratch buffers (records that cannot be read in place) are read in batches of at most this many bytes.
+SCRATCH_BATCH = 256 << 20
 
 
 class IncompatibleKeys(NamedTuple):
@@ -133,8 +136,9 @@ class _Plan:
         if info.numel == 0:
             return
         direct = (
-            t.device.type == "cpu" and t.dtype == info.dtype and t.is_contiguous() and info.contiguous
-            and not t.is_conj() and not t.is_neg() and t.layout == torch.strided
+            type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu" and t.dtype == info.dtype
+            and t.layout == torch.strided and t.is_contiguous() and info.contiguous
+            and not t.is_conj() and not t.is_neg()
         )
         if info.record in self.scratch or not direct:
             self._to_scratch(info.record)
@@ -172,37 +176,60 @@ class _Plan:
     _direct_info: dict[tuple[str, int, int], TensorInfo]
 
     def execute(self, handle: Any, what: str) -> None:
-        from fastpersist import _native
-
+        """Read: the direct pieces and the first scratch records in one native read, the
+        other scratch records in batches of at most :data:`SCRATCH_BATCH` bytes (so
+        scratch memory stays bounded, e.g. for a model on a GPU); copies after each."""
         wants: dict[str, list[Piece]] = {}
         for record, items in self.pieces.items():
             wants[record] = sorted((p for p, _ in items), key=lambda p: p.start)
-        buffers: dict[str, torch.Tensor] = {}
-        for record in self.scratch:
-            r = self.f.records[record]
-            if r.size == 0:
-                continue
-            lead = r.offset % _PAGE
-            buf = _native.PinnedBuffer(-(-(lead + r.size) // _PAGE) * _PAGE, _PAGE, False)
-            buffers[record] = torch.frombuffer(buf, dtype=torch.uint8, count=r.size, offset=lead)
-            wants[record] = [Piece(0, r.size, buf.ptr + lead)]
+        batches: list[list[str]] = [[]]
+        size = 0
+        for record in sorted(self.scratch, key=lambda n: self.f.records[n].offset):
+            n = self.f.records[record].size
+            if batches[-1] and size + n > SCRATCH_BATCH:
+                batches.append([])
+                size = 0
+            batches[-1].append(record)
+            size += n
         try:
-            self.f.read(wants, handle)
+            for i, batch in enumerate(batches):
+                self._read_batch(wants if i == 0 else {}, batch, handle)
             with torch.no_grad():
-                for record, items in self.scratch.items():
-                    for t, info in items:
-                        t.copy_(self.f.tensor_from_record(info, buffers[record]).detach())
                 for t, other in self.dupes:
                     t.copy_(other)
         except Exception as e:  # noqa: BLE001 - every failure after the read began
             errno = getattr(e, "errno", None) if isinstance(e, OSError) else None
             offset = getattr(e, "offset", None)
+            if offset is None:
+                m = re.search(r"offset (\d+)", str(e))
+                offset = int(m.group(1)) if m else None
             raise PartialLoadError(
                 f"{self.f.path}: loading into {what} failed after reading had started, so {what} was partly "
                 f"overwritten (some tensors hold the checkpoint's bytes, others their old ones); load again from "
                 f"a good copy before using it. Cause: {type(e).__name__}: {e}",
                 self.f.path, offset, errno,
             ) from e
+
+    def _read_batch(self, wants: dict[str, list[Piece]], scratch: list[str], handle: Any) -> None:
+        from fastpersist import _native
+
+        wants = dict(wants)
+        buffers: dict[str, torch.Tensor] = {}
+        for record in scratch:
+            r = self.f.records[record]
+            if r.size == 0:
+                buffers[record] = torch.empty(0, dtype=torch.uint8)
+                continue
+            lead = r.offset % _PAGE
+            buf = _native.PinnedBuffer(-(-(lead + r.size) // _PAGE) * _PAGE, _PAGE, False)
+            buffers[record] = torch.frombuffer(buf, dtype=torch.uint8, count=r.size, offset=lead)
+            wants[record] = [Piece(0, r.size, buf.ptr + lead)]
+        if wants:
+            self.f.read(wants, handle)
+        with torch.no_grad():
+            for record in scratch:
+                for t, info in self.scratch[record]:
+                    t.copy_(self.f.tensor_from_record(info, buffers[record]).detach())
 
 
 def _plan(f: CheckpointFile, pairs: list[tuple[str, torch.Tensor, TensorInfo]]) -> _Plan:
@@ -211,8 +238,12 @@ def _plan(f: CheckpointFile, pairs: list[tuple[str, torch.Tensor, TensorInfo]]) 
     seen: dict[tuple[int, int, torch.dtype, tuple, tuple, torch.device], int] = {}
     unique: list[tuple[torch.Tensor, TensorInfo]] = []
     for _, t, info in pairs:
-        key = (t.untyped_storage().data_ptr() if t.numel() else id(t), t.storage_offset(), t.dtype, tuple(t.shape),
-               tuple(t.stride()), t.device)
+        try:
+            where = t.untyped_storage().data_ptr() if t.numel() and t.layout == torch.strided else id(t)
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage of their own
+            where = id(t)
+        key = (where, t.storage_offset() if where != id(t) else 0, t.dtype, tuple(t.shape),
+               tuple(t.stride()) if t.layout == torch.strided else (), t.device)
         if key in seen:  # tied in the target: the same memory, read once (the last name wins, as in torch)
             unique[seen[key]] = (t, info)
             continue

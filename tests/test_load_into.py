@@ -530,3 +530,29 @@ def struct_error():
     import struct
 
     return struct.error
+
+
+def test_scratch_records_in_bounded_batches(tmp_path, monkeypatch):
+    """Records that cannot land in place go through scratch memory a batch at a time."""
+    import fastpersist.loadinto as li
+
+    monkeypatch.setattr(li, "SCRATCH_BATCH", 64 << 10)
+    saved = {f"w{i}": torch.randn(64, 64) for i in range(6)}  # 16 KiB each
+    saved["direct"] = torch.randn(1000)
+    p = tmp_path / "c.pt"
+    fastpersist.save(saved, p)
+    target = {k: torch.zeros(64, 64).t() for k in saved if k != "direct"}  # non-contiguous targets
+    target["direct"] = torch.zeros(1000)
+    fastpersist.load_state_dict(target, p)
+    for k, v in saved.items():
+        assert torch.equal(target[k], v), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_targets(tmp_path):
+    src = _trained(seed=1)
+    p = tmp_path / "c.pt"
+    fastpersist.save(src.state_dict(), p)
+    m = Net().cuda()
+    fastpersist.load_state_dict(m, p)
+    _assert_bytes_equal({k: v.cpu() for k, v in m.state_dict().items()}, _snapshot(src.state_dict()))
