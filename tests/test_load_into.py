@@ -556,3 +556,24 @@ def test_cuda_targets(tmp_path):
     m = Net().cuda()
     fastpersist.load_state_dict(m, p)
     _assert_bytes_equal({k: v.cpu() for k, v in m.state_dict().items()}, _snapshot(src.state_dict()))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs /proc/self/io")
+@pytest.mark.parametrize("writer", ["fastpersist", "torch"])
+def test_reads_only_what_the_target_needs(tmp_path, writer):
+    """Bytes the process read (rchar, pread engine): the model's records, not the
+    optimizer's 8 MiB next to them in the same file."""
+    def rchar() -> int:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+    src = _trained(seed=1)
+    model_bytes = sum(v.numel() * v.element_size() for v in src.state_dict().values())
+    p = tmp_path / "c.pt"
+    _save({"model": src.state_dict(), "optimizer": {"big": torch.zeros(2 << 20)}}, p, writer)
+    m = Net()
+    a = rchar()
+    fastpersist.load_state_dict(m, p, key="model", config=fastpersist.Config(engine="psync"))
+    got = rchar() - a
+    assert model_bytes <= got < model_bytes + (1 << 20), f"read {got} bytes for {model_bytes} bytes of model"
+    _assert_bytes_equal(_snapshot(m.state_dict()), _snapshot(src.state_dict()))
