@@ -404,8 +404,13 @@ def _into_optimizer(opt: torch.optim.Optimizer, f: CheckpointFile, key: Any, cas
     if not isinstance(sub, Mapping) or "param_groups" not in sub or "state" not in sub:
         raise StateDictMismatchError(f"{f.path}: the checkpoint{'' if key is None else f'[{key!r}]'} is not an "
                                      "optimizer state dict (no 'state' and 'param_groups'); pass key=")
+    if ambiguous:
+        raise StateDictMismatchError(f"{f.path}: the names {ambiguous} stand for several tensors of the optimizer "
+                                     "state (keys that format to the same dotted name); nothing was read")
     groups = opt.param_groups
     saved = sub["param_groups"]
+    if not isinstance(saved, (list, tuple)) or not all(isinstance(s, Mapping) for s in saved):
+        raise StateDictMismatchError(f"{f.path}: the checkpoint's param_groups is not a list of dicts")
     if len(groups) != len(saved) or any(len(g["params"]) != len(s.get("params", ())) for g, s in zip(groups, saved)):
         raise StateDictMismatchError(f"{f.path}: the optimizer's parameter groups do not match the checkpoint's "
                                      "(number of groups or of parameters per group); nothing was read")
@@ -421,8 +426,8 @@ def _into_optimizer(opt: torch.optim.Optimizer, f: CheckpointFile, key: Any, cas
             fresh.append(name)
     plan = _plan(f, pairs)
     reader_names = {found[n].record for n in fresh}
+    records = f.read_records(reader_names, handle) if reader_names else {}  # before anything is overwritten
     plan.execute(handle, "the optimizer state")
-    records = f.read_records(reader_names, handle) if reader_names else {}
     by_name = {n: t for n, t, _ in pairs}
     for n in fresh:
         by_name[n] = f.tensor_from_record(found[n], records[found[n].record])
@@ -434,7 +439,6 @@ def _into_optimizer(opt: torch.optim.Optimizer, f: CheckpointFile, key: Any, cas
             raise StateDictMismatchError(f"{f.path}: a tensor of the optimizer state has no name of its own")
         return by_name[name[len(prefix):]]
 
-    del ambiguous
     opt.load_state_dict(f.rebuild(sub, replace))
 
 

@@ -577,3 +577,24 @@ def test_reads_only_what_the_target_needs(tmp_path, writer):
     got = rchar() - a
     assert model_bytes <= got < model_bytes + (1 << 20), f"read {got} bytes for {model_bytes} bytes of model"
     _assert_bytes_equal(_snapshot(m.state_dict()), _snapshot(src.state_dict()))
+
+
+def test_optimizer_group_mismatch_raises_before_reading(tmp_path):
+    torch.manual_seed(0)
+    src = Net()
+    opt = torch.optim.Adam(src.parameters())
+    src(torch.randint(0, 50, (8,))).sum().backward()
+    opt.step()
+    p = tmp_path / "o.pt"
+    fastpersist.save(opt.state_dict(), p)
+    m = Net()
+    other = torch.optim.Adam([{"params": list(m.parameters())[:2]}, {"params": list(m.parameters())[2:]}])
+    m(torch.randint(0, 50, (8,))).sum().backward()
+    other.step()
+    before = {(i, k): v.clone() for i, st in other.state_dict()["state"].items() for k, v in st.items()}
+    with pytest.raises(RuntimeError, match="parameter groups do not match"):
+        fastpersist.load_state_dict(other, p)
+    after = {(i, k): v for i, st in other.state_dict()["state"].items() for k, v in st.items()}
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    with pytest.raises(RuntimeError, match="not an optimizer state dict"):
+        fastpersist.load_state_dict(other, p, key="state")
