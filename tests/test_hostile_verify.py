@@ -3,7 +3,10 @@
 The property, for every input: ``verify`` never says OK for a file that stock
 ``torch.load(path, weights_only=False)`` rejects or whose loaded result differs
 from what was saved (tensors compared bytewise with dtype and shape), and it
-never raises anything but ``CheckpointFormatError`` / ``OSError``. The zip index
+never raises anything but ``CheckpointFormatError`` / ``OSError``. An OK that
+comes with a ``StorageLocationWarning`` (intact bytes, storages tagged with a
+location this machine cannot restore) is held to ``torch.load(...,
+map_location="cpu")``, and plain ``torch.load`` must then reject the file. The zip index
 parser raises only ``ZipFormatError`` (with path and offset) for bad bytes.
 
 ``torch.load`` runs only on inputs ``verify`` calls OK: a rejected file's pickle
@@ -19,6 +22,7 @@ import io
 import os
 import struct
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -28,6 +32,7 @@ import torch
 
 import fastpersist
 from fastpersist.errors import CheckpointFormatError, ZipFormatError
+from fastpersist.formats.torchverify import StorageLocationWarning
 from fastpersist.formats.zipindex import buffer_reader, parse_zip_index
 
 try:
@@ -85,7 +90,9 @@ def check_verify(path: str, want: Any, label: str, tally: Tally) -> None:
     """One input: verify's answer against torch.load's."""
     tally.tried += 1
     try:
-        res = fastpersist.verify(path)
+        with warnings.catch_warnings(record=True) as notes:
+            warnings.simplefilter("always", StorageLocationWarning)
+            res = fastpersist.verify(path)
     except (CheckpointFormatError, OSError):
         return  # a clear error is allowed
     except Exception as exc:  # noqa: BLE001 - the property: nothing else escapes
@@ -93,8 +100,16 @@ def check_verify(path: str, want: Any, label: str, tally: Tally) -> None:
         return
     if not res.ok:
         return
+    located = any(issubclass(n.category, StorageLocationWarning) for n in notes)
+    if located:
+        try:
+            torch.load(path, weights_only=False)
+        except Exception:  # noqa: BLE001 - what the note says
+            pass
+        else:
+            tally.bad.append(f"{label}: verify noted unrestorable locations but torch.load restored them")
     try:
-        got = torch.load(path, weights_only=False)
+        got = torch.load(path, weights_only=False, **({"map_location": "cpu"} if located else {}))
     except Exception as exc:  # noqa: BLE001
         tally.bad.append(f"{label}: verify OK but torch.load raised {type(exc).__name__}: {str(exc)[:80]}")
         return
@@ -394,6 +409,23 @@ def test_errors_name_the_path_and_offset(workdir: str) -> None:
             parse_zip_index(buffer_reader(bad), len(bad), "/some/ckpt.pt")
         assert info.value.path == "/some/ckpt.pt" and info.value.offset is not None, label
         assert "/some/ckpt.pt" in str(info.value), label
+
+
+@pytest.mark.parametrize("tag", ["foo", "cuda:99", "cpu:0"])
+def test_unrestorable_location_ok_with_note(tmp_path: Path, monkeypatch: Any, tag: str) -> None:
+    """CRC-valid storages tagged with a location this machine cannot restore: verify OK
+    with a note, which the property holds to torch.load with and without map_location."""
+    import torch.serialization as ts
+
+    path = tmp_path / "tagged.pt"
+    with monkeypatch.context() as m:
+        m.setattr(ts, "location_tag", lambda storage: tag)
+        torch.save(_state(), path)
+    with pytest.warns(StorageLocationWarning):
+        assert fastpersist.verify(path).ok
+    tally = Tally("location")
+    check_verify(str(path), _state(), tag, tally)
+    assert tally.tried == 1 and not tally.bad, tally.bad
 
 
 def test_legacy_file_is_unchecked(tmp_path: Path) -> None:

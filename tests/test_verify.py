@@ -116,3 +116,75 @@ def test_safetensors_payload_flip(tmp_path):
     res = fastpersist.verify(path)
     assert not res.ok and res.format == "safetensors"
     assert len(res.problems) == 1 and "beta" in res.problems[0]
+
+
+# ---- storage location tags (a note, not a corruption) --------------------------------
+
+
+def _save_tagged(path, tag, monkeypatch) -> dict:
+    """torch.save with every storage tagged ``tag`` (as if saved on another machine)."""
+    import torch.serialization as ts
+
+    state = {"w": torch.arange(6.0), "b": torch.ones(2, dtype=torch.int64)}
+    with monkeypatch.context() as m:
+        m.setattr(ts, "location_tag", lambda storage: tag)
+        torch.save(state, path)
+    return state
+
+
+def _unrestorable_cuda() -> str:
+    return f"cuda:{torch.cuda.device_count() + 3}" if torch.cuda.is_available() else "cuda:7"
+
+
+@pytest.mark.parametrize("tag", ["cuda", "foo", "cpu:0", "cuda:abc"])
+def test_unrestorable_location_is_a_note(tmp_path, monkeypatch, tag):
+    from fastpersist.formats.torchverify import StorageLocationWarning, check_torch
+
+    if tag == "cuda":
+        tag = _unrestorable_cuda()
+    path = tmp_path / "tagged.pt"
+    state = _save_tagged(path, tag, monkeypatch)
+    with pytest.raises(RuntimeError):  # what the note warns about
+        torch.load(path)
+    loaded = torch.load(path, map_location="cpu")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    with pytest.warns(StorageLocationWarning, match=repr(tag)) as rec:
+        res = fastpersist.verify(path)
+    assert res.ok and res.status == "ok" and res.problems == []  # intact bytes: not corrupt
+    msg = str(rec[0].message)
+    assert str(path) in msg and "map_location" in msg and "2 storage(s)" in msg
+    from fastpersist import _native
+
+    with pytest.warns(StorageLocationWarning):
+        check = check_torch(str(path), _native.Handle())
+    assert len(check.notes) == 1 and not check.problems
+
+
+def test_restorable_locations_give_no_note(tmp_path, monkeypatch):
+    import warnings
+
+    from fastpersist.formats.torchverify import location_note
+
+    assert location_note("cpu") is None and location_note("meta") is None
+    if torch.cuda.is_available():
+        assert location_note("cuda:0") is None and location_note("cuda") is None
+    else:
+        assert "is_available() is False" in location_note("cuda:0")
+    assert "not a device string" in location_note(5)
+    path = tmp_path / "cpu.pt"
+    _save_tagged(path, "cpu", monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fastpersist.verify(path).ok
+
+
+def test_cli_verify_reports_the_location_note(tmp_path, monkeypatch, capsys):
+    """Exit 0 (intact), the note as a warning (stderr outside pytest)."""
+    from fastpersist.cli import main
+    from fastpersist.formats.torchverify import StorageLocationWarning
+
+    path = tmp_path / "foo.pt"
+    _save_tagged(path, "foo", monkeypatch)
+    with pytest.warns(StorageLocationWarning, match="'foo'.*map_location"):
+        assert main(["verify", str(path)]) == 0
+    assert capsys.readouterr().out.startswith("OK:")

@@ -17,6 +17,22 @@
 
 A file with no CRCs at all (the legacy, pre-zip ``torch.save`` format) is
 reported as *unchecked* (:attr:`TorchCheck.checked` false), not as intact.
+
+**Storage locations.** Every storage carries the location tag it was saved from
+(``'cpu'``, ``'cuda:3'``, ...), which ``torch.load`` without ``map_location``
+restores it to. A tag this machine cannot restore (``'cuda:7'`` with fewer
+GPUs, ``'cuda:0'`` without CUDA, ``'mps'`` off a Mac, a tag no registered
+backend knows such as ``'foo'``, a tag that is not a string) is a **note**, not
+a problem: the bytes are intact and ``torch.load(path, map_location=...)`` loads
+them, but a plain ``torch.load(path)`` on this machine raises. Notes are in
+:attr:`TorchCheck.notes` and are issued as :class:`StorageLocationWarning`; they
+do not change the verdict (a file whose bytes check out is still ``"ok"``) and
+are dropped when the file has problems (a damaged pickle's tags mean nothing).
+The check asks each deserializer torch has registered
+(``torch.serialization._package_registry``, third-party backends included)
+about the tag with a stand-in storage, so the verdict is torch's own
+(``_validate_device``'s availability and device-count checks) and nothing is
+allocated, moved, or initialised on a device.
 """
 
 from __future__ import annotations
@@ -28,7 +44,7 @@ import re
 import sys
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastpersist.errors import ZipFormatError
@@ -45,18 +61,67 @@ _VERSION_RE = re.compile(rb"\A[ \t\n\v\f\r]*([+-]?)([0-9]+)")
 _MAX_SMALL_RECORD = 1 << 30
 
 
+class StorageLocationWarning(UserWarning):
+    """A storage's location tag cannot be restored on this machine without
+    ``map_location`` (the file itself is intact)."""
+
+
 @dataclass
 class TorchCheck:
     """What ``check_torch`` looked at.
 
     ``checked`` is false when the file carries no checksums to compare (a legacy
-    torch file): then ``problems`` says so and nothing was verified.
+    torch file): then ``problems`` says so and nothing was verified. ``notes``
+    are findings that do not make the file corrupt (storage locations this
+    machine cannot restore without ``map_location``).
     """
 
     problems: list[str]
     records: int = 0
     nbytes: int = 0
     checked: bool = True
+    notes: list[str] = field(default_factory=list)
+
+
+class _ProbeStorage:
+    """Stands in for a storage when asking torch's deserializers about a location:
+    every method returns the probe itself, so nothing is allocated or moved."""
+
+    def nbytes(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: self
+
+
+@functools.lru_cache(maxsize=256)
+def _location_trouble(location: str) -> Optional[str]:
+    """Why ``torch.load`` without ``map_location`` cannot restore a storage tagged
+    ``location`` on this machine (torch's words where it has them), or None."""
+    import torch
+    from torch import serialization as ts
+
+    for _prio, _tagger, fn in getattr(ts, "_package_registry", []):
+        try:
+            result = fn(_ProbeStorage(), location)
+        except Exception as e:  # noqa: BLE001 - a deserializer's refusal is the answer
+            return f"{type(e).__name__}: {str(e).split('. ')[0]}"
+        if result is not None:
+            if location.startswith("mps") and not torch.backends.mps.is_available():
+                return "MPS is not available on this machine"
+            return None
+    return "no deserializer torch has registered accepts this location"
+
+
+def location_note(location: Any) -> Optional[str]:
+    """A note for a storage ``location`` tag this machine cannot restore, or None."""
+    if not isinstance(location, str):
+        return f"location tag {location!r} is not a device string"
+    why = _location_trouble(location)
+    return None if why is None else f"location tag {location!r}: {why}"
 
 
 def _native_read(handle: Any, path: str, extents: list[tuple[int, int, int, int]], nslots: int) -> list[int]:
@@ -215,8 +280,9 @@ def _storage_ref(pid: Any) -> tuple[str, str, int, Any]:
     raise ValueError(f"a persistent id is not a ('storage', type, key, location, numel) tuple: {shown!r}")
 
 
-def _structure_problems(path: str, index: ZipIndex, read_at: Any) -> list[str]:
-    """Whether torch's reader would find every record it needs (see the module docstring)."""
+def _structure_problems(path: str, index: ZipIndex, read_at: Any, notes: Optional[list[str]] = None) -> list[str]:
+    """Whether torch's reader would find every record it needs (see the module docstring);
+    storage locations this machine cannot restore are appended to ``notes``."""
     entries = index.entries
     if not entries:
         return [f"{path}: the archive has no records (an empty zip is not a torch checkpoint)"]
@@ -273,6 +339,17 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any) -> list[str]:
         except ValueError as exc:
             problems.append(f"{prefix}{pkl_name}: cannot be parsed as a pickle ({exc})")
             continue
+        unrestorable: dict[str, list[str]] = {}
+        for key, _cls, _numel, loc in refs:
+            note = location_note(loc)
+            if note is not None:
+                unrestorable.setdefault(note, []).append(key)
+        for note, keys in unrestorable.items():
+            if notes is not None:
+                notes.append(f"{path}: {len(keys)} storage(s) of {prefix}{pkl_name} ({', '.join(keys[:5])}"
+                             f"{', ...' if len(keys) > 5 else ''}) have {note}; the bytes are intact, but torch.load "
+                             f"without map_location cannot restore them on this machine: pass map_location (for "
+                             f"example map_location='cpu')")
         for key, cls, numel, _loc in refs:
             size = _element_size(*cls.split(" ", 1)) if " " in cls else None
             if size is None:
@@ -326,7 +403,8 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
             index = parse_zip_index(read_at, size, path)
         except ZipFormatError as e:
             return TorchCheck([str(e)])
-        problems = _structure_problems(path, index, read_at)
+        notes: list[str] = []
+        problems = _structure_problems(path, index, read_at, notes)
         for e in index.entries:
             stored = []
             for off in e.crc_field_offsets[1:]:
@@ -355,7 +433,12 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
     extents, records = _stored_extents(index)
     crcs = _native_read(handle, path, extents, len(records)) if extents else []
     problems += [_crc_mismatch(e, crc) for e, crc in zip(records, crcs) if crc != e.crc32]
-    return TorchCheck(problems, records=len(index.entries), nbytes=sum(e.compressed_size for e in index.entries))
+    if problems:
+        notes = []  # a damaged file's tags are not worth a note: the file is corrupt
+    for note in notes:
+        warnings.warn(note, StorageLocationWarning, stacklevel=3)
+    return TorchCheck(problems, records=len(index.entries), nbytes=sum(e.compressed_size for e in index.entries),
+                      notes=notes)
 
 
 def read_index_from_bytes(data: bytes, path: str = "<buffer>") -> ZipIndex:
