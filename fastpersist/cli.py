@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
     _add_outputs(p, plot="write a bar chart (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files of the last run")
+    p.add_argument("--load-into", action="store_true",
+                   help="also time a cold load into an existing state of the same shapes: "
+                   "fastpersist.load_state_dict vs torch.load + copy_ (each round, same file)")
     p.set_defaults(func=cmd_bench_save)
 
     # -- bench train (fastpersist.bench.train_bench) --
@@ -387,7 +390,7 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         raise UsageError(f"--peers: unknown peer(s) {', '.join(bad)} (use {', '.join(PEERS)} or none)")
     result = run_save_bench(
         args.dir, size=args.size, small_tensors=args.small_tensors, peers=args.peers, repeat=args.repeat,
-        keep=args.keep, progress=not args.no_progress,
+        keep=args.keep, progress=not args.no_progress, load_into=args.load_into,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout
     report.print_save_report(result, out)

@@ -306,16 +306,21 @@ def test_fio_ceiling_measures_write_and_read(tmp_path) -> None:
     best_w = max((r for r in sweep if r.rw == "write"), key=lambda r: r.gbps)
     best_r = max((r for r in sweep if r.rw == "read"), key=lambda r: r.gbps)
     assert res.best_write is best_w and res.best_read is best_r
-    # then 3 rounds of (write, read) with the best configurations; the sweep's runs do not count
+    # then 3 rounds of (write, read, buffered read) with the best configurations; the sweep's runs do not count
     rounds = res.runs[4:]
-    assert [r.rw for r in rounds] == ["write", "read"] * 3
-    assert all(r.iodepth == best_w.iodepth for r in rounds[0::2])
-    assert all(r.iodepth == best_r.iodepth for r in rounds[1::2])
-    assert res.write_repeats == [r.gbps for r in rounds[0::2]]
-    assert res.read_repeats == [r.gbps for r in rounds[1::2]]
+    assert [(r.rw, r.direct) for r in rounds] == [("write", direct), ("read", direct), ("read", False)] * 3
+    assert all(r.iodepth == best_w.iodepth for r in rounds[0::3])
+    assert all(r.iodepth == best_r.iodepth for r in rounds[1::3])
+    assert res.write_repeats == [r.gbps for r in rounds[0::3]]
+    assert res.read_repeats == [r.gbps for r in rounds[1::3]]
+    # the buffered sequential read (page cache) and the read ceiling: the higher of the two medians
+    assert res.buffered_read_repeats == [r.gbps for r in rounds[2::3]]
+    assert res.buffered_read_gbps == sorted(res.buffered_read_repeats)[1]
+    assert res.read_ceiling_gbps == max(res.read_gbps, res.buffered_read_gbps)
+    assert res.to_dict()["read_ceiling_gbps"] == res.read_ceiling_gbps
     assert res.write_gbps == sorted(res.write_repeats)[1] > 0
     assert res.read_gbps == sorted(res.read_repeats)[1] > 0
-    assert len(res.runs) == fio_mod.fio_sweep_count(2 * MiB, (MiB,), (2, 4)) + 6
+    assert len(res.runs) == fio_mod.fio_sweep_count(2 * MiB, (MiB,), (2, 4)) + 9
     json.dumps(res.to_dict())
     assert os.listdir(tmp_path) == []
 
@@ -550,3 +555,61 @@ def test_describe_engine_names_the_read_path() -> None:
     assert "(reads 4, zero-copy)" in describe_engine(Config(read_staging="off", read_queue_depth=4))
     auto = describe_engine(Config())
     assert ("staged, read_staging auto" in auto) is Config().stages_reads()
+
+
+def test_read_ceiling_is_the_higher_read() -> None:
+    c = fio_mod.FioCeiling(read_gbps=1.5, buffered_read_gbps=2.5)
+    assert c.read_ceiling_gbps == 2.5
+    assert fio_mod.FioCeiling(read_gbps=1.5).read_ceiling_gbps == 1.5
+    assert fio_mod.FioCeiling().read_ceiling_gbps is None
+
+
+def test_save_bench_load_into_row_and_report(tmp_path) -> None:
+    """--load-into: fastpersist.load_state_dict and torch.load + copy_ timed every round, the
+    state filled with the original values, the read ceiling and the row in the report."""
+    import io as _io
+
+    from fastpersist.bench import report
+
+    peers = ("torch", "safetensors") + (("fio",) if HAVE_FIO else ())
+    res = run_save_bench(str(tmp_path), size=2 * MiB, peers=peers, repeat=2, progress=False, load_into=True,
+                         fio_block_sizes=(MiB,), fio_iodepths=(2,))
+    d = res.to_dict()
+    by = {m["name"]: m for m in d["methods"]}
+    assert len(by["fastpersist"]["into_seconds"]) == 2 and len(by["torch"]["into_seconds"]) == 2
+    assert by["safetensors"]["into_seconds"] == []
+    assert by["torch"]["into_vs_torch"] == 1.0 and by["fastpersist"]["into_vs_torch"] > 0
+    assert res.verification["ok"] and res.verification["into_ok"]
+    if HAVE_FIO:
+        assert d["read_ceiling_gbps"] == max(d["fio"]["read_gbps"], d["fio"]["buffered_read_gbps"])
+        assert by["fastpersist"]["load_vs_read_ceiling"] > 0
+    out = _io.StringIO()
+    report.print_save_report(res, out)
+    text = out.getvalue()
+    assert "Cold load into an existing state" in text and "torch.load + copy_" in text
+    assert "load-into filled the state" in text
+    if HAVE_FIO:
+        assert "Read ceil." in text and "fio buffer." in text
+
+
+def test_touch_pages_reads_every_page_of_a_lazy_mapping(tmp_path) -> None:
+    """safetensors' load_file maps the file lazily; touch_pages brings every page in."""
+    import resource
+
+    st = pytest.importorskip("safetensors.torch")
+    p = tmp_path / "m.safetensors"
+    st.save_file({"a": torch.ones(4 * MiB, dtype=torch.uint8), "b": torch.arange(10)}, str(p))
+    drop_page_cache(str(p))
+    out = st.load_file(str(p))
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    touched = S.touch_pages(out)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    assert touched >= 4 * MiB
+    assert (after.ru_majflt + after.ru_minflt) - (before.ru_majflt + before.ru_minflt) > 0
+
+
+def test_copy_into_fills_a_nested_state() -> None:
+    state = {"m": {"w": torch.zeros(3)}, "l": [torch.zeros(2), 5]}
+    S.copy_into(state, {"m": {"w": torch.ones(3)}, "l": [torch.full((2,), 2.0), 7]})
+    assert torch.equal(state["m"]["w"], torch.ones(3)) and torch.equal(state["l"][0], torch.full((2,), 2.0))
+    assert state["l"][1] == 5  # non-tensors are left

@@ -109,6 +109,17 @@ def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None) -> 
                "load GB/s (runs)", "load median", "vs torch", "vs fio", "file size"]
     render_table("Durable save / cold load", headers, rows, out)
     _print_fio(result.fio, out)
+    ceiling = d.get("read_ceiling_gbps")
+    if ceiling:
+        fp = next((m for m in d["methods"] if m["name"] == "fastpersist"), None)
+        vs = f"; fastpersist load {_ratio(fp['load_vs_read_ceiling'])} of it" if fp and fp["load_median_gbps"] else ""
+        print(f"Read ceil. : {ceiling:.2f} GB/s (the higher of fio's O_DIRECT and buffered read medians{vs})", file=out)
+    into = [m for m in d["methods"] if m.get("into_seconds")]
+    if into:
+        render_table("Cold load into an existing state", ["method", "GB/s (runs)", "median", "vs torch"],
+                     [[m["name"] if m["name"] != "torch" else "torch.load + copy_",
+                       _runs(m["into_gbps"]), _num(m["into_median_gbps"]), _ratio(m["into_vs_torch"])]
+                      for m in into], out)
     v = result.verification
     if v.get("checked"):
         if v.get("ok"):
@@ -120,6 +131,13 @@ def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None) -> 
                 print(f"  - {p}", file=out)
     else:
         print("Verified   : not checked (fastpersist did not run)", file=out)
+    if "into_ok" in v:
+        if v["into_ok"]:
+            print("Verified   : fastpersist load-into filled the state with the original values", file=out)
+        else:
+            print("Verified   : MISMATCH after fastpersist load-into:", file=out)
+            for p in v.get("into_problems", []):
+                print(f"  - {p}", file=out)
     for m in result.methods:
         if m.error:
             print(f"Error      : {m.name}: {m.error}", file=out)
@@ -141,6 +159,10 @@ def _print_fio(ceiling: Any, out: TextIO) -> None:
               f"read {ceiling.read_gbps:.2f} GB/s (median of {runs(ceiling.read_repeats)}; "
               f"bs {format_block(br.block_size)}, iodepth {br.iodepth}), "
               f"libaio, direct={'1' if bw.direct else '0'}", file=out)
+        if ceiling.buffered_read_gbps:
+            print(f"fio buffer.: read {ceiling.buffered_read_gbps:.2f} GB/s (median of "
+                  f"{runs(ceiling.buffered_read_repeats)}; psync, bs 1M, direct=0, page cache dropped first)",
+                  file=out)
     elif ceiling.error:
         print(f"fio        : not measured ({ceiling.error})", file=out)
 

@@ -16,12 +16,25 @@ same state and directory:
 * ``fio``: the disk's O_DIRECT write/read ceiling for the same byte count. A
   sweep before the first run picks fio's best configuration; that
   configuration then takes its turn in every round of the rotation (a fresh
-  write, then a read), and the ceiling is the median of those rounds.
+  write, then a read, then a buffered read of the same file), and the ceiling
+  is the median of those rounds. The *read ceiling* is the higher of fio's
+  O_DIRECT and buffered sequential read medians (``load_vs_read_ceiling``).
+
+With ``load_into`` (``--load-into``), every round of ``fastpersist`` and ``torch``
+also times a cold load *into an existing state of the same shapes* (allocated and
+written once before the rounds, as a resumed job's model and optimizer are):
+``fastpersist.load_state_dict(state, path)`` against ``torch.load(path)``
+followed by ``copy_`` of every tensor into the state (what
+``Module.load_state_dict`` does), on the file the same round saved.
 
 A save is *durable*: its time includes the fsync of every file and of the
 directory it created. A load is *cold*: every file of the method is dropped
-from the page cache (``posix_fadvise DONTNEED``) first. GB/s count the state's
-tensor bytes (identical for all methods), in decimal GB.
+from the page cache (``posix_fadvise DONTNEED``) first, and ends when every
+tensor's bytes are in memory: ``safetensors.torch.load_file`` returns tensors
+over a lazy ``mmap`` of the file, so its load also reads one byte of every 4 KiB
+page of its tensors (what using them would fault in); the other loaders return
+tensors already in memory. GB/s count the state's tensor bytes (identical for
+all methods), in decimal GB.
 """
 
 from __future__ import annotations
@@ -48,6 +61,15 @@ COLD_LOAD_NOTE = (
     "posix_fadvise(POSIX_FADV_DONTNEED) before each load (no root needed)"
 )
 DURABLE_NOTE = "durable saves: time includes fsync of every file written and of its directory"
+LAZY_NOTE = (
+    "safetensors: load_file returns tensors over a lazy mmap; its load time includes reading one byte "
+    "of every 4 KiB page of its tensors (what using them faults in), so every load ends with the bytes in memory"
+)
+INTO_NOTE = (
+    "load-into: a cold load into an existing state of the same shapes (allocated and written once before the "
+    "rounds): fastpersist.load_state_dict(state, path) vs torch.load(path) + copy_ of every tensor into the state "
+    "(what Module.load_state_dict does); same file, same round as the method's own load"
+)
 
 
 class Method:
@@ -62,6 +84,13 @@ class Method:
 
     def load(self, target: str, reference: Any) -> Any:
         """Read back what :meth:`save` wrote; ``reference`` is the original (for shapes only)."""
+        raise NotImplementedError
+
+    #: whether :meth:`load_into` is offered
+    loads_into = False
+
+    def load_into(self, target: str, state: Any) -> None:
+        """Read what :meth:`save` wrote into the tensors of ``state`` (same structure and shapes)."""
         raise NotImplementedError
 
 
@@ -84,6 +113,11 @@ class FastPersistMethod(Method):
     def load(self, target: str, reference: Any) -> Any:
         return self._fp.load(target, map_location="cpu", weights_only=True, config=self.config)
 
+    loads_into = True
+
+    def load_into(self, target: str, state: Any) -> None:
+        self._fp.load_state_dict(state, target, config=self.config)
+
 
 class TorchMethod(Method):
     """``torch.save`` to a file we open (then ``flush`` + ``fsync``); ``torch.load``."""
@@ -99,6 +133,11 @@ class TorchMethod(Method):
 
     def load(self, target: str, reference: Any) -> Any:
         return torch.serialization.load(target, map_location="cpu", weights_only=True)
+
+    loads_into = True
+
+    def load_into(self, target: str, state: Any) -> None:
+        state_mod.copy_into(state, torch.serialization.load(target, map_location="cpu", weights_only=True))
 
 
 class SafetensorsMethod(Method):
@@ -118,7 +157,9 @@ class SafetensorsMethod(Method):
         fsync_path(target)
 
     def load(self, target: str, reference: Any) -> Any:
-        return self._st.load_file(target, device="cpu")
+        out = self._st.load_file(target, device="cpu")
+        state_mod.touch_pages(out)  # lazy mmap: the bytes are read when first used
+        return out
 
 
 class DcpMethod(Method):
@@ -155,8 +196,20 @@ class MethodResult:
     nbytes: int
     save_s: list[float] = field(default_factory=list)
     load_s: list[float] = field(default_factory=list)
+    #: cold loads into an existing state (``load_into``)
+    into_s: list[float] = field(default_factory=list)
     file_bytes: Optional[int] = None
     error: Optional[str] = None
+
+    @property
+    def into_gbps(self) -> list[float]:
+        """GB/s of each cold load into an existing state."""
+        return [gbps(self.nbytes, s) for s in self.into_s]
+
+    @property
+    def into_median_gbps(self) -> Optional[float]:
+        """Median load-into GB/s."""
+        return median(self.into_gbps)
 
     @property
     def save_gbps(self) -> list[float]:
@@ -205,6 +258,8 @@ class SaveBenchResult:
         t_load = torch_res.load_median_gbps if torch_res else None
         fio_w = self.fio.write_gbps if self.fio else None
         fio_r = self.fio.read_gbps if self.fio else None
+        ceiling = self.fio.read_ceiling_gbps if self.fio else None
+        t_into = torch_res.into_median_gbps if torch_res else None
         methods = []
         for m in self.methods:
             methods.append({
@@ -221,6 +276,11 @@ class SaveBenchResult:
                 "load_vs_torch": ratio(m.load_median_gbps, t_load),
                 "save_vs_fio": ratio(m.save_median_gbps, fio_w),
                 "load_vs_fio": ratio(m.load_median_gbps, fio_r),
+                "load_vs_read_ceiling": ratio(m.load_median_gbps, ceiling),
+                "into_seconds": m.into_s,
+                "into_gbps": m.into_gbps,
+                "into_median_gbps": m.into_median_gbps,
+                "into_vs_torch": ratio(m.into_median_gbps, t_into),
                 "error": m.error,
             })
         return {
@@ -231,6 +291,7 @@ class SaveBenchResult:
             "repeat": self.repeat,
             "methods": methods,
             "fio": self.fio.to_dict() if self.fio else None,
+            "read_ceiling_gbps": ceiling,
             "verification": dict(self.verification),
             "notes": list(self.notes),
             "order": [list(r) for r in self.order],
@@ -315,6 +376,7 @@ def run_save_bench(
     seed: int = 0,
     fio_block_sizes: Sequence[int] = fio_mod.DEFAULT_BLOCK_SIZES,
     fio_iodepths: Sequence[int] = fio_mod.DEFAULT_IODEPTHS,
+    load_into: bool = False,
 ) -> SaveBenchResult:
     """Run the checkpoint benchmark in ``directory`` (see module docstring) and return its results.
 
@@ -347,6 +409,14 @@ def run_save_bench(
         )
     if "dcp" in by_name:
         notes.append("dcp: single process, no process group (no_dist=True), FileSystemWriter(sync_files=True)")
+    if "safetensors" in by_name:
+        notes.append(LAZY_NOTE)
+    into_state = None
+    if load_into:
+        notes.append(INTO_NOTE)
+        into_state = state_mod.empty_like_state(obj)
+        for _, t in state_mod.iter_tensors(into_state):
+            t.zero_()  # resident, as a live model's tensors are
     verification: dict[str, Any] = {"checked": False}
     order: list[list[str]] = []
     probe: Optional[fio_mod.FioProbe] = None
@@ -355,7 +425,7 @@ def run_save_bench(
             workdir, nbytes, block_sizes=fio_block_sizes, iodepths=fio_iodepths,
             direct=bool(machine.direct_io), on_run=lambda _r: bar.update(1),
         )
-    n_fio = fio_mod.fio_sweep_count(nbytes, fio_block_sizes, fio_iodepths) + 2 * repeat if probe and probe.ok else 0
+    n_fio = fio_mod.fio_sweep_count(nbytes, fio_block_sizes, fio_iodepths) + 3 * repeat if probe and probe.ok else 0
     bar = _progress(repeat * len(methods) + n_fio, progress)
     try:
         if probe is not None:
@@ -377,7 +447,8 @@ def run_save_bench(
                 if res.error is None:
                     bar.set_description(f"{method.name} run {run + 1}/{repeat}")
                     _measure(method, obj, workdir, res, verify=(method.name == "fastpersist" and run == 0),
-                             verification=verification, keep=keep and run == repeat - 1)
+                             verification=verification, keep=keep and run == repeat - 1,
+                             into_state=into_state if method.loads_into else None)
                 bar.update(1)
         if probe is not None and probe.result.error:
             notes.append(f"fio: {probe.result.error}")
@@ -411,8 +482,10 @@ def _measure(
     verify: bool,
     verification: dict[str, Any],
     keep: bool,
+    into_state: Any = None,
 ) -> None:
-    """One durable save and one cold load of ``method``; errors go into ``res.error``."""
+    """One durable save and one cold load of ``method`` (and a cold load into
+    ``into_state`` when given); errors go into ``res.error``."""
     target = os.path.join(workdir, method.target_name)
     remove_path(target)
     os.sync()  # let the filesystem finish freeing the previous run's blocks outside the timing
@@ -436,6 +509,15 @@ def _measure(
                 "problems": problems,
             })
         del loaded
+        if into_state is not None:
+            drop_page_cache_all([target])
+            t0 = time.perf_counter()
+            method.load_into(target, into_state)
+            res.into_s.append(time.perf_counter() - t0)
+            if verify:
+                problems = state_mod.compare_states(obj, into_state)
+                verification["into_ok"] = not problems
+                verification["into_problems"] = problems
     except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result, not a crash
         res.error = f"{type(exc).__name__}: {exc}"
     finally:

@@ -287,3 +287,37 @@ def compare_states(expected: Any, actual: Any, path: str = "", limit: int = 20) 
 
     walk(expected, actual, path)
     return problems
+
+
+def touch_pages(obj: Any, page: int = 4096) -> int:
+    """Read one byte of every ``page`` bytes of every tensor storage in ``obj`` (each
+    storage once), so lazily mapped tensors (``mmap``) have their bytes in memory.
+    Returns the number of bytes of storage touched."""
+    seen: set[int] = set()
+    total = 0
+    for _, t in iter_tensors(obj):
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            continue
+        storage = t.untyped_storage()
+        ptr, n = storage.data_ptr(), storage.nbytes()
+        if n == 0 or ptr in seen:
+            continue
+        seen.add(ptr)
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,), (1,))
+        int(raw[::page].sum())  # one byte per page; the sum keeps the reads from being skipped
+        total += n
+    return total
+
+
+def copy_into(state: Any, loaded: Any) -> None:
+    """``copy_`` every tensor of ``loaded`` into the tensor at the same place in ``state``
+    (what ``Module.load_state_dict`` does with each parameter); non-tensors are left."""
+    if isinstance(state, torch.Tensor):
+        with torch.no_grad():
+            state.copy_(loaded)
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            copy_into(v, loaded[k])
+    elif isinstance(state, (list, tuple)):
+        for a, b in zip(state, loaded):
+            copy_into(a, b)
