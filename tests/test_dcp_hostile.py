@@ -297,6 +297,23 @@ def test_flipped_metadata_bytes_stock(ckpts: dict[str, str], tmp_path: Any) -> N
         check(dst, "stock")
 
 
+def test_rank_local_metadata_is_sealed_too(tmp_path: Any) -> None:
+    """use_collectives=False: each rank's __N.metadata is sealed and checked the same way."""
+    path = str(tmp_path / "local")
+    dcp.save(saved(), storage_writer=FastPersistWriter(path), no_dist=True, use_collectives=False)
+    assert ".metadata" not in os.listdir(path) and "__0.metadata" in os.listdir(path)
+    assert same(load(path, FastPersistReader), saved())  # DCP falls back to the rank-local file
+    assert same(load(path, dcp.FileSystemReader), saved())
+    m = os.path.join(path, "__0.metadata")
+    data = bytearray(open(m, "rb").read())
+    data[len(data) // 3] ^= 0x10
+    open(m, "wb").write(data)
+    err = load(path, FastPersistReader)
+    assert isinstance(err, AssertionError) and "__0.metadata" in str(err) and "seal" in str(err), err
+    res = fastpersist.verify(path)
+    assert res.status == "corrupt" and "seal" in res.problems[0]
+
+
 # --------------------------------------------------------------------------- lying .metadata
 
 
@@ -523,6 +540,17 @@ def test_two_ranks_damage_on_one_rank_reaches_both(two_rank: dict[str, str], tmp
         f.write(bytes([b[0] ^ 1]))
     run_ranks(str(tmp_path), 2, _load_two_expect_failure, dst, "ChecksumError", "w@")
     assert verify_status(dst) == "corrupt"
+
+
+def test_two_ranks_flipped_metadata_refused_on_every_rank(two_rank: dict[str, str], tmp_path: Any) -> None:
+    from test_dcp import run_ranks
+
+    dst = fresh(two_rank["fp"], str(tmp_path / "c"))
+    m = os.path.join(dst, ".metadata")
+    data = bytearray(open(m, "rb").read())
+    data[len(data) // 2] ^= 0x02
+    open(m, "wb").write(data)
+    run_ranks(str(tmp_path), 2, _load_two_expect_failure, dst, "AssertionError", "seal")
 
 
 def test_two_ranks_cross_file_alias_caught_on_every_rank(two_rank: dict[str, str], tmp_path: Any) -> None:
