@@ -362,3 +362,30 @@ def test_pickle_lying_about_storage_size(tmp_path):
             z.writestr(n, records[n])
     with pytest.raises(CheckpointFormatError, match="holds 16 bytes but the pickle claims a storage of 32"):
         fastpersist.open(p)
+
+
+def _rewrite_pickle(src, dst, edit) -> None:
+    with zipfile.ZipFile(src) as z:
+        names = z.namelist()
+        records = {n: z.read(n) for n in names}
+    pkl_name = next(n for n in names if n.endswith("data.pkl"))
+    records[pkl_name] = edit(records[pkl_name])
+    with zipfile.ZipFile(dst, "w", compression=zipfile.ZIP_STORED) as z:
+        for n in names:
+            z.writestr(n, records[n])
+
+
+def test_pickle_lying_about_a_view_offset(tmp_path):
+    """A view whose storage offset reaches past its record: refused (torch refuses too)."""
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.arange(16, dtype=torch.int32)[2:6]}, src)
+    p = tmp_path / "lie.pt"
+    _rewrite_pickle(src, p, lambda pkl: pkl.replace(b"QK\x02K\x04", b"QK\x0eK\x04", 1))
+    with pytest.raises(RuntimeError):
+        torch.load(p)
+    with pytest.raises((CheckpointFormatError, UnsupportedLayoutError)):
+        fastpersist.open(p)
+    target = {"w": torch.zeros(4, dtype=torch.int32)}
+    with pytest.raises((CheckpointFormatError, RuntimeError)):
+        fastpersist.load_state_dict(target, p)
+    assert torch.equal(target["w"], torch.zeros(4, dtype=torch.int32))
