@@ -85,7 +85,7 @@ from typing import Any, Optional, Union
 import torch
 
 from fastpersist import api
-from fastpersist.asyncstage import StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
+from fastpersist.asyncstage import LazyFeed, StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
 from fastpersist.commit import _keep_mode, _remove_quietly, clean_stale_temps, fsync_dir, fsync_path, resolve_target, temp_path_for
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats.base import WritePlan
@@ -150,11 +150,24 @@ class _Job:
         self.keepalive: Any = None
         self.owners: list["weakref.ref[Any]"] = []  # guarded optimizers whose tensors are written live
         self.collective: Optional[Any] = None  # save_async(group=): the background commit (see _GroupCommit)
+        self.feed: Optional[LazyFeed] = None  # 1-rank lazy saves: the background copy into the pool
+        self.plan: Optional[WritePlan] = None  # with ``feed``: its patches are written at the end
 
     def consumed(self) -> None:
         """Wait (GIL released) until the writes no longer read their sources."""
+        if self.feed is not None:
+            self.feed.done.wait()
+            return
         for f in self.writes:
             f.wait()
+
+    def release(self) -> None:
+        """The guard's wait: for a lazy save with a feed, copy what is left now instead of
+        waiting for it to reach the disk; else as :meth:`consumed`."""
+        if self.feed is not None:
+            self.feed.release()
+        else:
+            self.consumed()
 
 
 # ---- process-wide state (reset in a forked child) ---------------------------------
@@ -171,6 +184,7 @@ _guards: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
 
 def _reset_in_child() -> None:
     """A forked child inherits none of the parent's pending saves (their writes run in the parent)."""
+    _io_handles.clear()
     global _lock, _copy_lock, _jobs, _unreported, _pool, _finisher, _finisher_cv
     _lock = threading.Lock()
     _copy_lock = threading.Lock()
@@ -205,6 +219,70 @@ def _raise_unreported() -> None:
         log.error("fastpersist: %d more asynchronous save(s) failed; raising the first", more)
     assert first._exc is not None
     raise first._exc
+
+
+#: Environment variable: the nice value (0-19) of the native threads that write async saves in
+#: the background (see :func:`_io_handle`). Proposed as ``Config.async_nice``.
+ASYNC_NICE_ENV = "FASTPERSIST_ASYNC_NICE"
+_io_handles: dict[tuple, Any] = {}
+
+
+def async_nice() -> int:
+    """The nice value for background writer threads, from ``FASTPERSIST_ASYNC_NICE`` (default 0)."""
+    raw = os.environ.get(ASYNC_NICE_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ASYNC_NICE_ENV}={raw!r}: expected an integer nice value from 0 to 19") from None
+    if not 0 <= value <= 19:
+        raise ValueError(f"{ASYNC_NICE_ENV}={raw!r}: expected an integer nice value from 0 to 19")
+    return value
+
+
+def _io_handle(cfg: Any) -> Any:
+    """The native handle whose threads write async saves in the background.
+
+    With a nice value above 0 (:func:`async_nice`) it is a handle of its own, built on
+    a short-lived thread that first lowered its own priority: Linux threads inherit
+    their creator's nice value, so the handle's worker and I/O threads run at that
+    priority and yield the CPUs to the training's threads, while copies made inside
+    the ``save_async`` call (the training waits for them) stay on the ordinary,
+    full-priority handle. (A forked child rebuilds a handle's threads at first use,
+    at the priority of the thread using it.)
+    """
+    nice = async_nice()
+    if nice == 0:
+        return api._handle(cfg)
+    kwargs = cfg.handle_kwargs(read=False)
+    key = (tuple(sorted(kwargs.items())), nice, os.getpid())
+    with _lock:
+        h = _io_handles.get(key)
+    if h is not None:
+        return h
+    from fastpersist import _native
+
+    box: dict[str, Any] = {}
+
+    def build() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as e:  # pragma: no cover - not allowed here: full priority then
+            log.debug("fastpersist: cannot lower the async writer threads' priority (%s)", e)
+        try:
+            box["h"] = _native.Handle(**kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["e"] = e
+
+    t = threading.Thread(target=build, name="fastpersist-async-handle", daemon=True)
+    t.start()
+    t.join()
+    if "e" in box:
+        raise box["e"]
+    with _lock:
+        h = _io_handles.setdefault(key, box["h"])
+    return h
 
 
 def _pool_for(limit: int) -> StagingPool:
@@ -248,9 +326,16 @@ def _finish(job: _Job) -> None:
         return
     try:
         job.consumed()
+        if job.feed is not None and job.feed.exc is not None:
+            for f in job.writes:
+                f.wait()
+            raise job.feed.exc
         for f in job.writes:
             f.result()
         job.keepalive = None
+        if job.feed is not None and job.plan is not None:  # the CRC fields, now that every CRC is known
+            _patch_slice(job.tmp, job.plan.patches, job.feed.crcs(job.plan.nslots), 0, job.plan.file_size, False)
+            job.plan = None
         if job.fsync:
             fsync_path(job.tmp)
         _keep_mode(fut.path, job.tmp)
@@ -401,7 +486,8 @@ def save_async(
     if mode == "lazy" and not list(_guards.keys()):
         _lazy_split(WritePlan([], [], 0, 0), cfg.async_staging_limit, final)  # raises: no guard
     align = api._alignment(os.path.dirname(final))
-    handle = api._handle(cfg)
+    handle = api._handle(cfg)  # copies inside the call: full priority
+    writer = _io_handle(cfg)  # background writes
     fut = SaveFuture(final, mode)
     with _copy_lock:
         plan = _plan(obj, final, fmt, align, cfg)  # GC paused inside, restored on return
@@ -409,8 +495,8 @@ def save_async(
             keep, owners = _lazy_split(plan, cfg.async_staging_limit, final)
             with _lock:
                 earlier = list(_jobs)
-            for j in earlier:  # a lazy save queues behind earlier saves
-                j.consumed()
+            for j in earlier:  # a lazy save queues behind earlier saves (their captures finish first)
+                j.release()
         clean_stale_temps(os.path.dirname(final))
         tmp = temp_path_for(final)
         job = _Job(fut, tmp, cfg.fsync)
@@ -419,14 +505,19 @@ def save_async(
             if mode == "snapshot":
                 pool = _pool_for(cfg.async_staging_limit)
                 job.writes = snapshot_plan(
-                    plan, pool, handle, lambda off, ptr, n: handle.write_async(tmp, [(off, ptr, n, -1)], truncate=False)
+                    plan, pool, handle, lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False)
                 )
                 job.keepalive = pool
             else:
                 extents, private, _n = copy_private(plan, handle, keep)
                 job.owners = owners
-                job.writes = [handle.write_async(tmp, extents, plan.patches, plan.nslots, truncate=False)]
-                job.keepalive = (plan, private, obj)
+                pool = _pool_for(cfg.async_staging_limit)
+                feed = LazyFeed(extents, pool, writer, handle,
+                                lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False))
+                job.feed, job.plan = feed, plan
+                job.writes = feed.futures  # filled as the feed goes
+                job.keepalive = (plan, private, obj, pool)
+                feed.start()
         except BaseException as e:
             for f in job.writes:
                 f.wait()
@@ -562,7 +653,8 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
                 for t in temps:
                     D._remove(t)
                 raise
-            handle = api._handle(cfg)
+            handle = api._handle(cfg)  # copies inside the call: full priority
+            writer = _io_handle(cfg)  # background writes
             job = _Job(fut, tmp, cfg.fsync)
             commit = _GroupCommit(bg, agreed, lo, hi, tmp, temps, cfg)
 
@@ -572,7 +664,7 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
                     job.keepalive = pool
                     commit.partial, job.writes = snapshot_slice(
                         extents, pool, handle,
-                        lambda off, ptr, n: handle.write_async(tmp, [(off, ptr, n, -1)], truncate=False))
+                        lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False))
                 else:
                     mine = WritePlan(extents, [], 0, plan.file_size)
                     keep, owners = _lazy_split(mine, cfg.async_staging_limit, agreed.final)
@@ -585,7 +677,7 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
                     job.owners = owners
                     job.keepalive = (plan, private, obj)
                     plain = [(o, p, n, -1) for o, p, n, _slot in out]  # CRCs: computed above, patched later
-                    job.writes = [handle.write_async(tmp, plain, [], 0, truncate=False)] if plain else []
+                    job.writes = [writer.write_async(tmp, plain, [], 0, truncate=False)] if plain else []
 
             loc.run(capture)  # a failure here reaches every rank's future through the first exchange
             commit.local = loc.exc
@@ -641,7 +733,7 @@ def _pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     with _lock:
         jobs = [j for j in _jobs if any(r() is optimizer for r in j.owners)]
     for j in jobs:
-        j.consumed()  # GIL released
+        j.release()  # GIL released
     return None
 
 

@@ -278,6 +278,114 @@ def snapshot_slice(
         raise
 
 
+class LazyFeed:
+    """The background capture of a ``mode="lazy"`` save: the file's extents (live
+    tensors, and the bytes copied at call time) are copied window by window into the
+    staging pool, CRC-32s computed during the copy, each window written as soon as it
+    is full, by a feeder thread whose copies run on the (possibly lower-priority)
+    background handle.
+
+    Live tensors are read only by the copies, never by the disk writes, so a tensor is
+    *consumed* once copied, at memory speed, not once on disk. :meth:`release` (the
+    guard, before ``optimizer.step``) copies whatever the feeder has not reached yet,
+    on the caller's thread with the full-priority handle, and returns when no live
+    byte is read any more. CRC fields stay as planned in the windows: the finisher
+    patches them (:meth:`crcs`) once every write is done.
+    """
+
+    def __init__(self, extents: list[tuple[int, int, int, int]], pool: StagingPool, background: Any,
+                 foreground: Any, submit: Callable[[int, int, int], Any]) -> None:
+        self.extents = extents
+        self.pool = pool
+        self.background = background
+        self.foreground = foreground
+        self.submit = submit
+        self.futures: list[Any] = []
+        self.partial: dict[int, tuple[int, int]] = {}
+        self.exc: Optional[BaseException] = None
+        self.done = threading.Event()
+        self._lock = threading.Lock()  # one window copied at a time, in file order, by either thread
+        self._k = 0
+        self._k_off = 0
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="fastpersist-lazy-feed", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self._drain(self.background)
+
+    def release(self) -> None:
+        """Copy the rest now on this thread (full priority); return once no live byte is read."""
+        if not self.done.is_set():
+            self._drain(self.foreground)
+        self.done.wait()
+
+    def _drain(self, handle: Any) -> None:
+        try:
+            while not self.done.is_set():
+                with self._lock:
+                    if self.done.is_set() or self.exc is not None:
+                        return
+                    if not self._one(handle):
+                        self.done.set()
+        except BaseException as e:  # noqa: BLE001 - raised by the finisher
+            self.exc = e
+            self.done.set()
+
+    def _one(self, handle: Any) -> bool:
+        """Copy and submit the next window; False when nothing is left."""
+        ext = self.extents
+        while self._k < len(ext) and ext[self._k][2] == 0:
+            self._k += 1
+        if self._k >= len(ext):
+            return False
+        start = ext[self._k][0] + self._k_off
+        lead = start % _PAGE
+        win = self.pool.acquire()
+        try:
+            end = start + self.pool.window - lead
+            pos, k, k_off = start, self._k, self._k_off
+            ranges: list[tuple[int, int, int]] = []
+            slots: list[tuple[int, int]] = []
+            while k < len(ext) and pos < end:
+                off, ptr, n, slot = ext[k]
+                if off + k_off != pos:  # a gap in the plan: the next window starts at the next extent
+                    break
+                take = min(n - k_off, end - pos)
+                if take:
+                    ranges.append((win.buf.ptr + lead + pos - start, ptr + k_off, take))
+                    slots.append((slot, take))
+                pos += take
+                k_off += take
+                if k_off == n:
+                    k, k_off = k + 1, 0
+            piece_crcs = handle.copy_ranges(ranges, True)  # GIL released
+            fut = self.submit(start, win.buf.ptr + lead, pos - start)
+        except BaseException:
+            self.pool.release(win)
+            raise
+        self.pool.submitted(win, fut)
+        self.futures.append(fut)
+        self._k, self._k_off = k, k_off
+        for (slot, n), c in zip(slots, piece_crcs):
+            if slot >= 0:
+                if slot in self.partial:
+                    crc, have = self.partial[slot]
+                    self.partial[slot] = (_native.crc32_combine(crc, c, n), have + n)
+                else:
+                    self.partial[slot] = (c, n)
+        return True
+
+    def crcs(self, nslots: int) -> list[int]:
+        """Every slot's CRC-32 (after :attr:`done`)."""
+        out = [0] * nslots
+        for slot, (crc, _n) in self.partial.items():
+            out[slot] = crc
+        return out
+
+
 def copy_private(plan: WritePlan, handle: Any, keep: Callable[[Any], bool]) -> tuple[list[tuple[int, int, int, int]], Any, int]:
     """Lazy saves: extents for which ``keep(extent)`` is false are copied into one
     private buffer (returned with the retargeted extents and its size in bytes)."""

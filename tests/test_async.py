@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import _native, asyncsave
+from fastpersist import _native, asyncsave, asyncstage
 from fastpersist.asyncsave import LazySaveError
 
 
@@ -125,26 +125,79 @@ def test_lazy_bit_exact_under_guard(tmp_path):
     assert not torch.equal(loaded["model"]["0.weight"], model.state_dict()["0.weight"])
 
 
-def test_lazy_guard_blocks_step_until_consumed(tmp_path, monkeypatch):
+class _Gated:
+    """A native write future that reports completion only once ``gate`` is set (the write
+    itself runs at once): lets a test see what waits for the disk and what does not."""
+
+    def __init__(self, fut, gate):
+        self._f, self._gate = fut, gate
+
+    def done(self):
+        return self._gate.is_set() and self._f.done()
+
+    def wait(self, timeout=None):
+        self._gate.wait()
+        return self._f.wait() if timeout is None else self._f.wait(timeout)
+
+    def result(self):
+        self._gate.wait()
+        return self._f.result()
+
+
+class _GatedHandle:
+    def __init__(self, real, gate):
+        self._real, self._gate = real, gate
+
+    def write_async(self, *a, **k):
+        return _Gated(self._real.write_async(*a, **k), self._gate)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_lazy_guard_waits_for_the_copy_not_the_disk(tmp_path, monkeypatch):
+    """The guard returns once every live byte has been copied into the staging pool, while
+    no write has (as far as anyone can tell) reached the disk; the file is still exact."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = fastpersist.guard(opt)
     assert fastpersist.guard(opt) is g
     state = _state(model, opt)
-    consumed = []
-    real = asyncsave._Job.consumed
+    gate = threading.Event()
+    real_io = asyncsave._io_handle
+    monkeypatch.setattr(asyncsave, "_io_handle", lambda cfg: _GatedHandle(real_io(cfg), gate))
+    released = []
+    real_release = asyncstage.LazyFeed.release
 
     def spy(self):
-        real(self)
-        consumed.append(all(f.done() for f in self.writes))
+        real_release(self)
+        released.append((self.done.is_set(), self.exc, any(f.done() for f in self.futures)))
 
-    monkeypatch.setattr(asyncsave._Job, "consumed", spy)
+    monkeypatch.setattr(asyncstage.LazyFeed, "release", spy)
     want = _reference_bytes(state, tmp_path, "g")
     fut = fastpersist.save_async(state, tmp_path / "g.pt", mode="lazy")
-    _train_step(model, opt)  # the pre-hook ran and waited
-    assert consumed and all(consumed)
-    fut.wait()
+    _train_step(model, opt)  # the pre-hook ran: the rest of the state was copied, no write reported done
+    assert released == [(True, None, False)]
+    assert not fut.done()
+    gate.set()
+    assert fut.wait(60) is True
     assert (tmp_path / "g.pt").read_bytes() == want
+
+
+def test_lazy_bit_exact_with_a_pool_smaller_than_the_state(tmp_path):
+    """The feed streams through a tiny pool: the guard then waits for windows to drain."""
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    fastpersist.guard(opt)
+    _train_step(model, opt)
+    state = _state(model, opt)
+    want = _reference_bytes(state, tmp_path, "small")
+    fut = fastpersist.save_async(state, tmp_path / "small.pt", mode="lazy",
+                                 config=fastpersist.Config(async_staging_limit=256 << 10))
+    for _ in range(2):
+        _train_step(model, opt)
+    fut.wait(60)
+    assert (tmp_path / "small.pt").read_bytes() == want
 
 
 def test_lazy_without_guard_is_refused(tmp_path):
