@@ -108,7 +108,11 @@ class FastPersistReader(FileSystemReader):
             return super().read_metadata(*args, **kwargs)
         from torch.distributed.checkpoint.metadata import StorageMeta
 
-        path = os.fsdecode(os.fspath(self._get_metadata_path(kwargs.get("rank"))))
+        rank = kwargs.get("rank")
+        if hasattr(self, "_get_metadata_path"):
+            path = os.fsdecode(os.fspath(self._get_metadata_path(rank)))
+        else:  # a torch without the helper: its naming
+            path = os.path.join(os.fsdecode(os.fspath(self.path)), ".metadata" if rank is None else f"__{rank}.metadata")
         metadata, _sealed = load_metadata(path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
