@@ -40,9 +40,11 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import gc
 import stat
 import struct
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -177,6 +179,7 @@ class CheckpointFile:
         self.metadata: Optional[dict[str, str]] = None  #: safetensors ``__metadata__``
         self.native_order = True
         self._load: Any = None  # torch: torchload._Load
+        self._readers: dict[tuple[bool, bool], Any] = {}  # handles reading another way than the caller's
 
     # -- index lookups ---------------------------------------------------------
 
@@ -271,8 +274,11 @@ class CheckpointFile:
                 extents.append((r.offset + cur, 0, r.size - cur, slot))
         if not extents:
             return
+        nbytes = sum(e[2] for e in extents)
+        reader, plan = self._reader(handle, nbytes)
+        started = time.perf_counter()
         try:
-            crcs = handle.read(self.fd, extents, len(slots))
+            crcs = reader.read(self.fd, extents, len(slots))
         except EOFError as e:
             raise _bad(self.path, None, f"the file is shorter than its index says (truncated, or rewritten in "
                        f"place while reading): {e}") from e
@@ -280,6 +286,10 @@ class CheckpointFile:
             if e.filename is None and e.errno is not None:
                 raise type(e)(e.errno, f"{e.strerror or e} (reading {self.path!r})", self.path) from e
             raise
+        if plan is not None:
+            from fastpersist.io import record_read
+
+            record_read(plan, nbytes, time.perf_counter() - started)
         if self._load is not None:
             view = memoryview(head_buf.numpy())
             for r in recs:
@@ -300,6 +310,26 @@ class CheckpointFile:
                 path=self.path,
                 records=[p.split(":", 1)[0] for p in problems],
             )
+
+    def _reader(self, handle: Any, nbytes: int) -> tuple[Any, Any]:
+        """The handle to read ``nbytes`` with: ``handle``, or one reading the way
+        ``fastpersist.io.plan_read`` chooses for this file (``Config.read_mode``: page
+        cache or O_DIRECT, measured per filesystem), kept for this file's next reads."""
+        mode = getattr(handle, "read_mode", None)
+        if mode is None or not hasattr(handle, "stage_reads"):
+            return handle, None
+        try:
+            from fastpersist.io import plan_read, reader_handle
+        except ImportError:  # pragma: no cover - an older io module
+            return handle, None
+        plan = plan_read(self.fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads)
+        if plan.direct == handle.direct and plan.stage == handle.stage_reads:
+            return handle, plan
+        key = (plan.direct, plan.stage)
+        reader = self._readers.get(key)
+        if reader is None:
+            reader = self._readers[key] = reader_handle(handle, plan)
+        return reader, plan
 
     def read_records(self, names: Iterable[str], handle: Any) -> dict[str, torch.Tensor]:
         """The bytes of the given records, each as a uint8 CPU tensor with a storage of
@@ -589,6 +619,10 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
     if not f.native_order:
         raise UnsupportedLayoutError("records in the other byte order")
     reader = _IndexReader(f, load)
+    # The unpickler allocates several tracked objects per tensor; cyclic collections in
+    # the middle would walk them again and again (as in torchload).
+    gc_was_on = gc.isenabled()
+    gc.disable()
     try:
         obj = private_load(reader, "cpu", _compat.weights_only_unpickler(), weights_only=True, encoding="utf-8")
     except (CheckpointFormatError, ChecksumError, UnsupportedLayoutError, OSError):
@@ -605,6 +639,9 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
         raise UnsupportedLayoutError(
             f"{f.path}: its object cannot be rebuilt without reading tensor bytes ({type(e).__name__}: {e})"
         ) from e
+    finally:
+        if gc_was_on:
+            gc.enable()
     f.obj = obj
     for r in load.records:
         if r.short.startswith("data/"):
