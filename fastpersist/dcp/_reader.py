@@ -75,6 +75,13 @@ class FastPersistReader(FileSystemReader):
     too, unchecked (they carry no checksums). Resharding (loading with another world
     size or other shardings) is DCP's planner's work, as with the stock reader.
 
+    Damaged or hostile directories give the saved values, stock's values (a stock
+    checkpoint carries nothing to check), or a clear error naming file, item and
+    offset: ``.metadata`` is read with a restricted unpickler and its seal checked,
+    the storage table is validated on every rank (paths inside the directory,
+    integer ranges, no overlapping records), and each file's size is checked before
+    any buffer is sized (see docs/dcp.md, "Damaged checkpoints").
+
     Items with stream transforms (``_extensions``), or a torch whose DCP internals
     differ from what this class knows, are read by ``FileSystemReader`` itself.
     """
