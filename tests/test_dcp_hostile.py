@@ -591,7 +591,7 @@ def test_two_rank_checkpoint_truncated_one_process(two_rank: dict[str, str], tmp
 # --------------------------------------------------------------------------- the command line
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "missing", "lie", "overlap", "metadata-flip"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "missing", "lie", "overlap", "metadata-flip", "no-metadata"])
 def test_cli_verify_exits_1_on_damage(ckpts: dict[str, str], tmp_path: Any, capsys: Any, damage: str) -> None:
     dst = fresh(ckpts["fp"], str(tmp_path / "c"))
     (idx, info), = [(k, v) for k, v in records(dst) if k.fqn == "i"]
@@ -606,6 +606,8 @@ def test_cli_verify_exits_1_on_damage(ckpts: dict[str, str], tmp_path: Any, caps
             fh.write(bytes([b[0] ^ 0x10]))
     elif damage == "missing":
         os.unlink(f)
+    elif damage == "no-metadata":  # a save that never finished: data files only
+        os.unlink(os.path.join(dst, ".metadata"))
     elif damage in ("lie", "overlap"):
         md = metadata(dst)
         if damage == "lie":
