@@ -255,7 +255,26 @@ def test_flipped_distcp_bytes(work: tuple[str, str, str]) -> None:
             assert verify_status(dst) == "corrupt"
         elif writer == "fp":
             assert got == "ok" and verify_status(dst) == "ok", off  # padding: not part of any item
+        if writer == "stock" and owner and owner[0].fqn in ("a", "i", "h"):
+            assert got != "torch", off  # a tensor item's zip carries CRCs: our reader compares them
     assert counts["error"] > 0
+
+
+def test_stock_tensor_item_flip_caught_by_its_zip_crc(ckpts: dict[str, str], tmp_path: Any) -> None:
+    """A stock checkpoint has no fastpersist CRCs, but each tensor item is a torch zip
+    with a CRC-32 per record, which torch does not compare (stock: other values)."""
+    dst = fresh(ckpts["stock"], str(tmp_path / "c"))
+    (info,) = [v for k, v in metadata(dst).storage_data.items() if k.fqn == "i"]
+    with open(os.path.join(dst, info.relative_path), "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x20]))
+    stock = load(dst, dcp.FileSystemReader)
+    assert not isinstance(stock, BaseException) and not same(stock, saved())  # before: ours did the same
+    err = load(dst, FastPersistReader)
+    assert isinstance(err, ChecksumError) and "i@(0,)" in str(err) and "data/0" in str(err), err
+    assert err.offset is not None and info.offset <= err.offset < info.offset + info.length
 
 
 def test_flipped_metadata_bytes_fastpersist(ckpts: dict[str, str], tmp_path: Any) -> None:
