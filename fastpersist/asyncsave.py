@@ -16,19 +16,35 @@ afterwards. Two ways to capture the state:
     earlier windows to reach the disk: page-locked memory never exceeds the limit.
 
 ``mode="lazy"``
-    Tensor bytes are written straight from the live tensors; nothing of size
-    is copied. For this to be safe, every optimizer whose ``step`` modifies
-    those tensors must be under :func:`guard`: its step pre-hook blocks until
-    pending lazy saves have consumed every tensor that step would modify (its
-    parameters and its state). The save decides tensor by tensor: bytes inside
-    a parameter or state tensor of a guarded optimizer, from 256 KiB up, are
-    written live; everything else (buffers that ``forward`` mutates such as
-    BatchNorm running statistics, counters, small tensors, tensors of
+    The call returns after planning, without copying the large tensors: a
+    feeder thread then copies the file, window by window, from the live
+    tensors into the same staging pool (CRC-32s computed during the copy) and
+    each window is written as soon as it is full. For this to be safe, every
+    optimizer whose ``step`` modifies those tensors must be under
+    :func:`guard`: its step pre-hook makes sure pending lazy saves have
+    consumed every tensor that step would modify (its parameters and its
+    state) by copying, at full priority on the training's thread, whatever the
+    feeder has not reached yet. A tensor counts as consumed once copied into
+    the pool, not once on disk: the guard waits for a memory copy of the rest,
+    not for the disk (with a pool smaller than the state it also waits for
+    windows to drain). The save decides tensor by tensor: bytes inside a
+    parameter or state tensor of a guarded optimizer, from 256 KiB up, are read
+    live by the feeder; everything else (buffers that ``forward`` mutates such
+    as BatchNorm running statistics, counters, small tensors, tensors of
     unguarded optimizers, the pickle) is copied at call time into private
     memory (at most ``async_staging_limit`` bytes, else ``LazySaveError``).
     With no optimizer guarded, ``lazy`` refuses (``LazySaveError``) instead of
     risking a torn checkpoint. The guard trusts that a guarded optimizer's
-    tensors change only inside its ``step``.
+    tensors change only inside its ``step``. (``save_async(group=...)`` with
+    ``lazy`` still writes each rank's slice straight from the live tensors and
+    its guard waits for that write.)
+
+Background priority: the background copies and writes run on a native handle of
+their own whose threads run at the nice value ``FASTPERSIST_ASYNC_NICE`` (0-19,
+default 0: same priority as the training); copies made inside the call or inside
+the guard (the training waits for them) use the ordinary full-priority handle.
+A higher value lets CPU-bound training take the cores first; the save then
+progresses in the gaps, and a lazy save's guard finishes the copy at full speed.
 
 Commit and errors: the file appears under ``path`` only when complete (temporary
 file, fsync, rename, directory fsync, as ``fastpersist.save``); a failed save
@@ -244,8 +260,12 @@ def async_nice() -> int:
 def _io_handle(cfg: Any) -> Any:
     """The native handle whose threads write async saves in the background.
 
-    With a nice value above 0 (:func:`async_nice`) it is a handle of its own, built on
-    a short-lived thread that first lowered its own priority: Linux threads inherit
+    A handle of its own (one per I/O setting and nice value), not the one of blocking
+    saves and of the copies made inside calls: a psync write occupies a worker thread
+    for as long as the disk takes, and a copy the training waits for (the snapshot
+    inside the call, the lazy guard) must not queue behind it. With a nice value above
+    0 (:func:`async_nice`) it is built on a short-lived thread that first lowered its
+    own priority: Linux threads inherit
     their creator's nice value, so the handle's worker and I/O threads run at that
     priority and yield the CPUs to the training's threads, while copies made inside
     the ``save_async`` call (the training waits for them) stay on the ordinary,
@@ -253,8 +273,6 @@ def _io_handle(cfg: Any) -> Any:
     at the priority of the thread using it.)
     """
     nice = async_nice()
-    if nice == 0:
-        return api._handle(cfg)
     kwargs = cfg.handle_kwargs(read=False)
     key = (tuple(sorted(kwargs.items())), nice, os.getpid())
     with _lock:
@@ -267,7 +285,8 @@ def _io_handle(cfg: Any) -> Any:
 
     def build() -> None:
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except OSError as e:  # pragma: no cover - not allowed here: full priority then
             log.debug("fastpersist: cannot lower the async writer threads' priority (%s)", e)
         try:

@@ -17,6 +17,11 @@ windows), allocated on first use and reused by later saves. A save needing a
 window when none is free waits (GIL released) for the oldest window in flight to
 reach the disk: that is how a second save queues behind the first, and how a
 save larger than the pool streams through it.
+
+A *lazy* save (:class:`LazyFeed`) fills the same windows from the live tensors on
+a background thread after the call returned; the optimizer guard finishes the
+copy on the training's thread. Its CRC fields are written once every window is on
+disk (as a collective save's slice, :func:`snapshot_slice`).
 """
 
 from __future__ import annotations
