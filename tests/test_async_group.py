@@ -212,7 +212,9 @@ def _worker(rank: int, world: int, port: int, d: str, names: list[str], clean_ex
     out = {}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        for name in names:
+        for i, name in enumerate(names):
+            if i:  # a scenario starts when every rank has finished the previous one (and listed its files)
+                dist.barrier()
             try:
                 out[name] = ("ok", SCENARIOS[name](rank, world, d))
             except Exception as e:  # noqa: BLE001

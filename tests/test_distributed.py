@@ -127,6 +127,9 @@ def sc_after_failures(rank: int, world: int, d: str) -> Any:
     """The group still works after the refused and failed saves, and nothing was left behind."""
     torch.distributed.barrier()
     left = temps(d)
+    # Every rank lists before any rank starts the save below: its probe file would otherwise show up
+    # in a slower rank's listing.
+    torch.distributed.barrier()
     fastpersist.save(state(), os.path.join(d, "again.pt"), group=torch.distributed.group.WORLD, config=cfg())
     return left
 
@@ -221,7 +224,9 @@ def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
     out = {}
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        for name in names:
+        for i, name in enumerate(names):
+            if i:  # a scenario starts when every rank has finished the previous one (and listed its files)
+                dist.barrier()
             try:
                 out[name] = ("ok", SCENARIOS[name](rank, world, d))
             except Exception as e:  # noqa: BLE001
