@@ -40,7 +40,7 @@ afterwards. Two ways to capture the state:
     its guard waits for that write.)
 
 Background priority: the background copies and writes run on a native handle of
-their own whose threads run at the nice value ``FASTPERSIST_ASYNC_NICE`` (0-19,
+their own whose threads run at the nice value ``Config.async_nice`` (``FASTPERSIST_ASYNC_NICE``, 0-19,
 default 0: same priority as the training); copies made inside the call or inside
 the guard (the training waits for them) use the ordinary full-priority handle.
 A higher value lets CPU-bound training take the cores first; the save then
@@ -237,24 +237,7 @@ def _raise_unreported() -> None:
     raise first._exc
 
 
-#: Environment variable: the nice value (0-19) of the native threads that write async saves in
-#: the background (see :func:`_io_handle`). Proposed as ``Config.async_nice``.
-ASYNC_NICE_ENV = "FASTPERSIST_ASYNC_NICE"
 _io_handles: dict[tuple, Any] = {}
-
-
-def async_nice() -> int:
-    """The nice value for background writer threads, from ``FASTPERSIST_ASYNC_NICE`` (default 0)."""
-    raw = os.environ.get(ASYNC_NICE_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{ASYNC_NICE_ENV}={raw!r}: expected an integer nice value from 0 to 19") from None
-    if not 0 <= value <= 19:
-        raise ValueError(f"{ASYNC_NICE_ENV}={raw!r}: expected an integer nice value from 0 to 19")
-    return value
 
 
 def _io_handle(cfg: Any) -> Any:
@@ -264,7 +247,7 @@ def _io_handle(cfg: Any) -> Any:
     saves and of the copies made inside calls: a psync write occupies a worker thread
     for as long as the disk takes, and a copy the training waits for (the snapshot
     inside the call, the lazy guard) must not queue behind it. With a nice value above
-    0 (:func:`async_nice`) it is built on a short-lived thread that first lowered its
+    0 (``Config.async_nice``, ``FASTPERSIST_ASYNC_NICE``) it is built on a short-lived thread that first lowered its
     own priority: Linux threads inherit
     their creator's nice value, so the handle's worker and I/O threads run at that
     priority and yield the CPUs to the training's threads, while copies made inside
@@ -272,7 +255,7 @@ def _io_handle(cfg: Any) -> Any:
     full-priority handle. (A forked child rebuilds a handle's threads at first use,
     at the priority of the thread using it.)
     """
-    nice = async_nice()
+    nice = cfg.async_nice
     kwargs = cfg.handle_kwargs(read=False)
     key = (tuple(sorted(kwargs.items())), nice, os.getpid())
     with _lock:

@@ -138,6 +138,10 @@ class Config:
             :func:`fastpersist.save_async` snapshots (a pool reused across saves; a save
             that needs more waits for its earlier windows to reach the disk); also the
             most a ``lazy`` save copies at call time. A multiple of 4096, >= 8192.
+        async_nice: Nice value (0-19) of the native threads that copy and write
+            :func:`fastpersist.save_async` saves in the background; 0 (default) runs
+            them at the training's priority, higher values make them yield the CPUs to
+            the training's threads (copies the training waits for stay at full priority).
     """
 
     engine: str = "auto"
@@ -166,6 +170,8 @@ class Config:
     #: Page-locked host memory that ``save_async(mode="snapshot")`` copies state into
     #: (a pool reused across saves); also the most a ``lazy`` save copies at call time.
     async_staging_limit: int = 1 << 30
+    #: Nice value (0-19) of the threads that write async saves in the background.
+    async_nice: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -272,6 +278,9 @@ def _validate_field(name: str, value: Any) -> None:
         elif name in ("threads", "max_async"):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, not {value}")
+        elif name == "async_nice":
+            if not 0 <= value <= 19:
+                raise ValueError(f"async_nice must be a nice value from 0 to 19, not {value}")
         elif name == "async_staging_limit":
             if value < 2 * _PAGE or value % _PAGE:
                 raise ValueError(f"async_staging_limit must be a multiple of {_PAGE} bytes, at least {2 * _PAGE}, not {value}")
@@ -545,6 +554,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "a pool of this many bytes (allocated on first use, reused by later saves, windows of at "
         "most 64M); a save larger than the pool, or one queued behind another, waits for earlier "
         "windows to reach the disk before copying more. Also the most a `lazy` save copies at call time.",
+    ),
+    EnvVar(
+        "FASTPERSIST_ASYNC_NICE", "async_nice", _parse_int, "integer 0-19",
+        "Nice value of the native threads that copy and write `fastpersist.save_async` saves in the "
+        "background (0: the training's priority). Higher values make them yield the CPUs to the "
+        "training; copies the training waits for (inside the call, in the lazy guard) stay at full "
+        "priority. On a 2-vCPU VM shared with other work, 10 did not shorten the guard's wait.",
     ),
 )
 

@@ -416,3 +416,42 @@ def test_bench_train_smoke(tmp_path):
     assert set(res.to_dict()["ratios_vs_torch_save"]) == {"fastpersist.save", "async-snapshot", "async-lazy"}
     plot_train(res, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def _thread_nice_values() -> dict[int, int]:
+    """Nice value of every thread of this process (field 19 of /proc/self/task/TID/stat)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = int(fields[16])  # fields after the name start at field 3
+    return out
+
+
+def test_async_nice_lowers_only_the_background_threads(tmp_path):
+    """Config.async_nice: the background writer's native threads run at that nice value,
+    the caller keeps its own, and the file is still right."""
+    state = {"w": torch.randn(1 << 16), "b": torch.arange(1000)}
+    want = _reference_bytes(state, tmp_path, "n")
+    before = _thread_nice_values()
+    cfg = fastpersist.Config(async_nice=7)
+    fut = fastpersist.save_async(state, tmp_path / "n.pt", config=cfg)
+    assert fut.wait(60) is True
+    after = _thread_nice_values()
+    new_threads = {tid: nice for tid, nice in after.items() if tid not in before}
+    assert 7 in new_threads.values(), new_threads
+    assert after[threading.get_native_id()] == before[threading.get_native_id()]
+    assert (tmp_path / "n.pt").read_bytes() == want
+
+
+@pytest.mark.parametrize("bad", [-1, 20])
+def test_async_nice_out_of_range_refused(bad, monkeypatch):
+    with pytest.raises(ValueError, match="async_nice"):
+        fastpersist.Config(async_nice=bad)
+    monkeypatch.setenv("FASTPERSIST_ASYNC_NICE", str(bad))
+    with pytest.raises(ValueError, match="FASTPERSIST_ASYNC_NICE"):
+        fastpersist.Config.from_env()
