@@ -333,6 +333,9 @@ class VerifyResult:
     bytes: int = 0  #: payload bytes checksummed (0 when none were)
     problems: list[str] = field(default_factory=list)
     status: str = "ok"  #: "ok", "corrupt" or "unchecked"
+    #: Remarks that do not make the file corrupt: storages whose location tag this
+    #: machine cannot restore without ``map_location`` (e.g. ``cuda:7`` with fewer GPUs).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def checked(self) -> bool:
@@ -393,4 +396,5 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
         bytes=check.nbytes if check.checked else 0,
         problems=check.problems,
         status=status,
+        notes=list(getattr(check, "notes", [])),
     )

@@ -315,7 +315,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         result = fastpersist.verify(path)
     except (FastPersistError, UnicodeError) as exc:  # bad content that escaped verify: still FAILED, never 2
         data = {"ok": False, "path": path, "format": "unknown", "records": 0, "bytes": 0, "problems": [str(exc)],
-                "status": "corrupt"}
+                "status": "corrupt", "notes": []}
     else:
         data = dataclasses.asdict(result)
         data["status"] = result.status
@@ -334,6 +334,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAILED: {path}: {len(data['problems'])} problem(s)")
         for problem in data["problems"]:
             print(f"  - {problem}")
+    if not args.json:
+        for note in data.get("notes", []):
+            print(f"  note: {note}")
     return {"ok": 0, "unchecked": 3}.get(status, 1)
 
 

@@ -151,6 +151,7 @@ def test_unrestorable_location_is_a_note(tmp_path, monkeypatch, tag):
     with pytest.warns(StorageLocationWarning, match=repr(tag)) as rec:
         res = fastpersist.verify(path)
     assert res.ok and res.status == "ok" and res.problems == []  # intact bytes: not corrupt
+    assert len(res.notes) == 1 and "map_location" in res.notes[0]
     msg = str(rec[0].message)
     assert str(path) in msg and "map_location" in msg and "2 storage(s)" in msg
     from fastpersist import _native
@@ -175,7 +176,8 @@ def test_restorable_locations_give_no_note(tmp_path, monkeypatch):
     _save_tagged(path, "cpu", monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert fastpersist.verify(path).ok
+        res = fastpersist.verify(path)
+    assert res.ok and res.notes == []
 
 
 def test_cli_verify_reports_the_location_note(tmp_path, monkeypatch, capsys):
@@ -187,4 +189,6 @@ def test_cli_verify_reports_the_location_note(tmp_path, monkeypatch, capsys):
     _save_tagged(path, "foo", monkeypatch)
     with pytest.warns(StorageLocationWarning, match="'foo'.*map_location"):
         assert main(["verify", str(path)]) == 0
-    assert capsys.readouterr().out.startswith("OK:")
+    out = capsys.readouterr().out
+    assert out.startswith("OK:")
+    assert "  note: " in out and "'foo'" in out and "map_location" in out
