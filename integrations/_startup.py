@@ -23,7 +23,11 @@ Lightning or fastpersist itself. It puts one import watcher at the front of
   strategies, only for callbacks, and those after the strategy is chosen.)
 
 Set ``FASTPERSIST_STARTUP=0`` to turn the watcher off entirely. A failure inside
-the hook never breaks the watched import: it is reported once as a warning.
+the hook never breaks the watched import: it is reported once as a warning. When
+this module itself cannot be imported (an editable install whose checkout was
+deleted), the ``.pth`` line stays silent, so that every interpreter start does not
+print ``site``'s traceback, unless one of the switches is set: then it writes one
+line to stderr saying the switches are off.
 """
 
 # No "from __future__ import annotations" and no typing: each import costs start-up time

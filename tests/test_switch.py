@@ -87,3 +87,34 @@ def test_hook_table_matches_config_parser() -> None:
     from fastpersist.config import _FALSE, _TRUE
 
     assert set(_startup._TRUE) == set(_TRUE) and set(_startup._FALSE) == set(_FALSE)
+
+
+def _pth_child(tmp_path: Path, **env: str) -> "subprocess.CompletedProcess[str]":
+    """An interpreter without site-packages that processes only our .pth file, whose
+    module ``_fastpersist_startup`` is then missing (as after deleting an editable checkout)."""
+    import shutil
+    import subprocess
+    import sys
+
+    site_dir = tmp_path / "site"
+    site_dir.mkdir(exist_ok=True)
+    shutil.copy(Path(__file__).resolve().parents[1] / "integrations" / "fastpersist-startup.pth", site_dir)
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("FASTPERSIST_")}
+    child_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-S", "-c", f"import site; site.addsitedir({str(site_dir)!r}); print('alive')"],
+        capture_output=True, text=True, env=child_env, timeout=60,
+    )
+
+
+def test_missing_hook_module_is_silent_without_a_switch(tmp_path: Path) -> None:
+    got = _pth_child(tmp_path)
+    assert got.returncode == 0 and got.stdout.strip() == "alive"
+    assert got.stderr == ""  # no traceback from site at every interpreter start
+
+
+def test_missing_hook_module_says_so_when_a_switch_is_on(tmp_path: Path) -> None:
+    got = _pth_child(tmp_path, FASTPERSIST_PATCH_TORCH_SAVE="1")
+    assert got.returncode == 0 and got.stdout.strip() == "alive"
+    assert "start-up hook did not load" in got.stderr and "_fastpersist_startup" in got.stderr
+    assert "Traceback" not in got.stderr
