@@ -217,6 +217,44 @@ def snapshot_plan(
         raise
 
 
+def _window_ranges(
+    ext: list[tuple[int, int, int, int]], k: int, k_off: int, start: int, end: int, base: int,
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], int, int, int]:
+    """The copies that fill one staging window with file bytes ``[start, end)`` from
+    extent ``k`` at offset ``k_off`` on (``base``: where ``start`` lands in the window).
+    Stops at ``end`` or at a gap in the plan. Returns ``(ranges, slots, pos, k, k_off)``:
+    ``(dst, src, length)`` copies, ``(crc slot, length)`` of each, the file offset
+    reached, and where the next window resumes."""
+    ranges: list[tuple[int, int, int]] = []
+    slots: list[tuple[int, int]] = []
+    pos = start
+    while k < len(ext) and pos < end:
+        off, ptr, n, slot = ext[k]
+        if off + k_off != pos:  # a gap in the plan: the next window starts at the next extent
+            break
+        take = min(n - k_off, end - pos)
+        if take:
+            ranges.append((base + pos - start, ptr + k_off, take))
+            slots.append((slot, take))
+        pos += take
+        k_off += take
+        if k_off == n:
+            k, k_off = k + 1, 0
+    return ranges, slots, pos, k, k_off
+
+
+def _add_partial_crcs(partial: dict[int, tuple[int, int]], slots: list[tuple[int, int]], crcs: list[int]) -> None:
+    """Fold each copied piece's CRC-32 into its slot's running ``(crc, length)``."""
+    for (slot, n), c in zip(slots, crcs):
+        if slot < 0:
+            continue
+        if slot in partial:
+            crc, have = partial[slot]
+            partial[slot] = (_native.crc32_combine(crc, c, n), have + n)
+        else:
+            partial[slot] = (c, n)
+
+
 def snapshot_slice(
     extents: list[tuple[int, int, int, int]],
     pool: StagingPool,
@@ -246,29 +284,9 @@ def snapshot_slice(
             win = pool.acquire()
             taken.append(win)
             end = start + pool.window - lead
-            pos = start
-            ranges: list[tuple[int, int, int]] = []
-            slots: list[tuple[int, int]] = []
-            while k < len(extents) and pos < end:
-                off, ptr, n, slot = extents[k]
-                if off + k_off != pos:  # a gap in the plan: the next window starts at the next extent
-                    break
-                take = min(n - k_off, end - pos)
-                if take:
-                    ranges.append((win.buf.ptr + lead + pos - start, ptr + k_off, take))
-                    slots.append((slot, take))
-                pos += take
-                k_off += take
-                if k_off == n:
-                    k, k_off = k + 1, 0
+            ranges, slots, pos, k, k_off = _window_ranges(extents, k, k_off, start, end, win.buf.ptr + lead)
             piece_crcs = handle.copy_ranges(ranges, True)  # GIL released, on the handle's threads
-            for (slot, n), c in zip(slots, piece_crcs):
-                if slot >= 0:
-                    if slot in partial:
-                        crc, have = partial[slot]
-                        partial[slot] = (_native.crc32_combine(crc, c, n), have + n)
-                    else:
-                        partial[slot] = (c, n)
+            _add_partial_crcs(partial, slots, piece_crcs)
             fut = submit(start, win.buf.ptr + lead, pos - start)
             pool.submitted(win, fut)
             futures.append(fut)
@@ -351,21 +369,7 @@ class LazyFeed:
         win = self.pool.acquire()
         try:
             end = start + self.pool.window - lead
-            pos, k, k_off = start, self._k, self._k_off
-            ranges: list[tuple[int, int, int]] = []
-            slots: list[tuple[int, int]] = []
-            while k < len(ext) and pos < end:
-                off, ptr, n, slot = ext[k]
-                if off + k_off != pos:  # a gap in the plan: the next window starts at the next extent
-                    break
-                take = min(n - k_off, end - pos)
-                if take:
-                    ranges.append((win.buf.ptr + lead + pos - start, ptr + k_off, take))
-                    slots.append((slot, take))
-                pos += take
-                k_off += take
-                if k_off == n:
-                    k, k_off = k + 1, 0
+            ranges, slots, pos, k, k_off = _window_ranges(ext, self._k, self._k_off, start, end, win.buf.ptr + lead)
             piece_crcs = handle.copy_ranges(ranges, True)  # GIL released
             fut = self.submit(start, win.buf.ptr + lead, pos - start)
         except BaseException:
@@ -374,13 +378,7 @@ class LazyFeed:
         self.pool.submitted(win, fut)
         self.futures.append(fut)
         self._k, self._k_off = k, k_off
-        for (slot, n), c in zip(slots, piece_crcs):
-            if slot >= 0:
-                if slot in self.partial:
-                    crc, have = self.partial[slot]
-                    self.partial[slot] = (_native.crc32_combine(crc, c, n), have + n)
-                else:
-                    self.partial[slot] = (c, n)
+        _add_partial_crcs(self.partial, slots, piece_crcs)
         return True
 
     def crcs(self, nslots: int) -> list[int]:
