@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from fastpersist.errors import FastPersistError, UnsupportedLayoutError
-from fastpersist.formats.torchindex import CheckpointFile, Piece, TensorInfo, open_checkpoint
+from fastpersist.formats.torchindex import CheckpointFile, Piece, TensorInfo, open_checkpoint, tensor_leaves, tensor_name
 
 __all__ = ["IncompatibleKeys", "PartialLoadError", "StateDictMismatchError", "load_state_dict"]
 
@@ -78,15 +78,10 @@ class PartialLoadError(FastPersistError, OSError):
 # --------------------------------------------------------------------------- targets
 
 
-def _flatten(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out[prefix[:-1]] = obj
-    elif isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}{k}.", out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _flatten(v, f"{prefix}{i}.", out)
+def _flatten(obj: Any, out: dict[str, torch.Tensor]) -> None:
+    """Every tensor of ``obj`` into ``out`` under its name (the names ``fastpersist.open`` gives)."""
+    for keys, t in tensor_leaves(obj):
+        out[tensor_name(keys)] = t
 
 
 def _keys_error(what: str, missing: list[str], unexpected: list[str]) -> StateDictMismatchError:
@@ -343,7 +338,7 @@ def _into_module_or_dict(target: Any, f: CheckpointFile, strict: bool, key: Any,
                 extra[k] = _materialize(f, sub[k], handle)
     else:
         expected = {}
-        _flatten(target, "", expected)
+        _flatten(target, expected)
     what = _what(target)
     bad = [n for n in ambiguous if n in expected]
     if bad:
@@ -375,16 +370,7 @@ def _into_module_or_dict(target: Any, f: CheckpointFile, strict: bool, key: Any,
 
 def _materialize(f: CheckpointFile, obj: Any, handle: Any) -> Any:
     """``obj`` (part of the file's object) with its tensors read (fresh memory)."""
-    names: dict[int, str] = {}
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor) and id(o) in f.meta_ids:
-            names[id(o)] = f.meta_ids[id(o)]
-        elif isinstance(o, Mapping):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
+    names = {id(t): f.meta_ids[id(t)] for _keys, t in tensor_leaves(obj) if id(t) in f.meta_ids}
     if not names:
         return obj
     infos = {n: f.info(n) for n in names.values()}
@@ -415,7 +401,7 @@ def _into_optimizer(opt: torch.optim.Optimizer, f: CheckpointFile, key: Any, cas
         raise StateDictMismatchError(f"{f.path}: the optimizer's parameter groups do not match the checkpoint's "
                                      "(number of groups or of parameters per group); nothing was read")
     current: dict[str, torch.Tensor] = {}
-    _flatten({"state": opt.state_dict()["state"]}, "", current)
+    _flatten({"state": opt.state_dict()["state"]}, current)
     pairs = []
     fresh: list[str] = []
     for name, info in found.items():
@@ -463,12 +449,12 @@ def _load_with_torch(target: Any, path: str, *, strict: bool, key: Any, cast: bo
         target.load_state_dict(obj)
         return None
     found: dict[str, torch.Tensor] = {}
-    _flatten(obj, "", found)
+    _flatten(obj, found)
     if isinstance(target, torch.nn.Module):
         expected: dict[str, torch.Tensor] = dict(target.state_dict())
     else:
         expected = {}
-        _flatten(target, "", expected)
+        _flatten(target, expected)
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
     what = _what(target)

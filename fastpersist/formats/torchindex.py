@@ -47,7 +47,7 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -484,6 +484,34 @@ def _available(obj: Any) -> str:
 # --------------------------------------------------------------------------- opening
 
 
+#: Containers nested deeper than this are refused (a hostile pickle can nest without end).
+MAX_DEPTH = 1000
+
+
+def tensor_leaves(obj: Any, keys: tuple[Any, ...] = (), depth: int = 0) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    """Every tensor in ``obj`` with the keys leading to it: mapping keys and list/tuple
+    indices, in iteration order (the walk behind :func:`tensor_name`'s names).
+
+    Raises:
+        RecursionError: containers nested deeper than :data:`MAX_DEPTH`.
+    """
+    if depth > MAX_DEPTH:
+        raise RecursionError(f"nested deeper than {MAX_DEPTH} containers")
+    if isinstance(obj, torch.Tensor):
+        yield keys, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from tensor_leaves(v, keys + (k,), depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from tensor_leaves(v, keys + (i,), depth + 1)
+
+
+def tensor_name(keys: Sequence[Any]) -> str:
+    """A tensor's name: its keys joined with ``"."`` (``""`` for a bare tensor)."""
+    return ".".join(str(k) for k in keys)
+
+
 def open_checkpoint(path: str, *, checksum: bool = True) -> CheckpointFile:
     """Open ``path`` and build its tensor index (no tensor bytes read).
 
@@ -648,20 +676,8 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
             f.records[r.short] = _Rec(r.short, r.data_offset, r.size, r.entry.crc32, r.entry.header_offset, r)
     seen: dict[str, tuple[Any, ...]] = {}
 
-    def visit(o: Any, keys: tuple[Any, ...], depth: int) -> None:
-        if depth > 1000:
-            raise _bad(f.path, None, "the object is nested too deeply")
-        if isinstance(o, torch.Tensor):
-            add(o, keys)
-        elif isinstance(o, Mapping):
-            for k, v in o.items():
-                visit(v, keys + (k,), depth + 1)
-        elif isinstance(o, (list, tuple)):
-            for i, v in enumerate(o):
-                visit(v, keys + (i,), depth + 1)
-
     def add(t: torch.Tensor, keys: tuple[Any, ...]) -> None:
-        name = ".".join(str(k) for k in keys)
+        name = tensor_name(keys)
         if t.layout != torch.strided or t.is_quantized or type(t) not in (torch.Tensor, torch.nn.Parameter) \
                 or t.is_nested:
             raise UnsupportedLayoutError(f"tensor {name!r} is a {type(t).__name__} of layout {t.layout}")
@@ -684,7 +700,11 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
         f.tensors[name] = info
         f.paths[name] = keys
 
-    visit(obj, (), 0)
+    try:
+        for keys, t in tensor_leaves(obj):
+            add(t, keys)
+    except RecursionError as e:
+        raise _bad(f.path, None, "the object is nested too deeply") from e
 
 
 def _check_bounds(path: str, info: TensorInfo) -> None:
