@@ -94,6 +94,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections import deque
 from typing import Any, Optional, Union
@@ -716,6 +717,10 @@ class Guard:
 
     def __init__(self, optimizer: Any) -> None:
         self._opt = weakref.ref(optimizer)
+        #: Seconds this optimizer's ``step`` spent blocked in the guard so far (all saves).
+        self.waited_s = 0.0
+        #: How many ``step`` calls found a pending lazy save to wait for.
+        self.waits = 0
         self._hook = optimizer.register_step_pre_hook(_pre_step)
 
     def remove(self) -> None:
@@ -734,8 +739,15 @@ class Guard:
 def _pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     with _lock:
         jobs = [j for j in _jobs if any(r() is optimizer for r in j.owners)]
+    if not jobs:
+        return None
+    t0 = time.perf_counter()
     for j in jobs:
         j.release()  # GIL released
+    g = _guards.get(optimizer)
+    if g is not None:
+        g.waited_s += time.perf_counter() - t0
+        g.waits += 1
     return None
 
 

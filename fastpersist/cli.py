@@ -180,7 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_positive, default=128, help="sequence length (default: 128)")
     p.add_argument("--batch", type=_positive, default=8, help="batch size (default: 8)")
     p.add_argument("--methods", type=_names, default=None,
-                   help="comma-separated: none, torch.save, fastpersist.save, async-snapshot, async-lazy (default: all)")
+                   help="comma-separated: none, torch.save, fastpersist.save, async-snapshot, async-lazy (default: all; "
+                   "the none baseline runs in every round anyway)")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="rounds; each runs every method once plus the no-checkpoint baseline, in a seeded shuffled "
+                   "order; figures are medians over rounds (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the rounds' shuffled orders (default: 0)")
+    p.add_argument("--train-threads", type=_positive, default=None, metavar="N",
+                   help="torch intra-op threads (torch.set_num_threads) of the training loop, the same for every "
+                   "method and the baseline; below the core count it leaves cores to background checkpoint work, "
+                   "as a GPU-bound step does (default: torch's default, left as it is)")
     _add_outputs(p, plot="step time over steps, checkpoints marked (PNG)")
     p.set_defaults(func=cmd_bench_train)
 
@@ -422,7 +431,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
     result = run_train_bench(
         args.dir, steps=args.steps, every=args.every, layers=args.layers, d_model=args.d_model,
         heads=6 if args.d_model % 6 == 0 else args.d_model // 64, vocab=args.vocab, seq=args.seq,
-        batch=args.batch, methods=methods, progress=not args.no_progress,
+        batch=args.batch, methods=methods, progress=not args.no_progress, rounds=args.rounds,
+        train_threads=args.train_threads, seed=args.seed,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout
     print_train_report(result, out)

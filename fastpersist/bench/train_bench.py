@@ -6,20 +6,38 @@ language-model head; ``torch.nn`` only) trained with Adam on random tokens, on
 CUDA when present, else CPU. Every ``every`` steps the loop checkpoints
 ``{"model", "optim", "step"}`` with one method:
 
-* ``none``: no checkpoint (the baseline, run first and last);
+* ``none``: no checkpoint (the baseline, in every round);
 * ``torch.save``: blocking ``torch.save`` (no fsync, as torch does);
 * ``fastpersist.save``: blocking, durable ``fastpersist.save``;
 * ``async-snapshot``: ``fastpersist.save_async(mode="snapshot")``;
 * ``async-lazy``: ``fastpersist.save_async(mode="lazy")`` with ``fastpersist.guard(optimizer)``.
 
+Rounds (``rounds``, ``--rounds``): each round runs every method once and the
+``none`` baseline, in an order shuffled by a seeded generator (``seed``), so that
+slow phases of a shared machine spread over the methods instead of hitting one.
+Figures are medians over rounds.
+
 Per step it records the wall time of the step including the checkpoint call (and,
-for lazy, the guard's wait inside the next ``optimizer.step``). *Lost* time is
-``total - steps x median step time`` of the same run (each run is its own
-baseline, which keeps other load on the machine out of the comparison; the
-checkpoint steps are a minority, so the median is a step without checkpoint
-cost); the difference of totals against the baseline runs is reported beside it.
-The final drain (``wait_all``) counts as lost. The last checkpoint is loaded and
-compared tensor by tensor with a copy of the state taken at its step.
+for lazy, the guard's wait inside the next ``optimizer.step``, also recorded on
+its own from ``Guard.waited_s``). Two "lost" figures per run:
+
+* *vs baseline*: ``total - total of the same round's no-checkpoint run``. This is
+  the honest one: it includes steps made slower by background work.
+* *vs median step*: ``total - steps x median step time`` of the same run, plus the
+  final drain (DLIO's definition). It does not see a uniform slowdown of every
+  step, so it flatters background work that competes with the training.
+
+The final drain (``wait_all``) counts as lost in both. The last checkpoint of
+every run is loaded and compared tensor by tensor with a copy of the state taken
+at its step (not timed).
+
+Training threads (``train_threads``, ``--train-threads N``): torch's intra-op
+threads for every method's loop, the baseline included (default: torch's own
+default, usually one per core). On a GPU the step occupies the GPU and one host
+thread, so the host's other cores are free for the checkpoint's background work;
+on a CPU-only machine ``N`` below the core count emulates that, leaving cores to
+the background copies and writes; with every core training, background work can
+only take cycles from the step.
 """
 
 from __future__ import annotations
@@ -64,15 +82,24 @@ class TrainRun:
     step_s: list[float]
     checkpoint_steps: list[int]
     call_s: list[float] = field(default_factory=list)  # time inside each save call
+    guard_wait_s: list[float] = field(default_factory=list)  # async-lazy: the guard's wait in each step
     drain_s: float = 0.0
     total_s: float = 0.0
     lost_s: float = 0.0  # total - steps x median step
     verified: Optional[bool] = None
     error: Optional[str] = None
+    round: int = 0
+    train_threads: int = 0  # torch.get_num_threads() inside the training loop
+    lost_vs_baseline_s: float = math.nan  # total - total of the same round's no-checkpoint run
 
     @property
     def median_step_s(self) -> float:
         return statistics.median(self.step_s) if self.step_s else math.nan
+
+
+def _median(values: Sequence[float]) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return statistics.median(vals) if vals else math.nan
 
 
 @dataclass
@@ -84,28 +111,81 @@ class TrainBenchResult:
     every: int
     directory: str
     runs: list[TrainRun]
-    baseline_total_s: float = math.nan
+    baseline_total_s: float = math.nan  # median total of the no-checkpoint runs
+    rounds: int = 1
+    train_threads: Optional[int] = None  # --train-threads (None: torch's default)
+    train_threads_applied: int = 0  # torch.get_num_threads() in the loops
+    seed: int = 0
+    orders: list[list[str]] = field(default_factory=list)  # each round's method order
+
+    @property
+    def methods(self) -> list[str]:
+        seen: list[str] = []
+        for r in self.runs:
+            if r.method not in seen:
+                seen.append(r.method)
+        return [m for m in METHODS if m in seen]
+
+    def runs_of(self, method: str, ok: bool = True) -> list[TrainRun]:
+        return [r for r in self.runs if r.method == method and (not ok or r.error is None)]
 
     def run(self, method: str) -> Optional[TrainRun]:
-        found = [r for r in self.runs if r.method == method]
+        found = self.runs_of(method, ok=False)
         return found[-1] if found else None
 
     def lost_vs_baseline(self, r: TrainRun) -> float:
-        return r.total_s - self.baseline_total_s
+        return r.lost_vs_baseline_s
+
+    def median_lost(self, method: str) -> float:
+        """Median over rounds of "lost vs median step" (DLIO's figure, incl. the drain)."""
+        return _median([r.lost_s for r in self.runs_of(method)])
+
+    def median_lost_vs_baseline(self, method: str) -> float:
+        """Median over rounds of ``total - the same round's no-checkpoint total``."""
+        return _median([r.lost_vs_baseline_s for r in self.runs_of(method)])
+
+    def _over_torch(self, value: float, ref: float) -> Optional[float]:
+        if math.isnan(value) or math.isnan(ref) or ref <= 0:
+            return None
+        return value / ref
 
     def ratio(self, method: str) -> Optional[float]:
-        """Lost time of ``method`` over that of blocking torch.save."""
-        t, m = self.run("torch.save"), self.run(method)
-        if t is None or m is None or t.lost_s <= 0:
-            return None
-        return m.lost_s / t.lost_s
+        """Median lost time (vs median step) of ``method`` over that of blocking torch.save."""
+        return self._over_torch(self.median_lost(method), self.median_lost("torch.save"))
+
+    def ratio_vs_baseline(self, method: str) -> Optional[float]:
+        """Median lost time vs the round's baseline of ``method`` over that of torch.save."""
+        return self._over_torch(self.median_lost_vs_baseline(method), self.median_lost_vs_baseline("torch.save"))
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for m in self.methods:
+            rs = self.runs_of(m)
+            checked = [r.verified for r in self.runs_of(m, ok=False) if r.verified is not None]
+            out[m] = {
+                "runs": len(rs),
+                "errors": len(self.runs_of(m, ok=False)) - len(rs),
+                "median_step_s": _median([r.median_step_s for r in rs]),
+                "median_total_s": _median([r.total_s for r in rs]),
+                "median_call_s": _median([sum(r.call_s) for r in rs]),
+                "median_guard_wait_s": _median([sum(r.guard_wait_s) for r in rs]),
+                "median_drain_s": _median([r.drain_s for r in rs]),
+                "median_lost_s": self.median_lost(m),
+                "median_lost_vs_baseline_s": self.median_lost_vs_baseline(m),
+                "ratio_vs_torch_save": self.ratio(m) if m not in ("none", "torch.save") else None,
+                "ratio_vs_torch_save_vs_baseline": self.ratio_vs_baseline(m) if m not in ("none", "torch.save") else None,
+                "verified": f"{sum(1 for v in checked if v)}/{len(checked)}" if checked else None,
+            }
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for r, rd in zip(self.runs, d["runs"]):
             rd["median_step_s"] = r.median_step_s
-            rd["lost_vs_baseline_s"] = self.lost_vs_baseline(r)
-        d["ratios_vs_torch_save"] = {m: self.ratio(m) for m in METHODS if m not in ("none", "torch.save")}
+        d["summary"] = self.summary()
+        others = [m for m in METHODS if m not in ("none", "torch.save")]
+        d["ratios_vs_torch_save"] = {m: self.ratio(m) for m in others}
+        d["ratios_vs_torch_save_vs_baseline"] = {m: self.ratio_vs_baseline(m) for m in others}
         return d
 
 
@@ -144,13 +224,14 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
     gen = torch.Generator().manual_seed(1)
     ckpt_steps = [i for i in range(steps) if (i + 1) % every == 0 and i + 1 < steps]
     last = ckpt_steps[-1] if ckpt_steps else None
-    run = TrainRun(method, [], ckpt_steps)
+    run = TrainRun(method, [], ckpt_steps, train_threads=torch.get_num_threads())
     expected: Any = None
     path = ""
     nbytes = 0
     t_start = time.perf_counter()
     try:
         for i in range(steps):
+            waited = guard.waited_s if guard is not None else 0.0
             t0 = time.perf_counter()
             idx = torch.randint(0, dims["vocab"], (batch, dims["seq"]), generator=gen).to(device)
             logits = model(idx[:, :-1])
@@ -161,6 +242,8 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
             if device == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            if guard is not None:
+                run.guard_wait_s.append(guard.waited_s - waited)
             if i in ckpt_steps and method != "none":
                 state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": i + 1}
                 paused = 0.0
@@ -196,6 +279,10 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
             run.verified = _equal(torch.load(path, map_location="cpu", weights_only=False), expected)
     except Exception as e:  # noqa: BLE001 - reported in the table
         run.error = f"{type(e).__name__}: {e}"
+        try:
+            fastpersist.wait_all()
+        except Exception:  # noqa: BLE001 - already reported as this run's error
+            pass
     finally:
         if guard is not None:
             guard.remove()
@@ -207,6 +294,16 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
                     pass
     params = sum(p.numel() for p in model.parameters())
     return run, params, nbytes
+
+
+def round_order(methods: Sequence[str], seed: int, rnd: int) -> list[str]:
+    """Round ``rnd``'s method order: ``methods`` plus the ``none`` baseline, shuffled
+    with a generator seeded by ``(seed, rnd)`` (the same order for the same seed)."""
+    import random
+
+    order = [m for m in METHODS if m in methods or m == "none"]
+    random.Random(seed * 1_000_003 + rnd).shuffle(order)
+    return order
 
 
 def run_train_bench(
@@ -223,59 +320,109 @@ def run_train_bench(
     methods: Sequence[str] = METHODS,
     device: Optional[str] = None,
     progress: bool = True,
+    rounds: int = 1,
+    train_threads: Optional[int] = None,
+    seed: int = 0,
 ) -> TrainBenchResult:
-    """Train once per method (the ``none`` baseline first and last) and measure."""
+    """Train once per method per round and measure.
+
+    Each of ``rounds`` rounds runs every method of ``methods`` once, plus the ``none``
+    baseline (always), in a shuffled order seeded by ``seed``; a method's "lost vs
+    baseline" is its total minus the same round's baseline total. ``train_threads``
+    sets torch's intra-op threads (``torch.set_num_threads``) for every method's
+    training loop, the baseline included (None: torch's default, left as it is);
+    the previous value is restored on return.
+    """
     from tqdm.auto import tqdm
 
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, not {rounds}")
+    if train_threads is not None and train_threads < 1:
+        raise ValueError(f"train_threads must be >= 1, not {train_threads}")
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dims = dict(vocab=vocab, d_model=d_model, layers=layers, heads=heads, seq=seq + 1)
-    order = list(methods)
-    if "none" in order:
-        order.remove("none")
-        order = ["none", *order, "none"]
+    orders = [round_order(methods, seed, r) for r in range(rounds)]
     runs: list[TrainRun] = []
     params = nbytes = 0
-    bar = tqdm(total=steps * len(order), disable=not progress, unit="step", leave=False, dynamic_ncols=True)
+    before = torch.get_num_threads()
+    bar = tqdm(total=steps * sum(len(o) for o in orders), disable=not progress, unit="step", leave=False,
+               dynamic_ncols=True)
     try:
-        for m in order:
-            bar.set_description(m)
-            r, params, nb = _one_run(m, directory, steps=steps, every=every, device=dev, dims=dims, batch=batch, bar=bar)
-            nbytes = nb or nbytes
-            runs.append(r)
+        if train_threads is not None:
+            torch.set_num_threads(train_threads)
+        applied = torch.get_num_threads()
+        for rnd, order in enumerate(orders):
+            mine: list[TrainRun] = []
+            for m in order:
+                bar.set_description(f"round {rnd + 1}/{rounds} {m}")
+                r, params, nb = _one_run(m, directory, steps=steps, every=every, device=dev, dims=dims, batch=batch,
+                                         bar=bar)
+                r.round = rnd
+                nbytes = nb or nbytes
+                mine.append(r)
+            base = [r for r in mine if r.method == "none" and r.error is None]
+            for r in mine:
+                if base and r.error is None:
+                    r.lost_vs_baseline_s = r.total_s - base[0].total_s
+            runs.extend(mine)
     finally:
         bar.close()
-    base = [r.total_s for r in runs if r.method == "none" and r.error is None]
-    res = TrainBenchResult(dev, params, nbytes, steps, every, directory, runs,
-                           statistics.mean(base) if base else math.nan)
-    return res
+        torch.set_num_threads(before)
+    base_totals = [r.total_s for r in runs if r.method == "none" and r.error is None]
+    return TrainBenchResult(dev, params, nbytes, steps, every, directory, runs, _median(base_totals),
+                            rounds=rounds, train_threads=train_threads, train_threads_applied=applied, seed=seed,
+                            orders=orders)
+
+
+def _ratio_text(v: Optional[float]) -> str:
+    return "" if v is None else f" ({v:.2f}x)"
 
 
 def print_train_report(result: TrainBenchResult, out: Any = None) -> None:
     from fastpersist.bench.report import print_header, render_table
 
+    threads = (f"{result.train_threads_applied} (--train-threads)" if result.train_threads is not None
+               else f"{result.train_threads_applied} (torch's default)")
     print_header([
-        f"Training  : GPT-style, {result.params / 1e6:.1f}M params, Adam, on {result.device}",
+        f"Training  : GPT-style, {result.params / 1e6:.1f}M params, Adam, on {result.device}; "
+        f"intra-op threads: {threads}",
         f"Checkpoint: {result.checkpoint_bytes / 2**20:.0f} MiB (model + optimizer) every {result.every} steps, "
         f"{result.steps} steps per run, in {result.directory}",
-        "Lost      : total - steps x median step (same run), incl. final drain; "
-        "vs baseline: total - mean total of the no-checkpoint runs",
+        f"Rounds    : {result.rounds} (each: every method once + the no-checkpoint baseline, shuffled, seed "
+        f"{result.seed}); figures are medians over rounds",
+        "Lost      : vs baseline = total - the same round's no-checkpoint total; "
+        "vs median = total - steps x median step of the same run, incl. final drain; (ratio to torch.save)",
     ], out)
     rows = []
-    for r in result.runs:
-        ratio = result.ratio(r.method) if r.method not in ("none", "torch.save") else None
+    for m, d in result.summary().items():
+        lost_b = d["median_lost_vs_baseline_s"]
         rows.append([
-            r.method,
-            f"{r.median_step_s:.3f}",
-            f"{r.total_s:.2f}",
-            f"{sum(r.call_s):.2f}",
-            f"{r.lost_s:.2f}",
-            f"{result.lost_vs_baseline(r):+.2f}",
-            "-" if ratio is None else f"{ratio:.2f}x",
-            {None: "-", True: "ok", False: "MISMATCH"}[r.verified] if r.error is None else r.error[:40],
+            m,
+            f"{d['runs']}" + (f" ({d['errors']} failed)" if d["errors"] else ""),
+            f"{d['median_step_s']:.3f}",
+            f"{d['median_total_s']:.2f}",
+            f"{d['median_call_s']:.2f}",
+            f"{d['median_guard_wait_s']:.2f}" if m == "async-lazy" else "-",
+            f"{d['median_drain_s']:.2f}",
+            "-" if m == "none" else f"{lost_b:+.2f}{_ratio_text(d['ratio_vs_torch_save_vs_baseline'])}",
+            f"{d['median_lost_s']:.2f}{_ratio_text(d['ratio_vs_torch_save'])}",
+            d["verified"] or "-",
         ])
-    render_table("Training time lost to checkpointing",
-                 ["method", "median step s", "total s", "in save calls s", "lost s", "vs baseline s",
-                  "lost / torch.save", "bytes"], rows, out)
+    render_table("Training time lost to checkpointing (medians over rounds)",
+                 ["method", "runs", "median step s", "total s", "in save calls s", "guard waits s", "drain s",
+                  "lost vs baseline s", "lost vs median s", "bytes ok"], rows, out)
+    if result.rounds > 1 or any(r.error for r in result.runs):
+        rows = []
+        for r in result.runs:
+            rows.append([
+                str(r.round + 1), r.method, f"{r.median_step_s:.3f}", f"{r.total_s:.2f}", f"{sum(r.call_s):.2f}",
+                f"{sum(r.guard_wait_s):.2f}" if r.guard_wait_s else "-",
+                "-" if r.method == "none" or math.isnan(r.lost_vs_baseline_s) else f"{r.lost_vs_baseline_s:+.2f}",
+                f"{r.lost_s:.2f}",
+                {None: "-", True: "ok", False: "MISMATCH"}[r.verified] if r.error is None else r.error[:40],
+            ])
+        render_table("Every run", ["round", "method", "median step s", "total s", "in save calls s", "guard waits s",
+                                   "lost vs baseline s", "lost vs median s", "bytes"], rows, out)
 
 
 def plot_train(result: TrainBenchResult, path: str) -> None:
@@ -290,7 +437,7 @@ def plot_train(result: TrainBenchResult, path: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     seen = set()
     for r in result.runs:
-        if r.method in seen or not r.step_s:
+        if r.method in seen or not r.step_s:  # each method's first run
             continue
         seen.add(r.method)
         line, = ax.plot(range(1, len(r.step_s) + 1), r.step_s, label=f"{r.method} (lost {r.lost_s:.2f} s)", linewidth=1.2)
