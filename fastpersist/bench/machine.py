@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from fastpersist.bench import memprobe
 from fastpersist.bench.units import format_bytes
 
 
@@ -46,6 +47,9 @@ class MachineInfo:
     native_error: Optional[str] = None
     #: the device's readahead window (KiB): how far buffered readers such as torch.load read ahead
     read_ahead_kb: Optional[int] = None
+    #: first-touch and resident write rates of memory (:mod:`fastpersist.bench.memprobe`): what caps
+    #: every loader that returns new tensors
+    fresh_memory: Optional[dict[str, Any]] = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form."""
@@ -79,7 +83,7 @@ class MachineInfo:
             f"Engines    : {engines}; cuFile: {self.cufile}",
             f"Software   : fastpersist {self.fastpersist_version}, torch {self.torch_version} "
             f"(CUDA: {self.cuda}), Python {self.python}, Linux {self.kernel}",
-        ]
+        ] + ([f"Fresh mem  : {memprobe.FreshMemory(**self.fresh_memory).summary()}"] if self.fresh_memory else [])
 
 
 def cpu_model() -> str:
@@ -217,8 +221,12 @@ def probe_direct_io(directory: str) -> tuple[bool, int]:
         os.unlink(name)
 
 
-def collect_machine_info(directory: str) -> MachineInfo:
-    """Describe this machine and the storage behind ``directory`` (must exist)."""
+def collect_machine_info(directory: str, *, probe_memory: bool = True) -> MachineInfo:
+    """Describe this machine and the storage behind ``directory`` (must exist).
+
+    ``probe_memory`` also measures how fast fresh memory is handed out
+    (:func:`fastpersist.bench.memprobe.probe_fresh_memory`, a fraction of a second).
+    """
     import torch
 
     import fastpersist
@@ -283,4 +291,5 @@ def collect_machine_info(directory: str) -> MachineInfo:
         cufile=cufile,
         native_error=native_error,
         read_ahead_kb=dev.get("read_ahead_kb"),
+        fresh_memory=memprobe.probe_fresh_memory(128 << 20, max(1, usable)).to_dict() if probe_memory else None,
     )
