@@ -405,7 +405,8 @@ def test_bench_train_smoke(tmp_path):
 
     res = run_train_bench(str(tmp_path), steps=4, every=2, layers=1, d_model=32, heads=2, vocab=64, seq=8, batch=2,
                           progress=False)
-    assert [r.method for r in res.runs] == ["none", "torch.save", "fastpersist.save", "async-snapshot", "async-lazy", "none"]
+    assert sorted(r.method for r in res.runs) == sorted(["none", "torch.save", "fastpersist.save", "async-snapshot",
+                                                          "async-lazy"])
     assert all(r.error is None for r in res.runs), [r.error for r in res.runs]
     assert all(r.verified for r in res.runs if r.method != "none")
     import io
