@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-into", action="store_true",
                    help="also time a cold load into an existing state of the same shapes: "
                    "fastpersist.load_state_dict vs torch.load + copy_ (each round, same file)")
+    p.add_argument("--load-process", choices=("fresh", "same"), default="fresh",
+                   help="where the timed loads run: fresh, a new Python process for each load, as a resumed job "
+                   "loads (the default; imports and setup untimed); same, this process round after round, where "
+                   "freed memory is reused")
     p.set_defaults(func=cmd_bench_save)
 
     # -- bench train (fastpersist.bench.train_bench) --
@@ -402,7 +406,7 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         raise UsageError(f"--peers: unknown peer(s) {', '.join(bad)} (use {', '.join(PEERS)} or none)")
     result = run_save_bench(
         args.dir, size=args.size, small_tensors=args.small_tensors, peers=args.peers, repeat=args.repeat,
-        keep=args.keep, progress=not args.no_progress, load_into=args.load_into,
+        keep=args.keep, progress=not args.no_progress, load_into=args.load_into, load_process=args.load_process,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout
     report.print_save_report(result, out)
@@ -412,7 +416,8 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         report.plot_save(result, args.plot)
         print(f"Plot       : {args.plot}", file=out)
     fp = result.method("fastpersist")
-    failed = fp is None or fp.error is not None or not result.verification.get("ok", False)
+    v = result.verification
+    failed = fp is None or fp.error is not None or not v.get("ok", False) or v.get("into_ok") is False
     return 1 if failed else 0
 
 

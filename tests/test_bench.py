@@ -35,6 +35,7 @@ from fastpersist.bench.save_bench import (
     SafetensorsMethod,
     TorchMethod,
     _measure,
+    load_in_fresh_process,
     run_save_bench,
 )
 from fastpersist.bench.units import format_block, format_bytes, gbps, parse_int_list, parse_size, parse_size_list
@@ -394,7 +395,7 @@ def test_save_bench_runs_fio_in_the_rotation(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(fio_mod.FioProbe, "round", lambda self: (events.append("fio"), orig_round(self))[1])
     monkeypatch.setattr(fio_mod.FioProbe, "sweep", lambda self: (events.append("sweep"), orig_sweep(self))[1])
     res = run_save_bench(str(tmp_path), size=2 * MiB, peers=("torch", "fio"), repeat=3, progress=False,
-                         fio_block_sizes=(MiB,), fio_iodepths=(2,))
+                         fio_block_sizes=(MiB,), fio_iodepths=(2,), load_process="same")
     assert events[0] == "sweep" and len(events) == 10
     rounds = [events[1 + 3 * i : 4 + 3 * i] for i in range(3)]
     assert all(sorted(r) == ["fastpersist", "fio", "torch"] for r in rounds)  # each round: every step once
@@ -406,7 +407,7 @@ def test_save_bench_runs_fio_in_the_rotation(tmp_path, monkeypatch) -> None:
 
 def test_run_save_bench_with_every_peer(tmp_path) -> None:
     peers = ("torch", "safetensors", "dcp") + (("fio",) if HAVE_FIO else ())
-    res = run_save_bench(str(tmp_path), size=4 * MiB, peers=peers, repeat=2, progress=False)
+    res = run_save_bench(str(tmp_path), size=4 * MiB, peers=peers, repeat=2, progress=False, load_process="same")
     d = json.loads(json.dumps(res.to_dict()))
     assert d["benchmark"] == "save" and d["repeat"] == 2
     assert [m["name"] for m in d["methods"]] == ["fastpersist", "torch", "safetensors", "dcp"]
@@ -444,7 +445,8 @@ def test_run_save_bench_with_every_peer(tmp_path) -> None:
 
 
 def test_run_save_bench_small_tensors_keep(tmp_path) -> None:
-    res = run_save_bench(str(tmp_path), small_tensors=50, peers=("torch",), repeat=1, keep=True, progress=False)
+    res = run_save_bench(str(tmp_path), small_tensors=50, peers=("torch",), repeat=1, keep=True, progress=False,
+                         load_process="same")
     assert res.workload["kind"] == "small-tensors" and res.workload["tensors"] == 50
     assert res.verification["ok"] is True
     (workdir,) = [p for p in tmp_path.iterdir() if p.name.startswith("fastpersist-bench-")]
@@ -457,7 +459,8 @@ def test_run_save_bench_small_tensors_keep(tmp_path) -> None:
 
 
 def test_run_save_bench_peers_only(tmp_path) -> None:
-    res = run_save_bench(str(tmp_path), size=MiB, peers=("torch",), repeat=1, progress=False, include_fastpersist=False)
+    res = run_save_bench(str(tmp_path), size=MiB, peers=("torch",), repeat=1, progress=False, include_fastpersist=False,
+                         load_process="same")
     assert [m.name for m in res.methods] == ["torch"] and res.fio is None
     assert res.method("fastpersist") is None and res.verification == {"checked": False}
     assert res.method("torch").save_s and res.method("torch").error is None
@@ -486,6 +489,8 @@ def test_run_save_bench_rejects_bad_arguments(tmp_path) -> None:
         run_save_bench(str(tmp_path), size=MiB, peers=("pickle",))
     with pytest.raises(ValueError, match="repeat"):
         run_save_bench(str(tmp_path), size=MiB, repeat=0)
+    with pytest.raises(ValueError, match="load_process"):
+        run_save_bench(str(tmp_path), size=MiB, load_process="spawn")
     with pytest.raises(FileNotFoundError):
         run_save_bench(str(tmp_path / "missing"), size=MiB)
 
@@ -573,7 +578,7 @@ def test_save_bench_load_into_row_and_report(tmp_path) -> None:
 
     peers = ("torch", "safetensors") + (("fio",) if HAVE_FIO else ())
     res = run_save_bench(str(tmp_path), size=2 * MiB, peers=peers, repeat=2, progress=False, load_into=True,
-                         fio_block_sizes=(MiB,), fio_iodepths=(2,))
+                         fio_block_sizes=(MiB,), fio_iodepths=(2,), load_process="same")
     d = res.to_dict()
     by = {m["name"]: m for m in d["methods"]}
     assert len(by["fastpersist"]["into_seconds"]) == 2 and len(by["torch"]["into_seconds"]) == 2
@@ -590,6 +595,121 @@ def test_save_bench_load_into_row_and_report(tmp_path) -> None:
     assert "load-into filled the state" in text
     if HAVE_FIO:
         assert "Read ceil." in text and "fio buffer." in text
+    assert d["load_process"] == "same" and "in this process, round after round" in text
+    assert any("--load-process same" in n for n in d["notes"])
+
+
+# ---- loads in fresh processes ---------------------------------------------------------
+
+
+def test_skeleton_round_trips_and_materializes(tmp_path) -> None:
+    """The skeleton a child reads: meta tensors of the state's shapes, loadable with
+    weights_only; zeros_like_state makes resident CPU zeros of those shapes from it."""
+    state = S.build_training_state(1 * MiB)
+    path = str(tmp_path / "skel.pt")
+    torch.save(S.skeleton(state), path)
+    assert os.path.getsize(path) < 64 << 10  # no tensor data
+    skel = torch.load(path, weights_only=True)
+    shapes = [(k, t.shape, t.dtype) for k, t in S.iter_tensors(state)]
+    assert [(k, t.shape, t.dtype) for k, t in S.iter_tensors(skel)] == shapes
+    assert all(t.device.type == "meta" for _, t in S.iter_tensors(skel))
+    assert skel["rng_state"]["python"] == state["rng_state"]["python"] and skel["iteration"] == state["iteration"]
+    target = S.zeros_like_state(skel)
+    assert [(k, t.shape, t.dtype) for k, t in S.iter_tensors(target)] == shapes
+    assert all(t.device.type == "cpu" and not t.any() for _, t in S.iter_tensors(target))
+    assert type(target["model"]) is OrderedDict
+    assert all(t.device.type == "cpu" for _, t in S.iter_tensors(S.empty_like_state(skel, device="cpu")))
+
+
+def test_fingerprints_compare_like_the_states() -> None:
+    """compare_states on fingerprints (what fresh-process verification compares) finds a
+    one-byte change of a tensor, a dtype change and a non-tensor change, and names them."""
+    state = S.build_training_state(1 * MiB, seed=3)
+    expected = S.fingerprint(state)
+    assert S.compare_states(expected, S.fingerprint(S.build_training_state(1 * MiB, seed=3))) == []
+    wrong = S.build_training_state(1 * MiB, seed=3)
+    raw = wrong["model"]["layers.0.mlp.fc1.weight"].view(torch.uint8).reshape(-1)
+    raw[12345] ^= 1  # one bit of one bf16 element
+    (problem,) = S.compare_states(expected, S.fingerprint(wrong))
+    assert problem.startswith("model.layers.0.mlp.fc1.weight: tensor values differ")
+    wrong = S.build_training_state(1 * MiB, seed=3)
+    wrong["master_weights"]["final_ln.bias"] = wrong["master_weights"]["final_ln.bias"].double()
+    assert S.compare_states(expected, S.fingerprint(wrong)) == [
+        "master_weights.final_ln.bias: expected float32[64], got float64[64]"]
+    wrong["master_weights"]["final_ln.bias"] = 0.0
+    assert "expected a tensor, got float" in S.compare_states(expected, S.fingerprint(wrong))[0]
+    wrong = S.build_training_state(1 * MiB, seed=3)
+    wrong["iteration"] += 1
+    assert S.compare_states(expected, S.fingerprint(wrong)) == ["iteration: expected 1000, got 1001"]
+    d = S.tensor_digest(torch.tensor(1.5))  # 0-dim tensors too
+    assert d.shape == () and d.nbytes == 4 and d == S.tensor_digest(torch.tensor(1.5))
+
+
+def test_fresh_loads_time_every_method_in_children(tmp_path, monkeypatch) -> None:
+    """load_process="fresh": every load and load-into of every method runs in a child (the
+    loaders raise if called in this process), is timed, and verification passes."""
+    for cls in (FastPersistMethod, TorchMethod, SafetensorsMethod, DcpMethod):
+        def refuse(self, *args, **kwargs):
+            raise AssertionError(f"{type(self).__name__} loaded in the benchmark's own process")
+
+        monkeypatch.setattr(cls, "load", refuse)
+        monkeypatch.setattr(cls, "load_into", refuse)
+    res = run_save_bench(str(tmp_path), size=2 * MiB, peers=("torch", "safetensors", "dcp"), repeat=1,
+                         progress=False, load_into=True)
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["load_process"] == "fresh"
+    by = {m["name"]: m for m in d["methods"]}
+    assert list(by) == ["fastpersist", "torch", "safetensors", "dcp"]
+    for name, m in by.items():
+        assert m["error"] is None, m
+        assert len(m["load_seconds"]) == 1 and m["load_seconds"][0] > 0 and m["load_gbps"][0] > 0
+        assert len(m["into_seconds"]) == (1 if name in ("fastpersist", "torch") else 0)
+    assert by["fastpersist"]["into_gbps"][0] > 0 and by["torch"]["into_vs_torch"] == 1.0
+    v = d["verification"]
+    assert v["ok"] is True and v["into_ok"] is True and v["method"] == "fastpersist"
+    assert v["tensors_compared"] == d["workload"]["tensors"]
+    assert any("--load-process fresh" in n for n in d["notes"])
+    assert os.listdir(tmp_path) == []  # checkpoints and skeleton removed
+    out = io.StringIO()
+    print_save_report(res, out)
+    text = out.getvalue()
+    assert "each in a fresh Python process" in text and "load equals the original state" in text
+    assert "load-into filled the state" in text
+
+
+@pytest.mark.parametrize("load_process", ["fresh", "same"])
+def test_verification_fails_when_the_load_returns_other_bytes(tmp_path, monkeypatch, load_process) -> None:
+    """fastpersist's file holds other values than the state (one element changed before
+    the save): the load and the load-into verification both fail and name the tensor."""
+    orig_save = FastPersistMethod.save
+
+    def save_a_changed_copy(self, obj, target):
+        changed = S.map_tensors(obj, lambda t: t.clone())
+        changed["optimizer"]["state"][3]["exp_avg"].view(-1)[7] += 1.0
+        orig_save(self, changed, target)
+
+    monkeypatch.setattr(FastPersistMethod, "save", save_a_changed_copy)
+    res = run_save_bench(str(tmp_path), size=MiB, peers=(), repeat=1, progress=False, load_into=True,
+                         load_process=load_process)
+    v = res.verification
+    assert v["checked"] and v["ok"] is False and v["into_ok"] is False
+    assert v["problems"] == v["into_problems"]
+    (problem,) = v["problems"]
+    assert problem.startswith("optimizer.state.3.exp_avg: tensor values differ")
+    out = io.StringIO()
+    print_save_report(res, out)
+    assert "MISMATCH after fastpersist load:" in out.getvalue()
+    assert "MISMATCH after fastpersist load-into:" in out.getvalue()
+
+
+def test_a_failing_child_load_is_an_error(tmp_path) -> None:
+    """A child that cannot load reports its error, and the parent raises it."""
+    skel = str(tmp_path / "skel.pt")
+    torch.save(S.skeleton({"w": torch.zeros(4)}), skel)
+    with pytest.raises(RuntimeError, match=r"torch load in a fresh process failed \(exit 1\).*No such file"):
+        load_in_fresh_process("torch", "load", str(tmp_path / "missing.pt"), skel)
+    with pytest.raises(ValueError, match="op"):
+        load_in_fresh_process("torch", "copy", str(tmp_path / "missing.pt"), skel)
 
 
 def test_touch_pages_reads_every_page_of_a_lazy_mapping(tmp_path) -> None:

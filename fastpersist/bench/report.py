@@ -80,6 +80,11 @@ def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None) -> 
     print(f"Workload   : {desc}; {w['tensors']} tensors, {format_bytes(w['tensor_bytes'])} of tensor data, "
           f"{w['non_tensor_leaves']} non-tensor leaves; dtypes {', '.join(w['dtypes'])}", file=out)
     print(f"Runs       : {result.repeat} per method (interleaved)", file=out)
+    if result.load_process == "fresh":
+        print("Loads      : each in a fresh Python process (what a resumed job sees; only the load call timed)",
+              file=out)
+    else:
+        print("Loads      : in this process, round after round (freed memory reused by the allocators)", file=out)
     print(file=out)
     d = result.to_dict()
     rows = []

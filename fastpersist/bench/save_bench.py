@@ -22,7 +22,7 @@ same state and directory:
 
 With ``load_into`` (``--load-into``), every round of ``fastpersist`` and ``torch``
 also times a cold load *into an existing state of the same shapes* (allocated and
-written once before the rounds, as a resumed job's model and optimizer are):
+zero-filled before the timing, as a resumed job's model and optimizer are):
 ``fastpersist.load_state_dict(state, path)`` against ``torch.load(path)``
 followed by ``copy_`` of every tensor into the state (what
 ``Module.load_state_dict`` does), on the file the same round saved.
@@ -35,17 +35,38 @@ over a lazy ``mmap`` of the file, so its load also reads one byte of every 4 KiB
 page of its tensors (what using them would fault in); the other loaders return
 tensors already in memory. GB/s count the state's tensor bytes (identical for
 all methods), in decimal GB.
+
+Where the loads run (``load_process``, ``--load-process``): ``"fresh"`` (the
+default) times every cold load and load-into in a new Python process, as a
+resumed training job loads (:func:`load_in_fresh_process`): the child imports
+the method's library, reads the state's shapes from a skeleton file written
+once per run (meta tensors, :func:`~fastpersist.bench.state.skeleton`), builds
+the load-into target (zero-filled, resident) or dcp's template, drops the file
+from the page cache, and times the load call alone; interpreter start and
+imports are outside the timing. Its memory is memory the process never used,
+which on a VM can cost a host fault per page at first touch. ``"same"`` times
+the loads in the benchmark's own process, round after round, where allocators
+reuse memory the previous round freed (already backed). Verification (the
+first fastpersist load, and its load-into) compares CRC-32s of every tensor's
+bytes (:func:`~fastpersist.bench.state.fingerprint`) computed by the child with
+the original's; in ``"same"`` mode it compares the tensors themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import pickle
 import random
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -56,6 +77,19 @@ from fastpersist.bench.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.units import gbps, median, ratio
 
 PEERS = ("torch", "safetensors", "dcp", "fio")
+#: where the timed cold loads run: a new Python process each (default), or the benchmark's own process
+LOAD_PROCESSES = ("fresh", "same")
+FRESH_NOTE = (
+    "loads in fresh processes (--load-process fresh): every timed cold load (and load-into) ran in a new Python "
+    "process started for it, as a resumed training job loads: imports, the state's shapes, the load-into target "
+    "(zero-filled) and dcp's template were ready before the clock started; the file was then dropped from the "
+    "page cache and only the load call was timed, filling memory the process had never used"
+)
+SAME_NOTE = (
+    "loads in the benchmark's process (--load-process same): every load ran in one long-lived process, round "
+    "after round, where allocators hand back memory the previous round freed (already backed by the host), "
+    "which a resumed job's first load does not get"
+)
 COLD_LOAD_NOTE = (
     "cold loads: every file is fsync'ed and dropped from the page cache with "
     "posix_fadvise(POSIX_FADV_DONTNEED) before each load (no root needed)"
@@ -66,8 +100,8 @@ LAZY_NOTE = (
     "of every 4 KiB page of its tensors (what using them faults in), so every load ends with the bytes in memory"
 )
 INTO_NOTE = (
-    "load-into: a cold load into an existing state of the same shapes (allocated and written once before the "
-    "rounds): fastpersist.load_state_dict(state, path) vs torch.load(path) + copy_ of every tensor into the state "
+    "load-into: a cold load into an existing state of the same shapes (allocated and zero-filled before the clock "
+    "starts: once before the rounds in the benchmark's process, or in each fresh process): fastpersist.load_state_dict(state, path) vs torch.load(path) + copy_ of every tensor into the state "
     "(what Module.load_state_dict does); same file, same round as the method's own load"
 )
 
@@ -82,8 +116,14 @@ class Method:
         """Write ``obj`` to ``target`` durably (file data fsync'ed; the caller fsyncs the directory)."""
         raise NotImplementedError
 
-    def load(self, target: str, reference: Any) -> Any:
-        """Read back what :meth:`save` wrote; ``reference`` is the original (for shapes only)."""
+    def prepare_load(self, reference: Any) -> Any:
+        """What :meth:`load` needs ready before the clock starts (``None`` for most methods)."""
+        return None
+
+    def load(self, target: str, reference: Any, prepared: Any = None) -> Any:
+        """Read back what :meth:`save` wrote; ``reference`` is the original or its
+        :func:`~fastpersist.bench.state.skeleton` (for shapes only), ``prepared`` what
+        :meth:`prepare_load` returned (made here when ``None``)."""
         raise NotImplementedError
 
     #: whether :meth:`load_into` is offered
@@ -110,7 +150,7 @@ class FastPersistMethod(Method):
     def save(self, obj: Any, target: str) -> None:
         self._fp.save(obj, target, config=self.config)
 
-    def load(self, target: str, reference: Any) -> Any:
+    def load(self, target: str, reference: Any, prepared: Any = None) -> Any:
         return self._fp.load(target, map_location="cpu", weights_only=True, config=self.config)
 
     loads_into = True
@@ -131,7 +171,7 @@ class TorchMethod(Method):
             f.flush()
             os.fsync(f.fileno())
 
-    def load(self, target: str, reference: Any) -> Any:
+    def load(self, target: str, reference: Any, prepared: Any = None) -> Any:
         return torch.serialization.load(target, map_location="cpu", weights_only=True)
 
     loads_into = True
@@ -156,7 +196,7 @@ class SafetensorsMethod(Method):
         self._st.save_file(flat, target)
         fsync_path(target)
 
-    def load(self, target: str, reference: Any) -> Any:
+    def load(self, target: str, reference: Any, prepared: Any = None) -> Any:
         out = self._st.load_file(target, device="cpu")
         state_mod.touch_pages(out)  # lazy mmap: the bytes are read when first used
         return out
@@ -180,8 +220,12 @@ class DcpMethod(Method):
             self._dcp.save(obj, storage_writer=writer, no_dist=True)
         fsync_dir(target)  # the files are fsync'ed by sync_files; their directory entries are not
 
-    def load(self, target: str, reference: Any) -> Any:
-        template = state_mod.empty_like_state(reference)
+    def prepare_load(self, reference: Any) -> Any:
+        """The template ``dcp.load`` fills: CPU tensors of the reference's shapes, allocated, not written."""
+        return state_mod.empty_like_state(reference, device="cpu")
+
+    def load(self, target: str, reference: Any, prepared: Any = None) -> Any:
+        template = prepared if prepared is not None else self.prepare_load(reference)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             self._dcp.load(template, storage_reader=self._dcp.FileSystemReader(target), no_dist=True)
@@ -246,6 +290,8 @@ class SaveBenchResult:
     notes: list[str] = field(default_factory=list)
     #: the order the steps ran in, one list per round (``"fio"`` for fio's round)
     order: list[list[str]] = field(default_factory=list)
+    #: where the timed loads ran: ``"fresh"`` (a new process each) or ``"same"`` (:data:`LOAD_PROCESSES`)
+    load_process: str = "same"
 
     def method(self, name: str) -> Optional[MethodResult]:
         """The result of method ``name``, or ``None``."""
@@ -289,6 +335,7 @@ class SaveBenchResult:
             "engine": self.engine,
             "workload": dict(self.workload),
             "repeat": self.repeat,
+            "load_process": self.load_process,
             "methods": methods,
             "fio": self.fio.to_dict() if self.fio else None,
             "read_ceiling_gbps": ceiling,
@@ -298,24 +345,224 @@ class SaveBenchResult:
         }
 
 
+def make_method(name: str, config: Any = None) -> Method:
+    """The :class:`Method` called ``name`` (``fastpersist`` with ``config``, or a peer).
+
+    Raises ``ImportError`` when its library is not installed, ``ValueError`` for an unknown name.
+    """
+    if name == "fastpersist":
+        return FastPersistMethod(config)
+    table: dict[str, Callable[[], Method]] = {"torch": TorchMethod, "safetensors": SafetensorsMethod, "dcp": DcpMethod}
+    if name not in table:
+        raise ValueError(f"no save/load method called {name!r}")
+    return table[name]()
+
+
 def _make_methods(
     peers: Sequence[str], include_fastpersist: bool, config: Any
 ) -> tuple[list[Method], list[MethodResult]]:
     """Instantiate the methods; one that cannot be set up becomes a failed result."""
-    factories: list[tuple[str, Callable[[], Method]]] = []
-    if include_fastpersist:
-        factories.append(("fastpersist", lambda: FastPersistMethod(config)))
-    table: dict[str, Callable[[], Method]] = {"torch": TorchMethod, "safetensors": SafetensorsMethod, "dcp": DcpMethod}
-    for peer in peers:
-        if peer in table:
-            factories.append((peer, table[peer]))
+    names = (["fastpersist"] if include_fastpersist else []) + [p for p in peers if p != "fio"]
     methods, failed = [], []
-    for name, make in factories:
+    for name in names:
         try:
-            methods.append(make())
+            methods.append(make_method(name, config))
         except ImportError as exc:
             failed.append(MethodResult(name=name, nbytes=0, error=f"not available: {exc}"))
     return methods, failed
+
+
+# ---- where the cold loads run ------------------------------------------------------
+
+#: ``(seconds, problems)``: a timed load and, when verified, the differences from the original.
+TimedLoad = tuple[float, Optional[list[str]]]
+
+
+class SameProcessLoads:
+    """``load_process="same"``: cold loads timed in the benchmark's own process, round after round."""
+
+    def __init__(self, obj: Any, load_into: bool) -> None:
+        self.obj = obj
+        #: the load-into target: allocated and written once, before the rounds
+        self.into_state = state_mod.zeros_like_state(obj) if load_into else None
+
+    def load(self, method: Method, target: str, verify: bool) -> TimedLoad:
+        """Drop ``target`` from the page cache, time ``method.load``; compare with the original if ``verify``."""
+        prepared = method.prepare_load(self.obj)
+        drop_page_cache_all([target])
+        t0 = time.perf_counter()
+        loaded = method.load(target, self.obj, prepared)
+        seconds = time.perf_counter() - t0
+        return seconds, (state_mod.compare_states(self.obj, loaded) if verify else None)
+
+    def load_into(self, method: Method, target: str, verify: bool) -> TimedLoad:
+        """Drop ``target`` from the page cache, time ``method.load_into`` of the shared target state."""
+        assert self.into_state is not None
+        drop_page_cache_all([target])
+        t0 = time.perf_counter()
+        method.load_into(target, self.into_state)
+        seconds = time.perf_counter() - t0
+        return seconds, (state_mod.compare_states(self.obj, self.into_state) if verify else None)
+
+    def close(self) -> None:
+        """Nothing to clean up."""
+
+
+class FreshProcessLoads:
+    """``load_process="fresh"``: every cold load in a new Python process (:func:`load_in_fresh_process`).
+
+    Writes the state's :func:`~fastpersist.bench.state.skeleton` to ``workdir``
+    once; the children read it for the shapes. Verification compares the
+    child's :func:`~fastpersist.bench.state.fingerprint` of what it loaded with
+    the original's.
+    """
+
+    def __init__(self, obj: Any, workdir: str) -> None:
+        self.obj = obj
+        self.workdir = workdir
+        self.skeleton_path = os.path.join(workdir, SKELETON_NAME)
+        torch.save(state_mod.skeleton(obj), self.skeleton_path)
+        self._expected: Any = None
+        #: modules a child imported for the first time inside its timed call (should stay empty)
+        self.imported_in_timing: set[str] = set()
+
+    def expected(self) -> Any:
+        """The original state's fingerprint (computed once)."""
+        if self._expected is None:
+            self._expected = state_mod.fingerprint(self.obj)
+        return self._expected
+
+    def load(self, method: Method, target: str, verify: bool) -> TimedLoad:
+        """A cold ``method.load`` of ``target`` in a fresh process."""
+        return self._run(method, "load", target, verify)
+
+    def load_into(self, method: Method, target: str, verify: bool) -> TimedLoad:
+        """A cold ``method.load_into`` of ``target`` into a fresh zero-filled state, in a fresh process."""
+        return self._run(method, "into", target, verify)
+
+    def _run(self, method: Method, op: str, target: str, verify: bool) -> TimedLoad:
+        fp_path = os.path.join(self.workdir, f"{method.name}.{op}.fingerprint") if verify else None
+        try:
+            child = load_in_fresh_process(method.name, op, target, self.skeleton_path,
+                                          config=getattr(method, "config", None), fingerprint_path=fp_path)
+        finally:
+            if fp_path is not None:
+                remove_path(fp_path)
+        self.imported_in_timing.update(child.imported)
+        problems = state_mod.compare_states(self.expected(), child.fingerprint) if verify else None
+        return child.seconds, problems
+
+    def close(self) -> None:
+        """Remove the skeleton file."""
+        remove_path(self.skeleton_path)
+
+
+SKELETON_NAME = "skeleton.pt"
+_CHILD_MARK = "fastpersist-bench-load-result: "
+_CHILD_CODE = (
+    "import sys\n"
+    "from fastpersist.bench.save_bench import load_child_main\n"
+    "sys.exit(load_child_main(sys.argv[1:]))\n"
+)
+
+
+@dataclass
+class FreshLoad:
+    """What a :func:`load_in_fresh_process` child reported."""
+
+    #: seconds of the load call alone
+    seconds: float
+    #: modules first imported inside the timed call
+    imported: list[str]
+    #: :func:`~fastpersist.bench.state.fingerprint` of what it loaded, when asked for
+    fingerprint: Any = None
+
+
+def load_in_fresh_process(
+    method: str,
+    op: str,
+    target: str,
+    skeleton_path: str,
+    *,
+    config: Any = None,
+    fingerprint_path: Optional[str] = None,
+) -> FreshLoad:
+    """Time one cold load of ``target`` by ``method`` in a new Python process.
+
+    The child (``sys.executable -c``, this environment, this ``fastpersist``
+    first on its path) imports the method's library, reads the shapes from
+    ``skeleton_path`` (:func:`~fastpersist.bench.state.skeleton`) and prepares
+    what the call needs (``op="into"``: a zero-filled state of those shapes;
+    dcp: its template), all untimed; then it drops ``target`` from the page
+    cache and times the load call alone (``op="load"``: :meth:`Method.load`,
+    ``"into"``: :meth:`Method.load_into`). ``config`` is fastpersist's
+    :class:`~fastpersist.config.Config` (passed as JSON). With
+    ``fingerprint_path`` the child writes the fingerprint of what it loaded
+    there and it is returned.
+
+    Raises ``RuntimeError`` (the child's last error line) when the child fails.
+    """
+    if op not in ("load", "into"):
+        raise ValueError(f"op must be 'load' or 'into', got {op!r}")
+    request = {
+        "method": method, "op": op, "target": target, "skeleton": skeleton_path,
+        "config": dataclasses.asdict(config) if config is not None else None,
+        "fingerprint": fingerprint_path,
+    }
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # the fastpersist this process runs
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", _CHILD_CODE, json.dumps(request)], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_CHILD_MARK)]
+    if proc.returncode != 0 or not lines:
+        err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        raise RuntimeError(f"{method} {op} in a fresh process failed (exit {proc.returncode}): "
+                           f"{err[-1] if err else 'no result reported'}")
+    report = json.loads(lines[-1][len(_CHILD_MARK):])
+    fp = None
+    if fingerprint_path is not None:
+        with open(fingerprint_path, "rb") as f:
+            fp = pickle.load(f)
+    return FreshLoad(seconds=float(report["seconds"]), imported=list(report["imported"]), fingerprint=fp)
+
+
+def load_child_main(argv: Sequence[str]) -> int:
+    """Entry point of a :func:`load_in_fresh_process` child: ``argv[0]`` is its JSON request.
+
+    Prints one result line (seconds of the load call, modules imported during
+    it) on standard output.
+    """
+    request = json.loads(argv[0])
+    config = None
+    if request["config"] is not None:
+        from fastpersist.config import Config
+
+        config = Config(**request["config"])
+    method = make_method(request["method"], config)
+    target, op = request["target"], request["op"]
+    reference = torch.load(request["skeleton"], map_location="meta", weights_only=True)
+    if op == "into":
+        if not method.loads_into:
+            raise ValueError(f"{method.name} does not load into an existing state")
+        result = state_mod.zeros_like_state(reference)
+        prepared = None
+    else:
+        prepared = method.prepare_load(reference)
+    before = set(sys.modules)
+    drop_page_cache_all([target])
+    t0 = time.perf_counter()
+    if op == "into":
+        method.load_into(target, result)
+    else:
+        result = method.load(target, reference, prepared)
+    seconds = time.perf_counter() - t0
+    imported = sorted(set(sys.modules) - before)
+    if request["fingerprint"]:
+        with open(request["fingerprint"], "wb") as f:
+            pickle.dump(state_mod.fingerprint(result), f)
+    print(_CHILD_MARK + json.dumps({"seconds": seconds, "imported": imported}), flush=True)
+    return 0
 
 
 def describe_engine(config: Any = None) -> str:
@@ -377,14 +624,19 @@ def run_save_bench(
     fio_block_sizes: Sequence[int] = fio_mod.DEFAULT_BLOCK_SIZES,
     fio_iodepths: Sequence[int] = fio_mod.DEFAULT_IODEPTHS,
     load_into: bool = False,
+    load_process: str = "fresh",
 ) -> SaveBenchResult:
     """Run the checkpoint benchmark in ``directory`` (see module docstring) and return its results.
 
     ``peers`` is any subset of :data:`PEERS`. ``include_fastpersist=False``
     measures the peers alone. Files go to a fresh subdirectory of ``directory``,
     removed at the end unless ``keep``. A method that fails is recorded with
-    its error and the others go on.
+    its error and the others go on. ``load_process``: ``"fresh"`` times every
+    cold load in a new Python process (:func:`load_in_fresh_process`, what a
+    resumed job sees), ``"same"`` in this process.
     """
+    if load_process not in LOAD_PROCESSES:
+        raise ValueError(f"load_process must be one of {', '.join(LOAD_PROCESSES)}, got {load_process!r}")
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
@@ -411,12 +663,12 @@ def run_save_bench(
         notes.append("dcp: single process, no process group (no_dist=True), FileSystemWriter(sync_files=True)")
     if "safetensors" in by_name:
         notes.append(LAZY_NOTE)
-    into_state = None
+    notes.append(FRESH_NOTE if load_process == "fresh" else SAME_NOTE)
     if load_into:
         notes.append(INTO_NOTE)
-        into_state = state_mod.empty_like_state(obj)
-        for _, t in state_mod.iter_tensors(into_state):
-            t.zero_()  # resident, as a live model's tensors are
+    loads: Union[SameProcessLoads, FreshProcessLoads] = (
+        FreshProcessLoads(obj, workdir) if load_process == "fresh" else SameProcessLoads(obj, load_into)
+    )
     verification: dict[str, Any] = {"checked": False}
     order: list[list[str]] = []
     probe: Optional[fio_mod.FioProbe] = None
@@ -448,12 +700,16 @@ def run_save_bench(
                     bar.set_description(f"{method.name} run {run + 1}/{repeat}")
                     _measure(method, obj, workdir, res, verify=(method.name == "fastpersist" and run == 0),
                              verification=verification, keep=keep and run == repeat - 1,
-                             into_state=into_state if method.loads_into else None)
+                             loads=loads, into=load_into and method.loads_into)
                 bar.update(1)
         if probe is not None and probe.result.error:
             notes.append(f"fio: {probe.result.error}")
+        if isinstance(loads, FreshProcessLoads) and loads.imported_in_timing:
+            notes.append("fresh loads: modules first imported inside a timed load call (their import is timed): "
+                         + ", ".join(sorted(loads.imported_in_timing)))
     finally:
         bar.close()
+        loads.close()
         if probe is not None:
             probe.close()
         if not keep:
@@ -470,6 +726,7 @@ def run_save_bench(
         engine=describe_engine(config) if include_fastpersist else "not measured",
         notes=notes,
         order=order,
+        load_process=load_process,
     )
 
 
@@ -482,10 +739,14 @@ def _measure(
     verify: bool,
     verification: dict[str, Any],
     keep: bool,
-    into_state: Any = None,
+    loads: Union[SameProcessLoads, FreshProcessLoads, None] = None,
+    into: bool = False,
 ) -> None:
-    """One durable save and one cold load of ``method`` (and a cold load into
-    ``into_state`` when given); errors go into ``res.error``."""
+    """One durable save and one cold load of ``method`` (and a cold load into an
+    existing state when ``into``), the loads timed by ``loads`` (default: in this
+    process); errors go into ``res.error``."""
+    if loads is None:
+        loads = SameProcessLoads(obj, into)
     target = os.path.join(workdir, method.target_name)
     remove_path(target)
     os.sync()  # let the filesystem finish freeing the previous run's blocks outside the timing
@@ -495,12 +756,9 @@ def _measure(
         fsync_dir(workdir)
         res.save_s.append(time.perf_counter() - t0)
         res.file_bytes = total_size(target)
-        drop_page_cache_all([target])
-        t0 = time.perf_counter()
-        loaded = method.load(target, obj)
-        res.load_s.append(time.perf_counter() - t0)
-        if verify:
-            problems = state_mod.compare_states(obj, loaded)
+        seconds, problems = loads.load(method, target, verify)
+        res.load_s.append(seconds)
+        if problems is not None:
             verification.update({
                 "checked": True,
                 "method": method.name,
@@ -508,14 +766,10 @@ def _measure(
                 "tensors_compared": state_mod.count_tensors(obj),
                 "problems": problems,
             })
-        del loaded
-        if into_state is not None:
-            drop_page_cache_all([target])
-            t0 = time.perf_counter()
-            method.load_into(target, into_state)
-            res.into_s.append(time.perf_counter() - t0)
-            if verify:
-                problems = state_mod.compare_states(obj, into_state)
+        if into:
+            seconds, problems = loads.load_into(method, target, verify)
+            res.into_s.append(seconds)
+            if problems is not None:
                 verification["into_ok"] = not problems
                 verification["into_problems"] = problems
     except Exception as exc:  # noqa: BLE001 - any failure of a peer is a result, not a crash

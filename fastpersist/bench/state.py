@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -222,29 +223,80 @@ def flatten_tensors(obj: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
     return flat, skipped
 
 
-def empty_like_state(obj: Any) -> Any:
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Same structure as ``obj`` (dicts, ``OrderedDict``, lists, tuples), every tensor replaced by ``fn(tensor)``;
+    other leaves are kept as they are."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((k, map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def empty_like_state(obj: Any, device: Optional[str] = None) -> Any:
     """Same structure as ``obj``, every tensor replaced by an uninitialized tensor of its shape and dtype.
 
     Loaders that fill a given state in place (``torch.distributed.checkpoint``)
     need it; non-tensor leaves are kept as they are (the loader replaces them).
+    ``device``: where the new tensors live (default: each tensor's own device;
+    ``"cpu"`` materializes a :func:`skeleton`'s meta tensors).
     """
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
-    if isinstance(obj, OrderedDict):
-        return OrderedDict((k, empty_like_state(v)) for k, v in obj.items())
-    if isinstance(obj, dict):
-        return {k: empty_like_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [empty_like_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(empty_like_state(v) for v in obj)
-    return obj
+    if device is None:
+        return map_tensors(obj, torch.empty_like)
+    return map_tensors(obj, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+
+
+def zeros_like_state(obj: Any) -> Any:
+    """:func:`empty_like_state` on the CPU, every tensor zero-filled: resident, as a live
+    model's and optimizer's tensors are (the target of a load into an existing state)."""
+    state = empty_like_state(obj, device="cpu")
+    for _, t in iter_tensors(state):
+        t.zero_()
+    return state
+
+
+def skeleton(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by a ``meta`` tensor of its shape and dtype (no data):
+    the structure another process needs to build a state of the same shapes. Loads with
+    ``torch.load(weights_only=True)`` when ``obj`` does."""
+    return map_tensors(obj, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+
+@dataclass(frozen=True)
+class TensorDigest:
+    """What :func:`fingerprint` keeps of a tensor: dtype, shape, byte count and the CRC-32 of its bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    crc32: int
+
+
+def tensor_digest(t: torch.Tensor) -> TensorDigest:
+    """The :class:`TensorDigest` of ``t`` (its bytes in row-major order, wherever it lives)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return TensorDigest(dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape),
+                        nbytes=flat.numel(), crc32=zlib.crc32(memoryview(flat.numpy())))
+
+
+def fingerprint(obj: Any) -> Any:
+    """``obj`` with every tensor replaced by its :class:`TensorDigest`: small, picklable, and
+    :func:`compare_states` of two fingerprints finds what it would find between the states
+    (a byte difference in a tensor, a dtype or shape, a key, a non-tensor leaf)."""
+    return map_tensors(obj, tensor_digest)
 
 
 def compare_states(expected: Any, actual: Any, path: str = "", limit: int = 20) -> list[str]:
     """Differences between two nested states; ``[]`` when equal.
 
     Tensors must match in dtype, shape and every element (``torch.equal``);
+    :class:`TensorDigest` leaves (:func:`fingerprint`) in dtype, shape and bytes;
     containers in type, keys and length; other leaves with ``==``. At most
     ``limit`` differences are listed.
     """
@@ -256,7 +308,14 @@ def compare_states(expected: Any, actual: Any, path: str = "", limit: int = 20) 
 
     def walk(a: Any, b: Any, key: str) -> None:
         where = key or "<root>"
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, TensorDigest):
+            if not isinstance(b, TensorDigest):
+                add(f"{where}: expected a tensor, got {type(b).__name__}")
+            elif a.dtype != b.dtype or a.shape != b.shape:
+                add(f"{where}: expected {a.dtype}{list(a.shape)}, got {b.dtype}{list(b.shape)}")
+            elif a != b:
+                add(f"{where}: tensor values differ (CRC-32 {a.crc32:08x}, got {b.crc32:08x})")
+        elif isinstance(a, torch.Tensor):
             if not isinstance(b, torch.Tensor):
                 add(f"{where}: expected a tensor, got {type(b).__name__}")
             elif a.dtype != b.dtype or a.shape != b.shape:
