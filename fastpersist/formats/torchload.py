@@ -45,6 +45,7 @@ from typing import Any, Optional
 import torch
 
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
+from fastpersist.formats import fastunpickle
 from fastpersist.formats.picklescan import data_free, scan_pickle
 from fastpersist.formats.zipindex import CentralEntry, fd_reader, parse_zip_index, read_central_directory
 from fastpersist.io import plan_read, reader_handle, record_read
@@ -509,6 +510,22 @@ def _overlap_allowed(scan: Any, native_order: bool, map_location: Any) -> bool:
     return data_free(scan) and native_order and _cpu(map_location)
 
 
+def _fast_unpickle_allowed(marked_native: bool, map_location: Any, pickle_module: Any, weights_only: bool,
+                           pickle_load_args: dict[str, Any]) -> bool:
+    """Whether :mod:`fastpersist.formats.fastunpickle` may try first: a weights-only load onto the
+    CPU of a file that says it is in this machine's byte order, with torch's defaults in effect."""
+    from fastpersist import _compat
+
+    if not (weights_only and marked_native and _cpu(map_location) and set(pickle_load_args) <= {"encoding"}):
+        return False
+    if pickle_module is not _compat.weights_only_unpickler():
+        return False
+    if getattr(torch.serialization._serialization_tls, "skip_data", False):
+        return False
+    default_device = getattr(torch, "get_default_device", None)
+    return default_device is None or default_device().type == "cpu"
+
+
 def _load_fd(
     path: str, fd: int, size: int, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
     weights_only: bool, checksum: bool, exact: bool = False, **pickle_load_args: Any,
@@ -520,6 +537,8 @@ def _load_fd(
     order = load.by_short.get("byteorder")
     native_order = order is None or load.read_small(order) == sys.byteorder.encode()
     scan = scan_pickle(pkl)
+    fast_unpickle = _fast_unpickle_allowed(order is not None and native_order, map_location, pickle_module,
+                                           weights_only, pickle_load_args)
     wanted = scan.keys
     overlap = _overlap_allowed(scan, native_order, map_location)
 
@@ -556,6 +575,12 @@ def _load_fd(
         was_enabled = gc.isenabled()
         gc.disable()
         try:
+            if fast_unpickle:
+                try:
+                    return fastunpickle.unpickle(pkl, load.storage_tensor, encoding=pickle_load_args.get("encoding",
+                                                                                                     "utf-8"))
+                except fastunpickle.NotFast as e:
+                    log.debug("%s: torch's unpickler runs instead of the fast one (%s)", path, e)
             return private_load(_Reader(load), map_location, pickle_module, weights_only=weights_only,
                                 **pickle_load_args)
         finally:
