@@ -68,11 +68,18 @@ def _handle(config: Any, *, read: bool = False) -> Any:
     from fastpersist import _native
 
     kwargs = config.handle_kwargs(read=read)
-    key = tuple(sorted(kwargs.items()))
+    # read_staging "auto" lets read_mode "auto" measure staged against zero-copy reads
+    # (fastpersist.io.plan_read); such a handle is a different one from an explicit setting's
+    stage_auto = read and config.read_staging == "auto"
+    key = (*sorted(kwargs.items()), ("stage_auto", stage_auto))
     with _handles_lock:
         h = _handles.get(key)
         if h is None:
             h = _handles[key] = _native.Handle(**kwargs)
+            if stage_auto:
+                from fastpersist.io import mark_staging_auto
+
+                mark_staging_auto(h)  # the handle lives in _handles for the life of the process
         return h
 
 

@@ -100,7 +100,9 @@ class Config:
         read_staging: How reads reach their destination: ``"off"``: straight into it
             (``O_DIRECT`` DMA, no copy); ``"on"``: through a ring of
             ``read_queue_depth`` staging buffers of ``chunk_size`` bytes, copied out by
-            the worker threads; ``"auto"`` (default): ``"on"`` under a hypervisor
+            the worker threads; ``"auto"`` (default): with ``read_mode="auto"``, loads
+            measure staged against zero-copy reads per filesystem as they do buffered
+            reads (see ``read_mode``); elsewhere ``"on"`` under a hypervisor
             (:func:`under_hypervisor`), ``"off"`` on bare metal. Only ``O_DIRECT``
             reads are staged (a buffered read already copies out of the page cache).
             The ring costs ``read_queue_depth x chunk_size`` bytes (128 MiB by

@@ -662,7 +662,9 @@ READ_MEASURE_MIN = 64 << 20
 #: Every this-many measured loads on a filesystem, the slower way is tried again.
 READ_REMEASURE_EVERY = 8
 _EWMA = 0.5  # weight of the newest load in a way's moving average
-_READ_ARMS = ("direct", "buffered")
+#: The ways a cold load can read, as recorded: O_DIRECT straight into the destination,
+#: O_DIRECT through the staging ring, and through the page cache.
+_READ_ARMS = ("zero-copy", "staged", "buffered")
 
 
 @dataclass(frozen=True)
@@ -674,6 +676,29 @@ class ReadPlan:
     stage: bool  #: O_DIRECT reads through the staging ring
     why: str  #: ``"configured"``, ``"cached"``, ``"small"``, ``"untried"``, ``"re-measure"``, ``"fastest"``
     key: Optional[str] = None  #: filesystem key the outcome is recorded under (None: not recorded)
+
+    @property
+    def arm(self) -> str:
+        """The way this plan reads: ``"zero-copy"``, ``"staged"`` or ``"buffered"``."""
+        if not self.direct:
+            return "buffered"
+        return "staged" if self.stage else "zero-copy"
+
+
+# Native handles whose staging was left to ``read_mode="auto"`` (``Config.read_staging``
+# "auto"): ids of the handles fastpersist.api caches for the life of the process.
+_staging_auto: set[int] = set()
+
+
+def mark_staging_auto(handle: Any) -> None:
+    """Let :func:`plan_read` choose staged or zero-copy O_DIRECT reads for ``handle``
+    (a handle made for a config whose ``read_staging`` is ``"auto"``, kept alive by its creator)."""
+    _staging_auto.add(id(handle))
+
+
+def staging_auto(handle: Any) -> bool:
+    """Whether :func:`mark_staging_auto` was called for ``handle``."""
+    return id(handle) in _staging_auto
 
 
 _read_lock = threading.Lock()
@@ -802,16 +827,18 @@ def _libc() -> Any:
 CACHED_ENOUGH = 0.9
 
 
-def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool) -> ReadPlan:
+def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool,
+              stage_auto: bool = False) -> ReadPlan:
     """How a load of ``nbytes`` from ``fd`` reads (see :attr:`fastpersist.Config.read_mode`).
 
     ``direct``/``stage``: the handle's settings (``direct=False``: always buffered).
     ``read_mode``: ``"direct"``, ``"buffered"`` or ``"auto"``. For ``"auto"``: a file at
     least :data:`CACHED_ENOUGH` in the page cache is read buffered (not recorded); a cold
-    read below :data:`READ_MEASURE_MIN` is direct (not recorded); otherwise the way
-    with no record on this filesystem yet, every :data:`READ_REMEASURE_EVERY`-th load
-    the way used least recently, else the way with the higher moving-average GB/s.
-    Report the outcome with :func:`record_read`.
+    read below :data:`READ_MEASURE_MIN` is direct (not recorded); otherwise, among the
+    ways open to it (buffered, and O_DIRECT staged or zero-copy as ``stage`` says, or
+    both when ``stage_auto``), the way with no record on this filesystem yet, every
+    :data:`READ_REMEASURE_EVERY`-th load the way used least recently, else the way with
+    the higher moving-average GB/s. Report the outcome with :func:`record_read`.
     """
     if not direct or read_mode == "buffered":
         return ReadPlan("buffered", False, False, "configured")
@@ -830,18 +857,24 @@ def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool
         key = filesystem_key(fd)
     except OSError:
         return ReadPlan("direct", True, stage, "small")
+    if stage_auto:
+        arms: tuple[str, ...] = ("zero-copy", "staged", "buffered")
+    else:
+        arms = ("staged" if stage else "zero-copy", "buffered")
     with _read_lock:
         fs = _load_read_stats().get(key, {})
         loads = int(fs.get("loads", 0))
-        arms = {a: fs.get(a) for a in _READ_ARMS}
-        untried = [a for a in _READ_ARMS if not isinstance(arms[a], dict) or not arms[a].get("n")]
+        rec = {a: fs.get(a) if isinstance(fs.get(a), dict) else {} for a in arms}
+        untried = [a for a in arms if not rec[a].get("n")]
         if untried:
-            mode, why = untried[0], "untried"
+            arm, why = untried[0], "untried"
         elif (loads + 1) % READ_REMEASURE_EVERY == 0:
-            mode, why = min(_READ_ARMS, key=lambda a: arms[a].get("last", 0)), "re-measure"
+            arm, why = min(arms, key=lambda a: rec[a].get("last", 0)), "re-measure"
         else:
-            mode, why = max(_READ_ARMS, key=lambda a: float(arms[a].get("gbps", 0.0))), "fastest"
-    return ReadPlan(mode, mode == "direct", stage and mode == "direct", why, key)
+            arm, why = max(arms, key=lambda a: float(rec[a].get("gbps", 0.0))), "fastest"
+    if arm == "buffered":
+        return ReadPlan("buffered", False, False, why, key)
+    return ReadPlan("direct", True, arm == "staged", why, key)
 
 
 def record_read(plan: ReadPlan, nbytes: int, seconds: float) -> None:
@@ -855,14 +888,14 @@ def record_read(plan: ReadPlan, nbytes: int, seconds: float) -> None:
         fs = stats.setdefault(plan.key, {})
         loads = int(fs.get("loads", 0)) + 1
         fs["loads"] = loads
-        arm = fs.get(plan.mode) if isinstance(fs.get(plan.mode), dict) else {}
+        arm = fs.get(plan.arm) if isinstance(fs.get(plan.arm), dict) else {}
         old = arm.get("gbps")
         arm = {
             "gbps": gbps if not arm.get("n") or old is None else _EWMA * gbps + (1 - _EWMA) * float(old),
             "n": int(arm.get("n", 0)) + 1,
             "last": loads,
         }
-        fs[plan.mode] = arm
+        fs[plan.arm] = arm
         _save_read_stats(stats)
 
 

@@ -108,12 +108,50 @@ def test_outcomes_persist_per_filesystem(stats):
     fio.record_read(plan, 3_000_000_000, 1.0)
     with open(fio.read_stats_path(), encoding="utf-8") as f:
         on_disk = json.load(f)
-    assert on_disk[plan.key]["direct"]["gbps"] == pytest.approx(3.0)
+    assert plan.arm == "staged"  # stage=True in _plan
+    assert on_disk[plan.key]["staged"]["gbps"] == pytest.approx(3.0)
     fio.reset_read_stats()  # a new process: starts from the file
-    assert fio.read_stats()[plan.key]["direct"]["n"] == 1
+    assert fio.read_stats()[plan.key]["staged"]["n"] == 1
     assert _plan(p, 2 << 20).mode == "buffered"  # the untried way next
     fio.reset_read_stats(forget_file=True)
     assert not os.path.exists(fio.read_stats_path())
+
+
+def test_staging_left_to_auto_is_measured_too(stats):
+    """With read_staging "auto", zero-copy and staged O_DIRECT reads are two ways of their own:
+    each is tried, and the faster one is taken."""
+    p = stats / "cold.bin"
+    _cold_file(p, 2 << 20)
+    speed = {"zero-copy": 3_000_000_000, "staged": 1_000_000_000, "buffered": 2_000_000_000}
+    tried = []
+    for _ in range(3):
+        plan = _plan(p, 2 << 20, stage_auto=True)
+        assert plan.why == "untried"
+        tried.append(plan.arm)
+        fio.record_read(plan, speed[plan.arm], 1.0)
+    assert tried == ["zero-copy", "staged", "buffered"]
+    seen = []
+    for _ in range(2 * fio.READ_REMEASURE_EVERY):
+        plan = _plan(p, 2 << 20, stage_auto=True)
+        seen.append((plan.arm, plan.why))
+        assert (plan.direct, plan.stage) == {"zero-copy": (True, False), "staged": (True, True),
+                                             "buffered": (False, False)}[plan.arm]
+        fio.record_read(plan, speed[plan.arm], 1.0)
+    assert seen.count(("zero-copy", "fastest")) >= 2 * fio.READ_REMEASURE_EVERY - 3
+    assert {arm for arm, why in seen if why == "re-measure"} == {"staged", "buffered"}
+    # without stage_auto the handle's own staging is the only O_DIRECT way
+    assert _plan(p, 2 << 20, stage=True).arm in ("staged", "buffered")
+    assert _plan(p, 2 << 20, stage=False).arm in ("zero-copy", "buffered")
+
+
+def test_api_handles_mark_auto_staging_only():
+    from fastpersist import api
+
+    auto = api._handle(config_mod.Config(read_staging="auto"), read=True)
+    on = api._handle(config_mod.Config(read_staging="on"), read=True)
+    writer = api._handle(config_mod.Config(read_staging="auto"))
+    assert fio.staging_auto(auto) and not fio.staging_auto(on) and not fio.staging_auto(writer)
+    assert auto is not on and on.stage_reads
 
 
 def test_a_broken_record_file_is_ignored(stats):
@@ -144,7 +182,8 @@ def test_loads_in_auto_mode_record_and_return_the_same_tensors(stats, fmt):
         assert set(out) == set(state) and all(torch.equal(out[k], state[k]) for k in state)
         rec = fio.read_stats()
         modes.append({m: v["n"] for fs in rec.values() for m, v in fs.items() if isinstance(v, dict)})
-    assert modes[-1].get("direct", 0) >= 1 and modes[-1].get("buffered", 0) >= 1
+    # read_staging "auto" (the default): all three ways are tried in the first three loads
+    assert modes[-1] == {"zero-copy": 1, "staged": 1, "buffered": 1}
 
 
 def test_read_mode_setting():

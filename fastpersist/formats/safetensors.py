@@ -37,7 +37,7 @@ import torch
 
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.base import PATCH_HEX8, WritePlan
-from fastpersist.io import plan_read, reader_handle, record_read
+from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
 
 __all__ = [
     "CRC_METADATA_KEY",
@@ -646,7 +646,8 @@ def _plan_reader(path: str, nbytes: int, handle: Any) -> tuple[Any, Any]:
     except OSError:
         return handle, None  # the read itself raises the error, naming the path
     try:
-        plan = plan_read(fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads)
+        plan = plan_read(fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads,
+                         stage_auto=staging_auto(handle))
     finally:
         os.close(fd)
     if plan.direct == handle.direct and plan.stage == handle.stage_reads:

@@ -319,10 +319,11 @@ class CheckpointFile:
         if mode is None or not hasattr(handle, "stage_reads"):
             return handle, None
         try:
-            from fastpersist.io import plan_read, reader_handle
+            from fastpersist.io import plan_read, reader_handle, staging_auto
         except ImportError:  # pragma: no cover - an older io module
             return handle, None
-        plan = plan_read(self.fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads)
+        plan = plan_read(self.fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads,
+                         stage_auto=staging_auto(handle))
         if plan.direct == handle.direct and plan.stage == handle.stage_reads:
             return handle, plan
         key = (plan.direct, plan.stage)

@@ -48,7 +48,7 @@ from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatE
 from fastpersist.formats import fastunpickle
 from fastpersist.formats.picklescan import data_free, scan_pickle
 from fastpersist.formats.zipindex import CentralEntry, fd_reader, parse_zip_index, read_central_directory
-from fastpersist.io import plan_read, reader_handle, record_read
+from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
 
 log = logging.getLogger(__name__)
 
@@ -545,7 +545,7 @@ def _load_fd(
     extents, bulk = load.plan_bulk(wanted)
     nbytes = sum(r.size for r in bulk)
     plan = plan_read(fd, nbytes, read_mode=getattr(handle, "read_mode", "direct"), direct=handle.direct,
-                     stage=handle.stage_reads)
+                     stage=handle.stage_reads, stage_auto=staging_auto(handle))
     reader = reader_handle(handle, plan)
     crcs: list[int] = []
     started = time.perf_counter()
