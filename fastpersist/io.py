@@ -828,7 +828,7 @@ CACHED_ENOUGH = 0.9
 
 
 def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool,
-              stage_auto: bool = False) -> ReadPlan:
+              stage_auto: bool = False, into_existing: bool = False) -> ReadPlan:
     """How a load of ``nbytes`` from ``fd`` reads (see :attr:`fastpersist.Config.read_mode`).
 
     ``direct``/``stage``: the handle's settings (``direct=False``: always buffered).
@@ -839,6 +839,10 @@ def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool
     both when ``stage_auto``), the way with no record on this filesystem yet, every
     :data:`READ_REMEASURE_EVERY`-th load the way used least recently, else the way with
     the higher moving-average GB/s. Report the outcome with :func:`record_read`.
+    ``into_existing``: the destination is memory already in use (``load_state_dict``);
+    such reads are recorded apart (key suffix ``+into``), because memory the process
+    never touched costs a fault per page first and favours another way (on the
+    reference VM staged reads won into existing memory and lost into new memory).
     """
     if not direct or read_mode == "buffered":
         return ReadPlan("buffered", False, False, "configured")
@@ -854,7 +858,7 @@ def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool
     if nbytes < READ_MEASURE_MIN:
         return ReadPlan("direct", True, stage, "small")
     try:
-        key = filesystem_key(fd)
+        key = filesystem_key(fd) + ("+into" if into_existing else "")
     except OSError:
         return ReadPlan("direct", True, stage, "small")
     if stage_auto:

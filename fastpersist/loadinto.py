@@ -220,7 +220,7 @@ class _Plan:
             buffers[record] = torch.frombuffer(buf, dtype=torch.uint8, count=r.size, offset=lead)
             wants[record] = [Piece(0, r.size, buf.ptr + lead)]
         if wants:
-            self.f.read(wants, handle)
+            self.f.read(wants, handle, into_existing=True)
         with torch.no_grad():
             for record in scratch:
                 for t, info in self.scratch[record]:

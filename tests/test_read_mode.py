@@ -222,3 +222,25 @@ def test_crc32_paths_match_zlib():
             seed = rng.randrange(1 << 32)
             assert _native.crc32(ctypes.addressof(buf), len(data)) == zlib.crc32(data), n
             assert _native.crc32(ctypes.addressof(buf), len(data), seed) == zlib.crc32(data, seed), n
+
+
+def test_loads_into_existing_memory_are_recorded_apart(stats):
+    """load_state_dict reads into memory in use; its outcomes go under the filesystem key + "+into"
+    and do not steer loads into new memory (and the other way round)."""
+    state = {f"w{i}": torch.randn(256, 1024) for i in range(4)}  # 4 MiB
+    p = stats / "m.pt"
+    fastpersist.save(state, p)
+    cfg = config_mod.Config(read_mode="auto")
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    with open(p, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    fastpersist.load_state_dict(target, p, config=cfg)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    keys = list(fio.read_stats())
+    assert len(keys) == 1 and keys[0].endswith("+into")
+    with open(p, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    fastpersist.load(p, config=cfg)
+    assert sorted(fio.read_stats()) == sorted([keys[0], keys[0][: -len("+into")]])
+    plain = _plan(p, 2 << 20)
+    assert plain.key is None or not plain.key.endswith("+into")

@@ -196,18 +196,20 @@ class CheckpointFile:
 
     # -- reading ---------------------------------------------------------------
 
-    def read(self, wants: dict[str, list[Piece]], handle: Any) -> None:
+    def read(self, wants: dict[str, list[Piece]], handle: Any, *, into_existing: bool = False) -> None:
         """See :meth:`_read`; when a local header shows that the record offsets predicted
         from the central directory are wrong (odd writers), the index is rebuilt from
-        every local header and the read repeated (pieces are relative to records)."""
+        every local header and the read repeated (pieces are relative to records).
+        ``into_existing``: the pieces point into memory that is already in use (a live
+        model's tensors), which ``read_mode="auto"`` records apart from loads into new memory."""
         from fastpersist.formats.torchload import _HeaderMismatch
 
         try:
-            self._read(wants, handle)
+            self._read(wants, handle, into_existing)
         except _HeaderMismatch:
             self._reindex_exact()
             try:
-                self._read(wants, handle)
+                self._read(wants, handle, into_existing)
             except _HeaderMismatch as e:
                 raise _bad(self.path, None, f"the local header of {e} disagrees with the central directory") from None
 
@@ -228,7 +230,7 @@ class CheckpointFile:
         for name, info in list(self.tensors.items()):
             self.tensors[name] = dataclasses.replace(info, record_offset=self.records[info.record].offset)
 
-    def _read(self, wants: dict[str, list[Piece]], handle: Any) -> None:
+    def _read(self, wants: dict[str, list[Piece]], handle: Any, into_existing: bool = False) -> None:
         """Read the given records, record ``name`` -> pieces (sorted, disjoint, inside
         the record), with one native read; check local headers and CRC-32s.
 
@@ -275,7 +277,7 @@ class CheckpointFile:
         if not extents:
             return
         nbytes = sum(e[2] for e in extents)
-        reader, plan = self._reader(handle, nbytes)
+        reader, plan = self._reader(handle, nbytes, into_existing)
         started = time.perf_counter()
         try:
             crcs = reader.read(self.fd, extents, len(slots))
@@ -311,7 +313,7 @@ class CheckpointFile:
                 records=[p.split(":", 1)[0] for p in problems],
             )
 
-    def _reader(self, handle: Any, nbytes: int) -> tuple[Any, Any]:
+    def _reader(self, handle: Any, nbytes: int, into_existing: bool = False) -> tuple[Any, Any]:
         """The handle to read ``nbytes`` with: ``handle``, or one reading the way
         ``fastpersist.io.plan_read`` chooses for this file (``Config.read_mode``: page
         cache or O_DIRECT, measured per filesystem), kept for this file's next reads."""
@@ -323,7 +325,7 @@ class CheckpointFile:
         except ImportError:  # pragma: no cover - an older io module
             return handle, None
         plan = plan_read(self.fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads,
-                         stage_auto=staging_auto(handle))
+                         stage_auto=staging_auto(handle), into_existing=into_existing)
         if plan.direct == handle.direct and plan.stage == handle.stage_reads:
             return handle, plan
         key = (plan.direct, plan.stage)
