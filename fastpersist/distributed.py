@@ -33,8 +33,11 @@ status over the group; any error stops every rank at that step):
    every rank knows every record's CRC before it writes.
 4. **Write.** Each rank fills the CRC fields inside its slice (data descriptors,
    central directory entries, safetensors metadata) and writes its slice once,
-   aligned O_DIRECT, into the shared temporary file (opened without truncation),
-   and fsyncs it.
+   aligned O_DIRECT, into the shared temporary file (opened without truncation).
+   A rank on another host than its group leader (a network filesystem) then fsyncs
+   its writes; the leader's host needs one fsync, the leader's own in step 5, which
+   runs after every rank reported its writes complete and commits them all (same
+   kernel, same inode, same device cache).
 5. **Commit.** Only when every rank reported success does each group leader fsync
    the file, rename it over the target and fsync the directory. If any rank
    failed (exception, I/O error such as ENOSPC, injected fault), every rank
@@ -571,7 +574,8 @@ class _Agreed:
     """What every rank of a collective save agreed on (see :func:`_agree`)."""
 
     def __init__(self, final: str, directory: str, fmt: str, layout: Optional[split.Layout], align: int,
-                 groups: list[list[int]], mygroup: list[int], fallback: bool) -> None:
+                 groups: list[list[int]], mygroup: list[int], fallback: bool,
+                 hosts: Optional[list[str]] = None) -> None:
         self.final = final
         self.directory = directory
         self.fmt = fmt
@@ -581,6 +585,15 @@ class _Agreed:
         self.mygroup = mygroup
         self.leader = mygroup[0]
         self.fallback = fallback
+        #: every rank's host name (``socket.gethostname()``)
+        self.hosts = hosts or []
+
+    def leader_fsync_covers(self, rank: int) -> bool:
+        """Whether the group leader's fsync of the file after the write exchange makes
+        ``rank``'s writes durable too: ranks on the leader's host share its kernel, so its
+        fsync of the inode commits their O_DIRECT writes' allocations and flushes the same
+        device cache. A rank on another host (a network filesystem) fsyncs its own writes."""
+        return bool(self.hosts) and self.hosts[rank] == self.hosts[self.leader]
 
     def bounds(self, rank: int) -> tuple[int, int]:
         """This rank's slice ``[lo, hi)`` of the file within its write group."""
@@ -643,7 +656,7 @@ def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str
             log.info("%s: the ranks do not share the target directory; one complete copy per group: %s",
                      co.what, groups)
     assert final is not None and directory is not None and fmt is not None
-    return _Agreed(final, directory, fmt, layout, align, groups, mygroup, all(fallback))
+    return _Agreed(final, directory, fmt, layout, align, groups, mygroup, all(fallback), [v[4] for v in info])
 
 
 def _create_temp(final: str, size: int) -> str:
@@ -695,10 +708,14 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         co.check("crc", [v[0] for v in crcinfo], local=loc.exc, after="Nothing was written under the final name")
         crcs = split.combine_crcs([crcinfo[r][2] for r in mygroup], plan.nslots)
 
+        # One fsync per host, not per rank: the leader fsyncs the file after every rank wrote
+        # (_commit), which covers the ranks of its own host.
+        own_fsync = cfg.fsync and not agreed.leader_fsync_covers(co.rank)
+
         def write() -> None:
             ext, keep = split.apply_patches(extents, plan.patches, crcs, lo, hi)
             if ext:
-                api._naming_final(final, lambda t: handle.write(t, ext, [], 0, truncate=False, fsync=cfg.fsync))(tmp)
+                api._naming_final(final, lambda t: handle.write(t, ext, [], 0, truncate=False, fsync=own_fsync))(tmp)
             del keep
 
         loc.run(write)

@@ -581,3 +581,20 @@ def test_store_gone_gives_the_local_verdict() -> None:
     assert err.missing == [0] and "rendezvous store is unreachable" in str(err) and "untouched" in str(err)
     err = _bare_coordinator(None, 1, 3, 1.0)._lost("write", RuntimeError("closed"), time.monotonic())
     assert err.missing == [] and "no rendezvous store" in str(err)
+
+
+def test_one_fsync_per_host_rule():
+    """A member's own fsync is skipped only when it shares its write group leader's host
+    (the leader's fsync after the write exchange covers the inode); other hosts fsync themselves."""
+    from fastpersist.distributed import _Agreed
+
+    one_host = _Agreed("/d/f.pt", "/d", "torch", None, 4096, [[0, 1, 2]], [0, 1, 2], False, ["a", "a", "a"])
+    assert all(one_host.leader_fsync_covers(r) for r in range(3))
+    shared_fs = _Agreed("/d/f.pt", "/d", "torch", None, 4096, [[0, 1, 2, 3]], [0, 1, 2, 3], False,
+                        ["a", "a", "b", "b"])
+    assert [shared_fs.leader_fsync_covers(r) for r in range(4)] == [True, True, False, False]
+    node_local = _Agreed("/d/f.pt", "/d", "torch", None, 4096, [[0, 1], [2, 3]], [2, 3], False,
+                         ["a", "a", "b", "b"])
+    assert node_local.leader == 2 and node_local.leader_fsync_covers(3)
+    unknown = _Agreed("/d/f.pt", "/d", "torch", None, 4096, [[0, 1]], [0, 1], False)
+    assert not unknown.leader_fsync_covers(1)  # no host names: every rank fsyncs
