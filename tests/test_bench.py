@@ -674,6 +674,7 @@ def test_fresh_loads_time_every_method_in_children(tmp_path, monkeypatch) -> Non
     print_save_report(res, out)
     text = out.getvalue()
     assert "each in a fresh Python process" in text and "load equals the original state" in text
+    assert "CRC-32" in v["compared_by"] and "CRC-32" in text
     assert "load-into filled the state" in text
 
 

@@ -128,8 +128,9 @@ def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None) -> 
     v = result.verification
     if v.get("checked"):
         if v.get("ok"):
+            how = v.get("compared_by", "torch.equal each tensor; non-tensors ==")
             print(f"Verified   : {v['method']} load equals the original state "
-                  f"({v['tensors_compared']} tensors, torch.equal each; non-tensors ==)", file=out)
+                  f"({v['tensors_compared']} tensors; {how})", file=out)
         else:
             print(f"Verified   : MISMATCH after {v['method']} load:", file=out)
             for p in v.get("problems", []):

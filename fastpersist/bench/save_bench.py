@@ -381,6 +381,9 @@ TimedLoad = tuple[float, Optional[list[str]]]
 class SameProcessLoads:
     """``load_process="same"``: cold loads timed in the benchmark's own process, round after round."""
 
+    #: how verification compares a loaded state with the original
+    compared_by = "torch.equal each tensor; non-tensors =="
+
     def __init__(self, obj: Any, load_into: bool) -> None:
         self.obj = obj
         #: the load-into target: allocated and written once, before the rounds
@@ -416,6 +419,9 @@ class FreshProcessLoads:
     child's :func:`~fastpersist.bench.state.fingerprint` of what it loaded with
     the original's.
     """
+
+    #: how verification compares a loaded state with the original
+    compared_by = "CRC-32 of each tensor's bytes, computed in the loading process; dtypes, shapes, non-tensors =="
 
     def __init__(self, obj: Any, workdir: str) -> None:
         self.obj = obj
@@ -762,6 +768,7 @@ def _measure(
             verification.update({
                 "checked": True,
                 "method": method.name,
+                "compared_by": loads.compared_by,
                 "ok": not problems,
                 "tensors_compared": state_mod.count_tensors(obj),
                 "problems": problems,
