@@ -12,7 +12,8 @@ same state and directory:
   and its non-tensor leaves are skipped (listed in the notes).
 * ``dcp``: ``torch.distributed.checkpoint.save`` / ``load`` with
   ``FileSystemWriter(sync_files=True)`` / ``FileSystemReader``, single process,
-  no process group (``no_dist=True``); load fills a same-shaped template in place.
+  no process group (``no_dist=True``); load fills a same-shaped template in place
+  (its tensors allocated, not written, before the timing).
 * ``fio``: the disk's O_DIRECT write/read ceiling for the same byte count. A
   sweep before the first run picks fio's best configuration; that
   configuration then takes its turn in every round of the rotation (a fresh
@@ -82,7 +83,7 @@ LOAD_PROCESSES = ("fresh", "same")
 FRESH_NOTE = (
     "loads in fresh processes (--load-process fresh): every timed cold load (and load-into) ran in a new Python "
     "process started for it, as a resumed training job loads: imports, the state's shapes, the load-into target "
-    "(zero-filled) and dcp's template were ready before the clock started; the file was then dropped from the "
+    "(zero-filled) and dcp's template (allocated, not written) were ready before the clock started; the file was then dropped from the "
     "page cache and only the load call was timed, filling memory the process had never used"
 )
 SAME_NOTE = (
