@@ -58,7 +58,8 @@ aligned slice (O_DIRECT) into an anonymous memory file, the slices are broadcast
 over the group (gloo: CPU tensors; NCCL: through CUDA tensors), and every rank
 then loads the assembled bytes with the ordinary loader, with all its checks
 (``Config.dist_load="slices"``). With ``dist_load="whole"`` every rank reads the
-whole file itself. The default, ``"auto"``, takes slices for NCCL groups (an
+whole file itself; ranks that share a host then read it through the page cache
+when ``read_mode`` is ``"auto"``, so the host's storage serves the bytes once. The default, ``"auto"``, takes slices for NCCL groups (an
 exchange over NVLink/InfiniBand is far faster than storage) and whole for gloo
 groups: on the 2-vCPU reference VM, broadcasting 1 GB over loopback TCP cost more
 than each rank reading the file again (docs/benchmarks.md, "Multi-rank"). The ranks first check that they see the same file (size and a
@@ -866,8 +867,15 @@ def load(
         slices = mode == "slices" and not mmap and hasattr(os, "memfd_create")
         if slices:
             return _load_slices(co, fspath, cfg, map_location, local_load)
+        # Every rank reads the whole file. Ranks on one host then read the same bytes: through
+        # the page cache the host's disk serves them once (O_DIRECT would read them once per rank),
+        # so read_mode "auto" reads buffered there; an explicit read_mode is honoured.
+        hosts = co.gather("hosts", socket.gethostname())
+        shared = sum(h == hosts[co.rank] for h in hosts) > 1
+        wcfg = cfg.replace(read_mode="buffered") if shared and cfg.read_mode == "auto" else cfg
         loc = _Local()
-        result = loc.run(lambda: local_load(path))
+        result = loc.run(lambda: api.load(path, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
+                                          config=wcfg, **pickle_load_args))
         co.check("load", co.gather("load", loc.status), local=loc.exc)
         return result
     finally:

@@ -88,6 +88,28 @@ def sc_load(rank: int, world: int, d: str) -> Any:
         assert_same_object(got, state())
         got = fastpersist.load(os.path.join(d, "ref.safetensors"), group=wg, config=c)
         assert_same_object(by_name(got), by_name(tensors()))
+    # whole-file loads by ranks of one host go through the page cache (read once by the host)
+    # under read_mode "auto"; an explicit read_mode is honoured (O_DIRECT leaves the cache cold)
+    from fastpersist.io import cached_fraction
+
+    path = os.path.join(d, "ref.pt")
+    cached = {}
+    for read_mode in ("auto", "direct"):
+        torch.distributed.barrier()
+        if rank == 0:
+            with open(path, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        torch.distributed.barrier()
+        c = cfg().replace(dist_load="whole", read_mode=read_mode)
+        assert_same_object(fastpersist.load(path, group=wg, config=c, weights_only=True), state())
+        torch.distributed.barrier()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            cached[read_mode] = cached_fraction(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    assert cached["auto"] is None or cached["auto"] > 0.9, cached
+    assert cached["direct"] is None or cached["direct"] < 0.5, cached
     return True
 
 

@@ -204,8 +204,8 @@ class _Methods:
         if name == "fastpersist group":
             return self.fp.load(target, map_location="cpu", weights_only=True, group=wg,
                                 config=self.cfg.replace(dist_load="slices"))
-        if name == "fastpersist rank 0":
-            return self.fp.load(target, map_location="cpu", weights_only=True, config=self.cfg)
+        if name == "fastpersist rank 0":  # load: the collective load's default for gloo (dist_load "auto": whole)
+            return self.fp.load(target, map_location="cpu", weights_only=True, group=wg, config=self.cfg)
         if name == "torch rank 0":
             return torch.load(target, map_location="cpu", weights_only=True)
         import torch.distributed.checkpoint as dcp
@@ -425,8 +425,9 @@ def run_dist_bench(
         "GB/s = the state's tensor bytes (counted once, not per rank) / seconds of the slowest rank, decimal",
         f"all ranks on this machine, gloo over loopback, torch.set_num_threads(1) per rank, fastpersist threads "
         f"{threads} per rank, DCP thread_count {threads}",
-        "replicated loads: every rank ends with the whole state; fastpersist rank 0's load is every rank "
-        "reading the whole file (dist_load='whole')",
+        "replicated loads: every rank ends with the whole state; fastpersist rank 0's load is the collective "
+        "load's default for gloo, fastpersist.load(path, group=WORLD): every rank reads the whole file, through "
+        "the page cache when ranks share a host (dist_load 'auto' = 'whole', read_mode 'auto')",
     ]
     if dcp:
         notes.append("sharded: each rank saves 1/N of the state's tensors under keys of its own (plain tensors, "
