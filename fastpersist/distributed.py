@@ -37,7 +37,10 @@ status over the group; any error stops every rank at that step):
    A rank on another host than its group leader (a network filesystem) then fsyncs
    its writes; the leader's host needs one fsync, the leader's own in step 5, which
    runs after every rank reported its writes complete and commits them all (same
-   kernel, same inode, same device cache).
+   kernel, same inode, same device cache). "Same host" is checked three ways: the
+   host name, the kernel's boot id (``/proc/sys/kernel/random/boot_id``) and the
+   temporary file's ``st_dev``/``st_ino`` as the rank sees it, all equal to the
+   leader's; if any differs or is unknown, the rank fsyncs its own writes.
 5. **Commit.** Only when every rank reported success does each group leader fsync
    the file, rename it over the target and fsync the directory. If any rank
    failed (exception, I/O error such as ENOSPC, injected fault), every rank
@@ -698,12 +701,14 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
     handle = api._handle(cfg)
     tmp: Optional[str] = None
 
+    ident: Optional[tuple[str, int, int]] = None
     if leader:
         tmp = loc.run(lambda: _create_temp(final, plan.file_size))
+        ident = loc.run(lambda: _file_identity(tmp)) if tmp else None
     partial = loc.run(lambda: split.partial_crcs(handle, extents))
     temps: list[Optional[str]] = []
     try:
-        crcinfo = co.gather("crc", (loc.status, tmp, partial))
+        crcinfo = co.gather("crc", (loc.status, tmp, partial, ident))
         temps = [crcinfo[g[0]][1] for g in groups]
         tmp = crcinfo[mygroup[0]][1]
         co.check("crc", [v[0] for v in crcinfo], local=loc.exc, after="Nothing was written under the final name")
@@ -711,7 +716,10 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
 
         # One fsync per host, not per rank: the leader fsyncs the file after every rank wrote
         # (_commit), which covers the ranks of its own host.
-        own_fsync = cfg.fsync and not agreed.leader_fsync_covers(co.rank)
+        # Same host name is not proof enough (two machines may share one): the rank must also
+        # run under the leader's kernel (boot id) and see the leader's inode (st_dev, st_ino).
+        own_fsync = cfg.fsync and not (
+            agreed.leader_fsync_covers(co.rank) and (leader or _same_inode(tmp, crcinfo[mygroup[0]][3])))
 
         def write() -> None:
             ext, keep = split.apply_patches(extents, plan.patches, crcs, lo, hi)
@@ -731,6 +739,34 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         for t in temps:
             _remove(t)
         raise
+
+
+def _boot_id() -> str:
+    """The running kernel's boot id ('' when unknown): two processes see the same one only
+    under the same kernel (same page cache, same inodes)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _file_identity(path: str) -> tuple[str, int, int]:
+    """(boot id, st_dev, st_ino) of ``path`` as this process sees it."""
+    st = os.stat(path)
+    return _boot_id(), st.st_dev, st.st_ino
+
+
+def _same_inode(tmp: Optional[str], leader_ident: Optional[Sequence[Any]]) -> bool:
+    """Whether this process sees ``tmp`` as the very inode the leader created, under the
+    leader's kernel: then the leader's fsync of it covers this rank's writes. False when
+    anything is unknown (the rank fsyncs its own writes: always safe)."""
+    if not tmp or not leader_ident or not leader_ident[0]:
+        return False
+    try:
+        return _file_identity(tmp) == tuple(leader_ident)
+    except OSError:
+        return False
 
 
 def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local") -> None:

@@ -620,3 +620,22 @@ def test_one_fsync_per_host_rule():
     assert node_local.leader == 2 and node_local.leader_fsync_covers(3)
     unknown = _Agreed("/d/f.pt", "/d", "torch", None, 4096, [[0, 1]], [0, 1], False)
     assert not unknown.leader_fsync_covers(1)  # no host names: every rank fsyncs
+
+
+def test_leader_fsync_covers_only_the_same_inode_under_the_same_kernel(tmp_path: Any) -> None:
+    """A member skips its own fsync only when it sees the leader's very inode under the
+    leader's kernel; another file, another kernel or an unknown identity: it fsyncs."""
+    from fastpersist.distributed import _boot_id, _file_identity, _same_inode
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_bytes(b"x")
+    b.write_bytes(b"y")
+    ident = _file_identity(str(a))
+    if not _boot_id():
+        pytest.skip("no kernel boot id here")
+    assert _same_inode(str(a), ident)
+    assert not _same_inode(str(b), ident)  # another inode (e.g. a second mount of a share)
+    assert not _same_inode(str(a), ("another-kernel",) + tuple(ident[1:]))
+    assert not _same_inode(str(a), ("",) + tuple(ident[1:]))
+    assert not _same_inode(str(a), None)
+    assert not _same_inode(str(tmp_path / "gone"), ident)
