@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
 from typing import Any, Union
 
 import torch
@@ -50,6 +51,22 @@ def _buckets(items: list[Any], bins: int) -> list[list[Any]]:
         out[k].append(wi)
         sizes[k] += _item_size(wi)
     return out
+
+
+_handles: dict[tuple, Any] = {}
+_handles_lock = threading.Lock()
+
+
+def _shared_handle(kwargs: dict) -> Any:
+    """One native handle per distinct setting in this process (see ``FastPersistWriter._get_handle``)."""
+    from fastpersist import _native
+
+    key = tuple(sorted(kwargs.items()))
+    with _handles_lock:
+        h = _handles.get(key)
+        if h is None:
+            h = _handles[key] = _native.Handle(**kwargs)
+        return h
 
 
 class FastPersistWriter(FileSystemWriter):
@@ -111,16 +128,15 @@ class FastPersistWriter(FileSystemWriter):
         return True
 
     def _get_handle(self, nfiles: int) -> Any:
-        from fastpersist import _native
+        """A native handle for these settings, shared by every writer of this process (its
+        staging buffers are allocated and faulted in once, not at every save). Safe to share:
+        :meth:`_write_files` waits on its own futures only."""
         from fastpersist.config import get_default
 
         cfg = self.config if self.config is not None else get_default()
         kwargs = cfg.handle_kwargs()
         kwargs["max_async"] = max(int(kwargs.get("max_async", 1)), min(nfiles, max(1, self.thread_count)))
-        key = tuple(sorted(kwargs.items()))
-        if self._handle is None or self._handle[0] != key:
-            self._handle = (key, _native.Handle(**kwargs))
-        return self._handle[1]
+        return _shared_handle(kwargs)
 
     def _dir(self) -> str:
         return os.fsdecode(os.fspath(self.path))
@@ -189,20 +205,17 @@ class FastPersistWriter(FileSystemWriter):
 
     def _write_files(self, files: list[tuple[str, str, str, FileLayout]]) -> list[WriteResult]:
         handle = self._get_handle(len(files))
-        ops: list[int] = []
+        futures: list[Any] = []
         try:
             for _name, _final, tmp, lay in files:
-                ops.append(handle.submit_write(tmp, lay.extents, lay.patches, lay.nslots,
-                                               truncate=True, fsync=self.sync_files))
-            crcs = dict(handle.wait()) if ops else {}
+                futures.append(handle.write_async(tmp, lay.extents, lay.patches, lay.nslots,
+                                                  truncate=True, fsync=self.sync_files))
+            slot_crcs = [f.result() for f in futures]
             for _name, final, tmp, _lay in files:
                 os.rename(tmp, final)
         except BaseException:
-            if handle.pending():
-                try:
-                    handle.wait()
-                except Exception:  # noqa: BLE001 - the first error is the one to report
-                    pass
+            for f in futures:  # every op finished before its temporary file is removed
+                f.wait()
             for _name, _final, tmp, _lay in files:
                 try:
                     os.unlink(tmp)
@@ -212,8 +225,8 @@ class FastPersistWriter(FileSystemWriter):
         if self.sync_files and files:
             fsync_dir(self._dir())
         results: list[WriteResult] = []
-        for op, (name, _final, _tmp, lay) in zip(ops, files):
-            for item, crc in zip(lay.items, item_crcs(lay, crcs[op])):
+        for crcs, (name, _final, _tmp, lay) in zip(slot_crcs, files):
+            for item, crc in zip(lay.items, item_crcs(lay, crcs)):
                 info = _compat.dcp_storage_info(name, item.offset, item.length, crc)
                 results.append(WriteResult(index=item.index, size_in_bytes=item.length, storage_data=info))
         return results
