@@ -11,7 +11,9 @@ afterwards. Two ways to capture the state:
     included) is copied at call time into a pool of page-locked host memory of
     ``Config.async_staging_limit`` bytes (``FASTPERSIST_ASYNC_STAGING_LIMIT``,
     default 1 GiB), allocated on first use and reused by later saves. The call
-    costs one memory copy of the state. A save larger than the pool, or one
+    costs one plain memory copy of the state: the CRC-32s the file's CRC fields
+    need are computed afterwards from the staged copy on a background thread,
+    and those fields written before the commit. A save larger than the pool, or one
     issued while an earlier save still occupies it, waits inside the call for
     earlier windows to reach the disk: page-locked memory never exceeds the limit.
 
@@ -102,7 +104,7 @@ from typing import Any, Optional, Union
 import torch
 
 from fastpersist import api
-from fastpersist.asyncstage import LazyFeed, StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
+from fastpersist.asyncstage import BackgroundCrc, LazyFeed, StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
 from fastpersist.commit import _keep_mode, _remove_quietly, clean_stale_temps, fsync_dir, fsync_path, resolve_target, temp_path_for
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats.base import WritePlan
@@ -169,6 +171,8 @@ class _Job:
         self.collective: Optional[Any] = None  # save_async(group=): the background commit (see _GroupCommit)
         self.feed: Optional[LazyFeed] = None  # 1-rank lazy saves: the background copy into the pool
         self.plan: Optional[WritePlan] = None  # with ``feed``: its patches are written at the end
+        self.crc: Optional[BackgroundCrc] = None  # 1-rank snapshots: the CRC-32s, computed in the background
+        self.fields: Optional[tuple[list[Any], int, int]] = None  # with ``crc``: (patches, nslots, file size)
 
     def consumed(self) -> None:
         """Wait (GIL released) until the writes no longer read their sources."""
@@ -335,6 +339,13 @@ def _finish(job: _Job) -> None:
             raise job.feed.exc
         for f in job.writes:
             f.result()
+        if job.crc is not None and job.fields is not None:  # the CRC fields, now that every CRC is known
+            job.crc.done.wait()
+            if job.crc.exc is not None:
+                raise job.crc.exc
+            patches, nslots, size = job.fields
+            if patches:
+                _patch_slice(job.tmp, patches, job.crc.crcs(nslots), 0, size, False)
         job.keepalive = None
         if job.feed is not None and job.plan is not None:  # the CRC fields, now that every CRC is known
             _patch_slice(job.tmp, job.plan.patches, job.feed.crcs(job.plan.nslots), 0, job.plan.file_size, False)
@@ -507,9 +518,10 @@ def save_async(
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
             if mode == "snapshot":
                 pool = _pool_for(cfg.async_staging_limit)
-                job.writes = snapshot_plan(
+                job.writes, job.crc = snapshot_plan(
                     plan, pool, handle, lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False)
                 )
+                job.fields = (list(plan.patches), plan.nslots, plan.file_size)
                 job.keepalive = pool
             else:
                 extents, private, _n = copy_private(plan, handle, keep)

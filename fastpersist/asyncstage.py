@@ -5,18 +5,19 @@ longer depend on live tensors.
 A *snapshot* copies the planned file into windows: each window is an exact image of
 a byte range of the file (headers, pickle and tensor bytes in file order), placed
 in page-locked memory at the file offset's alignment, so the native writer sends
-it to the disk with O_DIRECT and no further copy. The copy computes the CRC-32 of
-every payload on the way (``Handle.copy_ranges``); the plan's CRC patches (zip
-data descriptors and central directory, safetensors header) are then written into
-the images, and every window goes to the disk as one plain write. A window with a
-patch whose payload comes later (the safetensors header) is held until that
-payload has been copied.
+it to the disk with O_DIRECT and no further copy. The call only copies (a plain
+memory copy, no CRC): each window is submitted as soon as it is full, with the
+plan's CRC fields as planned (placeholders). The CRC-32 of every payload is then
+computed from the windows on a background thread (:class:`BackgroundCrc`), which
+holds each window until it has read it, and the finisher writes the CRC fields
+(zip data descriptors and central directory, safetensors header) into the file
+once every window is on disk, before the fsync and the rename.
 
 The pool holds at most ``limit`` bytes in windows of at most 64 MiB (at least two
 windows), allocated on first use and reused by later saves. A save needing a
 window when none is free waits (GIL released) for the oldest window in flight to
-reach the disk: that is how a second save queues behind the first, and how a
-save larger than the pool streams through it.
+reach the disk (and, for a snapshot, to have its CRC read): that is how a second
+save queues behind the first, and how a save larger than the pool streams through it.
 
 A *lazy* save (:class:`LazyFeed`) fills the same windows from the live tensors on
 a background thread after the call returned; the optimizer guard finishes the
@@ -28,12 +29,11 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from fastpersist import _native
-from fastpersist.formats.base import PATCH_U32LE, WritePlan
+from fastpersist.formats.base import WritePlan
 
 _PAGE = 4096
 _MAX_WINDOW = 64 << 20
@@ -69,8 +69,9 @@ class StagingPool:
         """Bytes of page-locked memory the pool holds now."""
         return len(self._windows) * self.window
 
-    def acquire(self) -> _Window:
-        """A free window; waits for the oldest write in flight when all are taken."""
+    def acquire(self, before_wait: Optional[Callable[[], None]] = None) -> _Window:
+        """A free window; waits for the oldest write in flight when all are taken
+        (calling ``before_wait()`` first: whatever frees windows must be running)."""
         while True:
             with self._lock:
                 for w in self._windows:
@@ -92,6 +93,8 @@ class StagingPool:
                     )
                 oldest = min(inflight, key=lambda x: x.seq)
                 fut = oldest.future
+            if before_wait is not None:
+                before_wait()
             fut.wait()  # GIL released
 
     def submitted(self, w: _Window, future: Any) -> None:
@@ -106,19 +109,96 @@ class StagingPool:
             w.busy, w.future = False, None
 
 
-@dataclass
-class _Image:
-    """One window being filled: file range [start, end), image at ``base`` offset ``lead``."""
+class _Both:
+    """What frees a snapshot window: its write is done and its CRC-32s were read."""
 
-    win: _Window
-    start: int
-    end: int
-    lead: int
-    patches: list[tuple[int, int, int]] = field(default_factory=list)
+    def __init__(self, write: Any, crc_read: threading.Event) -> None:
+        self.write = write
+        self.crc_read = crc_read
+
+    def done(self) -> bool:
+        return self.crc_read.is_set() and self.write.done()
+
+    def wait(self) -> None:
+        self.crc_read.wait()
+        self.write.wait()  # GIL released
 
 
-def _encode(kind: int, crc: int) -> bytes:
-    return crc.to_bytes(4, "little") if kind == PATCH_U32LE else format(crc, "08x").encode("ascii")
+class BackgroundCrc:
+    """The CRC-32s of a snapshot, computed on a thread of their own from the staged
+    windows (``_native.crc32`` releases the GIL), after the call returned: the call
+    then costs one plain memory copy. Windows are added in file order; each one's
+    event is set once its pieces were read, and the pool keeps the window until then.
+    The thread starts at :meth:`go` (the call is done, or must wait for a window),
+    so that it does not compete with the call's own copies for the cores."""
+
+    def __init__(self) -> None:
+        self.partial: dict[int, tuple[int, int]] = {}
+        self.exc: Optional[BaseException] = None
+        self.done = threading.Event()
+        self._items: list[tuple[threading.Event, list[tuple[int, int, int]]]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._aborted = False
+        self._thread: Optional[threading.Thread] = None
+        self.keep: Any = None
+
+    def add(self, pieces: list[tuple[int, int, int]]) -> threading.Event:
+        """One window's ``(ptr, length, slot)`` payload pieces; returns its event."""
+        ev = threading.Event()
+        with self._cv:
+            self._items.append((ev, pieces))
+            self._cv.notify()
+        return ev
+
+    def go(self) -> None:
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="fastpersist-snapshot-crc", daemon=True)
+                self._thread.start()
+
+    def close(self) -> None:
+        """No more windows: start (if not yet) and finish."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self.go()
+
+    def abort(self) -> None:
+        """The capture failed: read nothing more, free every window."""
+        self._aborted = True
+        self.close()
+
+    def _run(self) -> None:
+        i = 0
+        try:
+            while True:
+                with self._cv:
+                    while i >= len(self._items) and not self._closed:
+                        self._cv.wait()
+                    if i >= len(self._items):
+                        return
+                    ev, pieces = self._items[i]
+                if not self._aborted:
+                    crcs = [_native.crc32(ptr, n) for ptr, n, _slot in pieces]  # GIL released
+                    _add_partial_crcs(self.partial, [(slot, n) for _p, n, slot in pieces], crcs)
+                ev.set()
+                i += 1
+        except BaseException as e:  # noqa: BLE001 - raised by the finisher
+            self.exc = e
+        finally:
+            with self._cv:
+                items = list(self._items)
+            for ev, _pieces in items:
+                ev.set()
+            self.done.set()
+
+    def crcs(self, nslots: int) -> list[int]:
+        """Every slot's CRC-32 (after :attr:`done`)."""
+        out = [0] * nslots
+        for slot, (crc, _n) in self.partial.items():
+            out[slot] = crc
+        return out
 
 
 def snapshot_plan(
@@ -126,94 +206,49 @@ def snapshot_plan(
     pool: StagingPool,
     handle: Any,
     submit: Callable[[int, int, int], Any],
-) -> list[Any]:
+) -> tuple[list[Any], BackgroundCrc]:
     """Copy the file ``plan`` describes into staging windows and submit each window.
 
     ``submit(file_offset, ptr, length)`` starts the write of one window and returns
-    its native Future. Returns every future (file order). When this returns, no
-    byte of the plan's sources is read any more: the caller may change them.
+    its native Future. The copy computes no CRC: the windows go to the disk with the
+    plan's CRC fields as planned (placeholders), and the returned
+    :class:`BackgroundCrc` computes every slot's CRC-32 from the windows in the
+    background; the caller writes the CRC fields once it is done and every write
+    completed. Returns ``(futures in file order, crc)``. When this returns, no byte
+    of the plan's sources is read any more: the caller may change them.
     """
     extents = plan.extents
-    patches = sorted(plan.patches)
-    pstarts = [p[0] for p in patches]
-    slot_end = [0] * plan.nslots
-    for off, _ptr, n, slot in extents:
-        if slot >= 0 and n:
-            slot_end[slot] = max(slot_end[slot], off + n)
-    crcs = [0] * plan.nslots
+    crc = BackgroundCrc()
+    crc.keep = pool  # the windows it reads stay allocated while it runs
     futures: list[Any] = []
-    held: deque[_Image] = deque()
-    done_upto = 0  # file bytes copied so far
-
-    def cut(start: int, lead: int) -> int:
-        end = start + pool.window - lead
-        i = bisect.bisect_left(pstarts, end) - 1  # last patch starting before `end`
-        if i >= 0:
-            p_off, _slot, kind = patches[i]
-            if p_off + (4 if kind == PATCH_U32LE else 8) > end and p_off > start:
-                end = p_off  # never split a patch across two windows
-        return end
-
-    def ready(img: _Image) -> bool:
-        return all(slot_end[s] <= done_upto for _o, s, _k in img.patches)
-
-    def flush(img: _Image) -> None:
-        for off, slot, kind in img.patches:
-            b = _encode(kind, crcs[slot])
-            pos = img.lead + off - img.start
-            img.win.view[pos : pos + len(b)] = b
-        fut = submit(img.start, img.win.buf.ptr + img.lead, img.end - img.start)
-        pool.submitted(img.win, fut)
-        futures.append(fut)
-
-    images: list[_Image] = []
+    current: Optional[_Window] = None  # taken, not yet submitted
     try:
-        k = 0  # next extent
-        k_off = 0  # bytes of extents[k] already copied
-        file_end = extents[-1][0] + extents[-1][2] if extents else 0
-        pos = extents[0][0] if extents else 0
-        while pos < file_end:
-            win = pool.acquire()
-            lead = pos % _PAGE
-            img = _Image(win, pos, cut(pos, lead), lead)
-            images.append(img)
-            ranges: list[tuple[int, int, int]] = []
-            slots: list[tuple[int, int]] = []
-            while k < len(extents) and pos < img.end:
-                off, ptr, n, slot = extents[k]
-                take = min(n - k_off, img.end - pos)
-                if take:
-                    ranges.append((win.buf.ptr + lead + pos - img.start, ptr + k_off, take))
-                    slots.append((slot, take))
-                pos += take
-                k_off += take
-                if k_off == n:
-                    k, k_off = k + 1, 0
-            img.end = pos
-            piece_crcs = handle.copy_ranges(ranges, True)  # GIL released, on the handle's threads
-            for (slot, n), c in zip(slots, piece_crcs):
-                if slot >= 0:
-                    crcs[slot] = _native.crc32_combine(crcs[slot], c, n)
-            done_upto = pos
-            lo = bisect.bisect_left(pstarts, img.start)
-            hi = bisect.bisect_left(pstarts, img.end)
-            img.patches = patches[lo:hi]
-            held.append(img)
-            while held and ready(held[0]):
-                flush(held.popleft())
-            for h in [h for h in held if ready(h)]:
-                held.remove(h)
-                flush(h)
-        if held:  # pragma: no cover - every slot is complete once all is copied
-            raise RuntimeError("fastpersist: internal error: CRC patches left unresolved after the copy")
-        return futures
+        k, k_off = 0, 0
+        while k < len(extents):
+            if extents[k][2] == 0:
+                k += 1
+                continue
+            start = extents[k][0] + k_off
+            lead = start % _PAGE
+            current = pool.acquire(before_wait=crc.go)
+            base = current.buf.ptr + lead
+            end = start + pool.window - lead
+            ranges, slots, pos, k, k_off = _window_ranges(extents, k, k_off, start, end, base)
+            handle.copy_ranges(ranges, False)  # GIL released, on the handle's threads
+            pieces = [(dst, n, slot) for (dst, _src, n), (slot, _n) in zip(ranges, slots) if slot >= 0 and n]
+            fut = submit(start, base, pos - start)
+            futures.append(fut)
+            pool.submitted(current, _Both(fut, crc.add(pieces)))
+            current = None
+        crc.close()
+        return futures, crc
     except BaseException:
-        submitted = {id(f) for f in futures}
-        for img in images:
-            if img.win.future is None or id(img.win.future) not in submitted:
-                pool.release(img.win)
+        crc.abort()
+        if current is not None:
+            pool.release(current)
         for f in futures:
             f.wait()
+        crc.done.wait()
         raise
 
 

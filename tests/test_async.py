@@ -107,6 +107,103 @@ def test_snapshot_safetensors_bit_exact(tmp_path):
     assert fastpersist.verify(tmp_path / "a.safetensors").ok
 
 
+class _RecordingHandle:
+    """A native handle whose copy_ranges calls are recorded (ranges count, crc flag)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.copies: list[tuple[int, bool]] = []
+
+    def copy_ranges(self, ranges, crc=False):
+        self.copies.append((len(ranges), bool(crc)))
+        return self.inner.copy_ranges(ranges, crc)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_snapshot_call_copies_without_crc_and_crcs_come_later(tmp_path, monkeypatch, suffix):
+    """The call makes plain copies only; the CRC fields are still right (computed from
+    the staged windows in the background, written before the commit)."""
+    real = asyncsave.api._handle
+    rec: list[_RecordingHandle] = []
+
+    def handle(cfg, **kw):
+        rec.append(_RecordingHandle(real(cfg, **kw)))
+        return rec[-1]
+
+    monkeypatch.setattr(asyncsave.api, "_handle", handle)
+    if suffix == ".pt":
+        model = _model()
+        opt = torch.optim.Adam(model.parameters())
+        _train_step(model, opt)
+        state = _state(model, opt)
+        want = _reference_bytes(state, tmp_path, "c")
+    else:
+        state = {f"t{i}": torch.randn(5000 * (i + 1)) for i in range(4)}
+        fastpersist.save({k: v.clone() for k, v in state.items()}, tmp_path / "ref.safetensors")
+        want = (tmp_path / "ref.safetensors").read_bytes()
+    fut = fastpersist.save_async(state, tmp_path / f"a{suffix}", config=fastpersist.Config(async_staging_limit=64 << 10))
+    _mutate_all(state)
+    assert fut.wait(timeout=60) is True
+    copies = [c for h in rec for c in h.copies]
+    assert copies and not any(crc for _n, crc in copies)
+    monkeypatch.undo()
+    assert (tmp_path / f"a{suffix}").read_bytes() == want
+    assert fastpersist.verify(tmp_path / f"a{suffix}").ok
+
+
+def test_snapshot_slow_background_crc_holds_windows_without_deadlock(tmp_path, monkeypatch):
+    """A pool of two windows and a slow background CRC: a window is reused only once its
+    CRC was read (else the CRC would cover the next window's bytes), and a call that
+    must wait for a window starts the CRC thread first (else it would wait forever)."""
+    real = _native.crc32
+
+    class SlowNative:
+        def __getattr__(self, name):
+            return getattr(_native, name)
+
+        @staticmethod
+        def crc32(ptr, n, crc=0):
+            time.sleep(0.01)
+            return real(ptr, n, crc)
+
+    monkeypatch.setattr(asyncstage, "_native", SlowNative())
+    state = {f"t{i}": torch.randn(6000 + 777 * i) for i in range(8)}
+    want = _reference_bytes(state, tmp_path, "w")
+    cfg = fastpersist.Config(async_staging_limit=16 << 10)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("f", fastpersist.save_async(state, tmp_path / "w.pt", config=cfg)))
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "save_async deadlocked waiting for a window"
+    _mutate_all(state)
+    assert box["f"].wait(timeout=60) is True
+    assert (tmp_path / "w.pt").read_bytes() == want
+
+
+def test_snapshot_background_crc_error_reported_previous_kept(tmp_path, monkeypatch):
+    target = tmp_path / "k.pt"
+    fastpersist.save({"w": torch.ones(10)}, target)
+    before = target.read_bytes()
+
+    class BadNative:
+        def __getattr__(self, name):
+            return getattr(_native, name)
+
+        @staticmethod
+        def crc32(ptr, n, crc=0):
+            raise RuntimeError("injected crc failure")
+
+    monkeypatch.setattr(asyncstage, "_native", BadNative())
+    fut = fastpersist.save_async({"w": torch.zeros(100_000)}, target)
+    with pytest.raises(RuntimeError, match="injected crc failure"):
+        fut.wait(timeout=60)
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["k.pt"]  # temp file removed
+
+
 def test_lazy_bit_exact_under_guard(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
