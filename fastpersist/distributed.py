@@ -219,6 +219,8 @@ class _Coordinator:
         self.prefix = f"fastpersist/{self.tag}/{self._ns}{count}"
         self.store = _default_store()
         self._marks: list[str] = []
+        self.started = time.monotonic()
+        self.trace: list[tuple[str, float, float]] = []  # (step, arrived, left) per exchange
         self._first = True
         self._who: dict[int, Optional[str]] = {}
         self._announce(world)
@@ -264,7 +266,19 @@ class _Coordinator:
             dist.all_gather_object(out, value, group=self.side)
         except Exception as exc:  # noqa: BLE001
             raise self._lost(step, exc, t0) from exc
+        self.trace.append((step, t0, time.monotonic()))
         self._passed_first()
+        return out
+
+    def phases(self, end: float) -> list[tuple[str, float, float]]:
+        """``(step, local seconds before it, seconds waiting in its exchange)`` for every
+        exchange so far, then ``("end", local seconds after the last one, 0)``."""
+        out = []
+        last = self.started
+        for step, arrive, leave in self.trace:
+            out.append((step, arrive - last, leave - arrive))
+            last = leave
+        out.append(("end", end - last, 0.0))
         return out
 
     def _passed_first(self) -> None:
@@ -549,10 +563,26 @@ def save(obj: Any, path: Any, *, group: Any, config: Any = None, format: Optiona
     if not api._is_path(path):
         raise TypeError(f"fastpersist.save writes to a file path (str or os.PathLike), got {type(path).__name__}")
     co = _Coordinator(group, cfg.dist_timeout, f"fastpersist.save({os.fspath(path)!r}) over {dist.get_world_size(group)} ranks")
+    global _last_save_phases
     try:
         _save(co, obj, path, cfg, format)
     finally:
         co.finish()
+        _last_save_phases = co.phases(time.monotonic())
+        log.debug("%s: phases (step, local s, exchange s): %s", co.what, _last_save_phases)
+
+
+_last_save_phases: list[tuple[str, float, float]] = []
+
+
+def last_save_phases() -> list[tuple[str, float, float]]:
+    """Where this rank's last collective save (``save(..., group=...)``) spent its time:
+    ``(step, seconds of local work before the step's exchange, seconds in the exchange)``
+    per exchange (``plan``: planning and digest; ``probe``: shared-filesystem detection;
+    ``crc``: temporary file and partial CRCs; ``write``: this rank's slice; ``commit``: the
+    leader's fsync, rename and directory fsync), then ``("end", seconds after the last
+    exchange, 0)``. Waiting in an exchange is waiting for the slowest rank. For benchmarks."""
+    return list(_last_save_phases)
 
 
 def _plan(obj: Any, final: str, fmt: str, cfg: Any) -> tuple[Optional[split.Layout], int]:

@@ -639,3 +639,19 @@ def test_leader_fsync_covers_only_the_same_inode_under_the_same_kernel(tmp_path:
     assert not _same_inode(str(a), ("",) + tuple(ident[1:]))
     assert not _same_inode(str(a), None)
     assert not _same_inode(str(tmp_path / "gone"), ident)
+
+
+def test_bench_dist_group_phase_medians() -> None:
+    """bench dist's per-rank, per-step medians of the group save phases (local work, exchange)."""
+    from fastpersist.bench.dist_bench import DistBenchResult
+
+    runs = [
+        [[("plan", 0.2, 0.01), ("write", 1.0, 0.1)], [("plan", 0.3, 0.0), ("write", 1.1, 0.0)]],
+        [[("plan", 0.4, 0.03), ("write", 3.0, 0.3)], [("plan", 0.5, 0.0), ("write", 1.3, 0.0)]],
+        [[("plan", 0.6, 0.02), ("write", 2.0, 0.2)], None],  # a rank that reported nothing
+    ]
+    res = DistBenchResult(None, 2, 2, {}, 3, [], {}, group_phases=runs)  # type: ignore[arg-type]
+    med = res.group_phase_medians()
+    assert med[0]["plan"] == {"local_s": 0.4, "exchange_s": 0.02}
+    assert med[0]["write"] == {"local_s": 2.0, "exchange_s": 0.2}
+    assert med[1]["write"]["local_s"] == pytest.approx(1.2) and list(med[1]) == ["plan", "write"]

@@ -88,6 +88,21 @@ class DistBenchResult:
     verification: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     order: list[list[str]] = field(default_factory=list)
+    #: per timed group save, per rank: ``(step, local s, exchange s)`` (``distributed.last_save_phases``)
+    group_phases: list[Any] = field(default_factory=list)
+
+    def group_phase_medians(self) -> list[dict[str, Any]]:
+        """Per rank, per step: median seconds of local work before the step and of its exchange."""
+        out = []
+        for r in range(self.ranks):
+            steps: dict[str, tuple[list[float], list[float]]] = {}
+            for run in self.group_phases:
+                for step, local, wait in (run[r] if r < len(run) and run[r] else []):
+                    a, b = steps.setdefault(step, ([], []))
+                    a.append(local)
+                    b.append(wait)
+            out.append({step: {"local_s": median(a), "exchange_s": median(b)} for step, (a, b) in steps.items()})
+        return out
 
     def method(self, name: str) -> Optional[DistMethodResult]:
         return next((m for m in self.methods if m.name == name), None)
@@ -134,6 +149,8 @@ class DistBenchResult:
             "verification": dict(self.verification),
             "notes": list(self.notes),
             "order": [list(r) for r in self.order],
+            "group_save_phases": [[[list(p) for p in rk] if rk else [] for rk in run] for run in self.group_phases],
+            "group_save_phase_medians": self.group_phase_medians(),
         }
 
 
@@ -292,6 +309,7 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
 
     shuffler = random.Random(opts["seed"])
     order: list[list[str]] = []
+    phases: list[Any] = []  # per timed group save: every rank's last_save_phases()
     for run in range(opts["repeat"]):
         steps = list(names)
         shuffler.shuffle(steps)
@@ -316,6 +334,12 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
                 if any(statuses):
                     r["error"] = next(s for s in statuses if s)
                     continue
+                if name == "fastpersist group":
+                    from fastpersist.distributed import last_save_phases
+
+                    per_rank: list[Any] = [None] * ranks
+                    dist.all_gather_object(per_rank, last_save_phases())
+                    phases.append(per_rank)
                 if rank == 0:
                     r["file_bytes"] = total_size(target)
                     drop_page_cache_all([target])
@@ -334,7 +358,8 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
                 barrier()
                 if rank == 0 and not (opts["keep"] and run == opts["repeat"] - 1):
                     remove_path(target)
-    return {"workload": workload, "results": res, "verification": verification, "order": order}
+    return {"workload": workload, "results": res, "verification": verification, "order": order,
+            "group_phases": phases}
 
 
 def _progress_printer(enabled: bool) -> Callable[[str], None]:
@@ -434,8 +459,10 @@ def run_dist_bench(
                      "no DTensor); DCP plans and writes one file per rank")
     if keep:
         notes.append(f"files of the last round kept in {workdir}")
+    notes.append("group save phases (JSON group_save_phases): per rank, the local seconds before each exchange "
+                 "(plan, probe, crc, write, commit) and the seconds spent in it (waiting for the slowest rank)")
     return DistBenchResult(machine, ranks, threads, workload, repeat, methods, data["verification"], notes,
-                           data["order"])
+                           data["order"], data.get("group_phases", []))
 
 
 # --------------------------------------------------------------------------- report
@@ -477,6 +504,10 @@ def print_dist_report(result: DistBenchResult, out: Optional[TextIO] = None) -> 
     print(f"Group save vs 1-rank fastpersist.save: {_ratio(d['group_save_vs_one_rank'])}; "
           f"group load (slices) vs every rank reading the whole file: {_ratio(d['group_load_vs_every_rank_whole'])}",
           file=out)
+    for r, steps in enumerate(result.group_phase_medians()):
+        if steps:
+            parts = " ".join(f"{k} {_num2(x['local_s'])}+{_num2(x['exchange_s'])}" for k, x in steps.items())
+            print(f"Group phases rank {r} (median s, local+exchange): {parts}", file=out)
     v = result.verification
     print(f"Verified   : group file byte-identical to the 1-rank file: "
           f"{v.get('group_file_identical_to_one_rank')}; group load equals the state on every rank: "
@@ -492,6 +523,10 @@ def print_dist_report(result: DistBenchResult, out: Optional[TextIO] = None) -> 
 
 def _num(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _num2(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _ratio(value: Optional[float]) -> str:
