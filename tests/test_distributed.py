@@ -138,6 +138,45 @@ def sc_fault(rank: int, world: int, d: str) -> Any:
         _native.clear_faults()
 
 
+def sc_fault_after_write(rank: int, world: int, d: str) -> Any:
+    """A non-committing rank fails after its slice is written (it has no fsync of its own to fail)."""
+    from fastpersist import api
+
+    real = api._naming_final
+
+    def failing(final: str, write: Callable[[str], Any]) -> Callable[[str], Any]:
+        def run(tmp: str) -> Any:
+            real(final, write)(tmp)
+            raise OSError(5, "injected after the write", tmp)
+
+        return run
+
+    if rank == 1:
+        api._naming_final = failing
+    try:
+        fastpersist.save(state(1), os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
+    finally:
+        api._naming_final = real
+
+
+def sc_fault_leader_fsync(rank: int, world: int, d: str) -> Any:
+    """The committing rank's fsync (the one that covers every rank's writes) fails."""
+    from fastpersist import commit
+
+    real = commit.fsync_path
+
+    def failing(path: str) -> None:
+        raise OSError(5, "injected fsync failure", path)
+
+    if rank == 0:
+        commit.fsync_path = failing
+    try:
+        fastpersist.save(state(1), os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD,
+                         config=cfg().replace(fsync=True))
+    finally:
+        commit.fsync_path = real
+
+
 def sc_plan_error(rank: int, world: int, d: str) -> Any:
     obj = state()
     if rank == 0:
@@ -315,7 +354,8 @@ def reference(d: str) -> None:
     fastpersist.save(tensors(), os.path.join(d, "ref.safetensors"), config=cfg())
 
 
-FULL = ["identical", "load", "disagree_shape", "disagree_value", "fault", "plan_error", "after_failures"]
+FULL = ["identical", "load", "disagree_shape", "disagree_value", "fault", "fault_after_write", "fault_leader_fsync",
+        "plan_error", "after_failures"]
 
 
 @pytest.fixture(scope="module")
@@ -655,3 +695,21 @@ def test_bench_dist_group_phase_medians() -> None:
     assert med[0]["plan"] == {"local_s": 0.4, "exchange_s": 0.02}
     assert med[0]["write"] == {"local_s": 2.0, "exchange_s": 0.2}
     assert med[1]["write"]["local_s"] == pytest.approx(1.2) and list(med[1]) == ["plan", "write"]
+
+
+@pytest.mark.parametrize("name, rank_failing, words", [
+    ("fault_after_write", 1, "injected after the write"), ("fault_leader_fsync", 0, "injected fsync failure")])
+def test_failure_after_the_writes_fails_every_rank_and_keeps_the_old_file(world2: tuple, name: str, rank_failing: int,
+                                                                         words: str) -> None:
+    """A rank failing once its slice is written (a non-committing rank), or the committing
+    rank's fsync failing: every rank raises, nothing under the final name changes."""
+    from conftest import assert_same_object
+
+    d, results = world2
+    for rank in range(2):
+        got = outcome(results, name, rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert words in got[2] and list(got[3]["failures"]) == [rank_failing], got
+    assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, "group2.pt"), shallow=False)
+    assert_same_object(torch.load(os.path.join(d, "ref.pt"), weights_only=True), state())
+    assert temps(d) == []
