@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from fastpersist import _native
 from fastpersist.formats.base import WritePlan
@@ -223,17 +223,8 @@ def snapshot_plan(
     futures: list[Any] = []
     current: Optional[_Window] = None  # taken, not yet submitted
     try:
-        k, k_off = 0, 0
-        while k < len(extents):
-            if extents[k][2] == 0:
-                k += 1
-                continue
-            start = extents[k][0] + k_off
-            lead = start % _PAGE
-            current = pool.acquire(before_wait=crc.go)
-            base = current.buf.ptr + lead
-            end = start + pool.window - lead
-            ranges, slots, pos, k, k_off = _window_ranges(extents, k, k_off, start, end, base)
+        for current, start, base, ranges, slots, pos in _fill_windows(
+                extents, pool, lambda: pool.acquire(before_wait=crc.go)):
             handle.copy_ranges(ranges, False)  # GIL released, on the handle's threads
             pieces = [(dst, n, slot) for (dst, _src, n), (slot, _n) in zip(ranges, slots) if slot >= 0 and n]
             fut = submit(start, base, pos - start)
@@ -250,6 +241,26 @@ def snapshot_plan(
             f.wait()
         crc.done.wait()
         raise
+
+
+def _fill_windows(
+    extents: list[tuple[int, int, int, int]], pool: StagingPool, acquire: Callable[[], _Window],
+) -> Iterator[tuple[_Window, int, int, list[tuple[int, int, int]], list[tuple[int, int]], int]]:
+    """Cut the plan's extents into staging windows, in file order: for each window, one
+    window taken with ``acquire()`` and ``(window, start, base, ranges, slots, pos)``
+    (see :func:`_window_ranges`; ``base``: where file offset ``start`` lands in it).
+    The caller owns each window from the moment it is yielded."""
+    k, k_off = 0, 0
+    while k < len(extents):
+        if extents[k][2] == 0:
+            k += 1
+            continue
+        start = extents[k][0] + k_off
+        lead = start % _PAGE
+        win = acquire()
+        base = win.buf.ptr + lead
+        ranges, slots, pos, k, k_off = _window_ranges(extents, k, k_off, start, start + pool.window - lead, base)
+        yield win, start, base, ranges, slots, pos
 
 
 def _window_ranges(
@@ -309,20 +320,11 @@ def snapshot_slice(
     futures: list[Any] = []
     taken: list[_Window] = []
     try:
-        k, k_off = 0, 0
-        while k < len(extents):
-            if extents[k][2] == 0:
-                k += 1
-                continue
-            start = extents[k][0] + k_off
-            lead = start % _PAGE
-            win = pool.acquire()
+        for win, start, base, ranges, slots, pos in _fill_windows(extents, pool, pool.acquire):
             taken.append(win)
-            end = start + pool.window - lead
-            ranges, slots, pos, k, k_off = _window_ranges(extents, k, k_off, start, end, win.buf.ptr + lead)
             piece_crcs = handle.copy_ranges(ranges, True)  # GIL released, on the handle's threads
             _add_partial_crcs(partial, slots, piece_crcs)
-            fut = submit(start, win.buf.ptr + lead, pos - start)
+            fut = submit(start, base, pos - start)
             pool.submitted(win, fut)
             futures.append(fut)
         return partial, futures

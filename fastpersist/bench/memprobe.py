@@ -17,7 +17,6 @@ free page reporting setting, for the header every benchmark prints.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import threading
 import time
@@ -74,7 +73,12 @@ def page_reporting_order() -> Optional[int]:
 
 
 def _libc() -> Any:
-    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    from fastpersist.io import _libc as libc  # the process's one handle on libc (None: not found)
+
+    found = libc()
+    if found is None:
+        raise OSError("libc not found")
+    return found
 
 
 class _Mapping:
