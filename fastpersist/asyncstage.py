@@ -341,16 +341,17 @@ def snapshot_slice(
 class LazyFeed:
     """The background capture of a ``mode="lazy"`` save: the file's extents (live
     tensors, and the bytes copied at call time) are copied window by window into the
-    staging pool, CRC-32s computed during the copy, each window written as soon as it
-    is full, by a feeder thread whose copies run on the (possibly lower-priority)
-    background handle.
+    staging pool (a plain copy), each window written as soon as it is full, by a
+    feeder thread whose copies run on the (possibly lower-priority) background
+    handle. The CRC-32s are computed from the windows by a :class:`BackgroundCrc`,
+    as for a snapshot, so that neither the feeder nor the guard's copy pays for them.
 
     Live tensors are read only by the copies, never by the disk writes, so a tensor is
     *consumed* once copied, at memory speed, not once on disk. :meth:`release` (the
     guard, before ``optimizer.step``) copies whatever the feeder has not reached yet,
     on the caller's thread with the full-priority handle, and returns when no live
     byte is read any more. CRC fields stay as planned in the windows: the finisher
-    patches them (:meth:`crcs`) once every write is done.
+    patches them (:meth:`crcs`, after ``crc.done``) once every write is done.
     """
 
     def __init__(self, extents: list[tuple[int, int, int, int]], pool: StagingPool, background: Any,
@@ -361,7 +362,8 @@ class LazyFeed:
         self.foreground = foreground
         self.submit = submit
         self.futures: list[Any] = []
-        self.partial: dict[int, tuple[int, int]] = {}
+        self.crc = BackgroundCrc()
+        self.crc.keep = pool  # the windows it reads stay allocated while it runs
         self.exc: Optional[BaseException] = None
         self.done = threading.Event()
         self._lock = threading.Lock()  # one window copied at a time, in file order, by either thread
@@ -389,9 +391,11 @@ class LazyFeed:
                     if self.done.is_set() or self.exc is not None:
                         return
                     if not self._one(handle):
+                        self.crc.close()
                         self.done.set()
         except BaseException as e:  # noqa: BLE001 - raised by the finisher
             self.exc = e
+            self.crc.abort()
             self.done.set()
 
     def _one(self, handle: Any) -> bool:
@@ -403,27 +407,28 @@ class LazyFeed:
             return False
         start = ext[self._k][0] + self._k_off
         lead = start % _PAGE
-        win = self.pool.acquire()
+        win = self.pool.acquire(before_wait=self.crc.go)
         try:
             end = start + self.pool.window - lead
             ranges, slots, pos, k, k_off = _window_ranges(ext, self._k, self._k_off, start, end, win.buf.ptr + lead)
-            piece_crcs = handle.copy_ranges(ranges, True)  # GIL released
+            handle.copy_ranges(ranges, False)  # GIL released
+            pieces = [(dst, n, slot) for (dst, _src, n), (slot, _n) in zip(ranges, slots) if slot >= 0 and n]
             fut = self.submit(start, win.buf.ptr + lead, pos - start)
         except BaseException:
             self.pool.release(win)
             raise
-        self.pool.submitted(win, fut)
+        self.pool.submitted(win, _Both(fut, self.crc.add(pieces)))
         self.futures.append(fut)
         self._k, self._k_off = k, k_off
-        _add_partial_crcs(self.partial, slots, piece_crcs)
         return True
 
     def crcs(self, nslots: int) -> list[int]:
-        """Every slot's CRC-32 (after :attr:`done`)."""
-        out = [0] * nslots
-        for slot, (crc, _n) in self.partial.items():
-            out[slot] = crc
-        return out
+        """Every slot's CRC-32 (after :attr:`done` and ``crc.done``; raises the CRC
+        thread's error, if any)."""
+        self.crc.done.wait()
+        if self.crc.exc is not None:
+            raise self.crc.exc
+        return self.crc.crcs(nslots)
 
 
 def copy_private(plan: WritePlan, handle: Any, keep: Callable[[Any], bool]) -> tuple[list[tuple[int, int, int, int]], Any, int]:

@@ -297,6 +297,40 @@ def test_lazy_bit_exact_with_a_pool_smaller_than_the_state(tmp_path):
     assert (tmp_path / "small.pt").read_bytes() == want
 
 
+def test_lazy_copies_without_crc_and_crcs_come_later(tmp_path, monkeypatch):
+    """The lazy feed and the guard make plain copies (neither the feeder thread nor the
+    training's step pays for CRC-32); the CRC fields are still right, computed from the
+    staged windows in the background and written before the commit."""
+    rec: list[_RecordingHandle] = []
+    real_fg, real_bg = asyncsave.api._handle, asyncsave._io_handle
+
+    def fg(cfg, **kw):
+        rec.append(_RecordingHandle(real_fg(cfg, **kw)))
+        return rec[-1]
+
+    def bg(cfg):
+        rec.append(_RecordingHandle(real_bg(cfg)))
+        return rec[-1]
+
+    monkeypatch.setattr(asyncsave.api, "_handle", fg)
+    monkeypatch.setattr(asyncsave, "_io_handle", bg)
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    fastpersist.guard(opt)
+    _train_step(model, opt)
+    state = _state(model, opt)
+    want = _reference_bytes(state, tmp_path, "lc")
+    fut = fastpersist.save_async(state, tmp_path / "lc.pt", mode="lazy",
+                                 config=fastpersist.Config(async_staging_limit=256 << 10))
+    _train_step(model, opt)  # the guard copies what the feeder has not reached
+    assert fut.wait(timeout=60) is True
+    copies = [c for h in rec for c in h.copies]
+    assert copies and not any(crc for _n, crc in copies)
+    monkeypatch.undo()
+    assert (tmp_path / "lc.pt").read_bytes() == want
+    assert fastpersist.verify(tmp_path / "lc.pt").ok
+
+
 def test_lazy_without_guard_is_refused(tmp_path):
     model = _model()
     with pytest.raises(LazySaveError, match="guard"):

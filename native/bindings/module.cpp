@@ -332,8 +332,11 @@ NB_MODULE(_native, m) {
           nb::arg("timeout") = nb::none());
 
   nb::class_<PinnedBuffer>(m, "PinnedBuffer", nb::type_slots(pinned_slots))
+      // The GIL is released while the memory is mapped and mlock'ed (faulted in: tens
+      // of ms per 64 MiB of fresh memory): a lazy save's feeder thread allocates
+      // staging windows while the training thread runs Python.
       .def(nb::init<size_t, size_t, bool>(), nb::arg("nbytes"), nb::arg("alignment") = 4096,
-           nb::arg("lock") = true)
+           nb::arg("lock") = true, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("ptr", [](const PinnedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_prop_ro("nbytes", &PinnedBuffer::size)
       .def_prop_ro("locked", &PinnedBuffer::locked)
