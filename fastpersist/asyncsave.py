@@ -400,17 +400,19 @@ def _bytes_plan(obj: Any) -> WritePlan:
                      file_size=n, keepalive=[data])
 
 
-def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any) -> WritePlan:
+def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any, device_sources: Any = None) -> WritePlan:
+    """The save's plan; ``device_sources`` (snapshots): CUDA storages recorded, not
+    copied, for :func:`fastpersist.cudastage.stream_plan` (see docs/gpu.md)."""
     if fmt == "safetensors":
         from fastpersist.formats.safetensors import plan_safetensors
 
         if not isinstance(obj, dict):
             raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        return plan_safetensors(obj, None, align, checksum=cfg.checksum)
+        return plan_safetensors(obj, None, align, checksum=cfg.checksum, device_sources=device_sources)
     from fastpersist.formats.torchzip import plan_torch
 
     try:
-        return plan_torch(obj, align, fast=cfg.fast_pickle)
+        return plan_torch(obj, align, fast=cfg.fast_pickle, device_sources=device_sources)
     except UnsupportedLayoutError as e:
         log.debug("fast torch layout not possible for %s (%s); pickling with torch's writer", final, e)
         return _bytes_plan(obj)
@@ -504,7 +506,12 @@ def save_async(
     writer = _io_handle(cfg)  # background writes
     fut = SaveFuture(final, mode)
     with _copy_lock:
-        plan = _plan(obj, final, fmt, align, cfg)  # GC paused inside, restored on return
+        # snapshot: CUDA storages become device sources, D2H-copied through the pool
+        # (fastpersist.cudastage); lazy: staged to host memory at planning (= call) time
+        from fastpersist import cudastage
+
+        device = cudastage.is_cuda_storage if mode == "snapshot" and cudastage.has_cuda_tensors(obj) else None
+        plan = _plan(obj, final, fmt, align, cfg, device)  # GC paused inside, restored on return
         if mode == "lazy":
             keep, owners = _lazy_split(plan, cfg.async_staging_limit, final)
             with _lock:
@@ -516,7 +523,15 @@ def save_async(
         job = _Job(fut, tmp, cfg.fsync)
         try:
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
-            if mode == "snapshot":
+            if mode == "snapshot" and cudastage.device_sources_of(plan) is not None:
+                pool = _pool_for(cfg.async_staging_limit)
+                streamed, job.crc = cudastage.stream_plan(
+                    plan, pool, handle, lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False)
+                )
+                job.writes = [streamed]
+                job.fields = (list(plan.patches), plan.nslots, plan.file_size)
+                job.keepalive = pool
+            elif mode == "snapshot":
                 pool = _pool_for(cfg.async_staging_limit)
                 job.writes, job.crc = snapshot_plan(
                     plan, pool, handle, lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False)

@@ -244,8 +244,9 @@ def _find_shared(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
     return groups
 
 
-def _prepare(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Validate one tensor and return a CPU tensor whose memory holds exactly its bytes."""
+def _prepare(name: str, t: torch.Tensor, keep_device: Any = None) -> torch.Tensor:
+    """Validate one tensor and return a CPU tensor whose memory holds exactly its bytes
+    (a tensor on its own device when ``keep_device(storage)`` says so: a device source)."""
     if t.dtype not in DTYPE_CODES:
         supported = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
         raise ValueError(f"Tensor `{name}` has dtype {t.dtype}, which safetensors cannot store (supported: {supported})")
@@ -258,7 +259,7 @@ def _prepare(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "meta":
         raise ValueError(f"Tensor `{name}` is on the meta device and has no data to save")
     t = t.detach()
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" and not (keep_device is not None and keep_device(t.untyped_storage())):
         t = t.to("cpu")  # staged; the native writer reads host memory
     if t.is_conj():
         t = t.resolve_conj()
@@ -282,6 +283,7 @@ def plan_safetensors(
     alignment: int = 4096,
     *,
     checksum: bool = True,
+    device_sources: Any = None,
 ) -> WritePlan:
     """Lay out a safetensors file for the native writer, copying no tensor bytes.
 
@@ -296,6 +298,11 @@ def plan_safetensors(
             :data:`CRC_METADATA_KEY`).
         alignment: the data section starts at a multiple of ``lcm(alignment, 8)``.
         checksum: record a CRC-32 per tensor in ``__metadata__[CRC_METADATA_KEY]``.
+        device_sources: a predicate on storages (e.g.
+            :func:`fastpersist.cudastage.is_cuda_storage`): tensors it accepts are not
+            copied to CPU but recorded in a :class:`fastpersist.cudastage.DeviceSources`
+            (in ``keepalive``); such a plan must be written by
+            :func:`fastpersist.cudastage.stream_plan`.
 
     Returns:
         A :class:`~fastpersist.formats.base.WritePlan` whose crc slots are the
@@ -317,7 +324,12 @@ def plan_safetensors(
             "More information at https://huggingface.co/docs/safetensors/torch_shared_tensors"
         )
 
-    prepared = {name: _prepare(name, t) for name, t in tensors.items()}
+    prepared = {name: _prepare(name, t, device_sources) for name, t in tensors.items()}
+    sources: Any = None
+    if device_sources is not None:
+        from fastpersist.cudastage import DeviceSources
+
+        sources = DeviceSources()
     order = sorted(prepared, key=lambda n: (_CODE_RANK[DTYPE_CODES[prepared[n].dtype]], n))
 
     entries: dict[str, Any] = {}
@@ -366,7 +378,10 @@ def plan_safetensors(
         if nbytes == 0:
             continue  # its CRC is 0: the placeholder already says 00000000
         slot = len(slot_names) if checksum else -1
-        extents.append((data_start + begin, t.data_ptr(), nbytes, slot))
+        ptr = t.data_ptr()
+        if sources is not None and device_sources(t.untyped_storage()):
+            ptr = sources.add(t.reshape(-1).view(torch.uint8))
+        extents.append((data_start + begin, ptr, nbytes, slot))
         if checksum:
             patches.append((crc_at + 9 * index, slot, PATCH_HEX8))
             slot_names.append(name)
@@ -376,7 +391,7 @@ def plan_safetensors(
         patches=patches,
         nslots=len(slot_names),
         file_size=data_start + data_size,
-        keepalive=[header, header_t, prepared],
+        keepalive=[header, header_t, prepared] + ([sources] if sources is not None and len(sources) else []),
         slot_names=slot_names,
     )
 

@@ -10,7 +10,9 @@ file minus the payload bytes. The payload CRCs, which are not known while
 planning, become native *patches*: the executor computes each payload's CRC
 while writing it and stores it in the data descriptor and in the central
 directory. No tensor byte is copied during planning (CUDA and other non-CPU
-storages are staged to host memory).
+storages are staged to host memory, unless the caller asks for *device sources*:
+then CUDA storages are recorded, not copied, and :mod:`fastpersist.cudastage`
+streams them through the staging pool; see docs/gpu.md).
 
 The file is a plain torch zip with storages aligned to the O_DIRECT block size
 (recorded in ``.storage_alignment``): stock ``torch.load`` reads it.
@@ -58,7 +60,25 @@ def _record_key(name: str) -> Optional[str]:
     return None
 
 
-def plan_torch(obj: Any, alignment: int, *, fast: bool = True) -> WritePlan:
+def _device_host_bytes(pred: Any) -> tuple[Any, Any]:
+    """A ``host_bytes`` for the planner that records storages matching ``pred`` as
+    device sources (their extent's ptr is their own address; no copy) and stages the
+    other non-CPU ones as :func:`_host_bytes`. Returns ``(host_bytes, sources)``."""
+    from fastpersist.cudastage import DeviceSources
+
+    sources = DeviceSources()
+
+    def host_bytes(storage: torch.UntypedStorage, keepalive: list[Any]) -> int:
+        if pred(storage):
+            if not any(k is sources for k in keepalive):
+                keepalive.append(sources)
+            return sources.add_storage(storage)
+        return _host_bytes(storage, keepalive)
+
+    return host_bytes, sources
+
+
+def plan_torch(obj: Any, alignment: int, *, fast: bool = True, device_sources: Any = None) -> WritePlan:
     """Lay out ``obj`` as a torch zip file whose storages start at multiples of ``alignment``.
 
     The layout is the streaming one of :mod:`fastpersist.formats.torchstream`
@@ -77,7 +97,8 @@ def plan_torch(obj: Any, alignment: int, *, fast: bool = True) -> WritePlan:
     from fastpersist.formats.torchstream import stream_torch
 
     batches: list[Any] = []
-    result = _run_stream(obj, alignment, batches.append, 0, stream_torch, fast=fast)
+    hb = _host_bytes if device_sources is None else _device_host_bytes(device_sources)[0]
+    result = _run_stream(obj, alignment, batches.append, 0, stream_torch, fast=fast, host_bytes=hb)
     (b,) = batches
     names = [result.names[k] for k in b.payloads]
     return WritePlan(
@@ -91,7 +112,8 @@ def plan_torch(obj: Any, alignment: int, *, fast: bool = True) -> WritePlan:
 
 
 def _run_stream(
-    obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any = dict, fast: bool = True
+    obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any = dict, fast: bool = True,
+    host_bytes: Any = None,
 ) -> Any:
     """``stream_torch`` with this module's capture pickler and host staging.
 
@@ -102,7 +124,7 @@ def _run_stream(
     the next collection after the save finds whatever cycles were made.
     """
     with _gc_paused():
-        return _run_stream_inner(obj, alignment, emit, batch_bytes, stream, crcs, fast)
+        return _run_stream_inner(obj, alignment, emit, batch_bytes, stream, crcs, fast, host_bytes or _host_bytes)
 
 
 @contextlib.contextmanager
@@ -117,7 +139,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _run_stream_inner(
-    obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any, fast: bool
+    obj: Any, alignment: int, emit: Any, batch_bytes: int, stream: Any, crcs: Any, fast: bool, host_bytes: Any
 ) -> Any:
     try:
         return stream(
@@ -125,7 +147,7 @@ def _run_stream_inner(
             alignment,
             emit,
             batch_bytes=batch_bytes,
-            host_bytes=_host_bytes,
+            host_bytes=host_bytes,
             capture_module=pick_capture_module if fast else capture_module,
             crcs_before_final=crcs,
             fast_layout=fast,
@@ -146,8 +168,18 @@ def stream_save_torch(
     torch's per-tensor pickling overlaps the disk writes. ``handle`` must not be
     shared with other work (its ``wait`` collects every op). The file at ``path``
     is created/truncated first; ``fsync`` syncs it at the end.
+
+    An object holding CUDA tensors (:func:`fastpersist.cudastage.has_cuda_tensors`)
+    is planned whole with its CUDA storages as device sources and written through
+    the async saves' staging pool (``Config.async_staging_limit`` of the default
+    config), D2H copies overlapping the disk writes (:func:`_save_cuda`).
     """
     from fastpersist.formats.torchstream import stream_torch
+
+    from fastpersist import cudastage
+
+    if cudastage.has_cuda_tensors(obj):
+        return _save_cuda(obj, path, handle, alignment, fsync=fsync, fast=fast)
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     os.close(fd)
@@ -178,6 +210,19 @@ def stream_save_torch(
                 handle.wait()
             except OSError:
                 pass  # the exception already propagating is the one to report
+
+
+def _save_cuda(obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool, fast: bool) -> None:
+    """Blocking save of an object with CUDA tensors: plan with device sources, then
+    :func:`fastpersist.cudastage.write_plan_blocking` through the shared staging pool
+    (one capture at a time with the async saves). UNVERIFIED on a GPU (docs/gpu.md)."""
+    from fastpersist import asyncsave, cudastage
+    from fastpersist.config import get_default
+
+    plan = plan_torch(obj, alignment, fast=fast, device_sources=cudastage.is_cuda_storage)
+    pool = asyncsave._pool_for(get_default().async_staging_limit)
+    with asyncsave._copy_lock:
+        cudastage.write_plan_blocking(plan, path, handle, pool, fsync=fsync)
 
 
 # --------------------------------------------------------------------------- reading

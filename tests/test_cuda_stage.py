@@ -1,0 +1,168 @@
+"""The host side of the GPU save path (fastpersist.cudastage), on CPU.
+
+CPU storages are declared *device sources* (the planners' ``device_sources``
+predicate accepts them) and copied by :class:`HostCopier`, a copier whose copies
+run late on a thread of their own: the window pipeline (cutting, per-window
+tokens, submission only after the copies, file order, CRC fields, errors) is the
+one CUDA saves use. The CUDA copier itself is covered by tests/test_gpu_path.py
+(skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import _native, cudastage
+from fastpersist.asyncstage import StagingPool
+from fastpersist.formats.safetensors import plan_safetensors
+from fastpersist.formats.torchzip import plan_torch
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(700, 1000, generator=g)  # 2.8 MB: crosses several 1 MiB pool windows
+    return {
+        "big": big,
+        "view": big[5:9],  # shares big's storage
+        "ints": torch.arange(5000, dtype=torch.int64),
+        "half": torch.randn(333, generator=g).half(),
+        "bool": torch.tensor([True, False, True]),
+        "empty": torch.empty(0),
+        "scalar": torch.tensor(7.5),
+        "meta": {"step": 3},
+    }
+
+
+def _same(a: dict, b: dict) -> None:
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert b[k].dtype == v.dtype and torch.equal(b[k].view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k
+        else:
+            assert b[k] == v
+
+
+def test_plan_records_sources_instead_of_copying():
+    sd = _state()
+    plan = plan_torch(sd, 4096, device_sources=lambda s: True)
+    src = cudastage.device_sources_of(plan)
+    assert src is not None
+    # big (with its view), ints, half, bool, scalar: one source per non-empty storage
+    assert len(src) == 5
+    ptrs = {e[1] for e in plan.extents}
+    assert sd["big"].untyped_storage().data_ptr() in ptrs  # the extent points at the source itself
+    found = src.find(sd["big"].data_ptr() + 100, 50)
+    assert found is not None and found[1] == 100
+    assert src.find(sd["big"].data_ptr() + sd["big"].untyped_storage().nbytes() - 10, 20) is None
+    assert cudastage.device_sources_of(plan_torch(sd, 4096)) is None
+
+
+@pytest.mark.parametrize("pool_bytes", [2 * 4096, 1 << 20, 64 << 20])
+@pytest.mark.parametrize("delay", [0.0, 0.02])
+def test_torch_file_through_windows(tmp_path, pool_bytes, delay):
+    sd = _state()
+    plan = plan_torch(sd, 4096, device_sources=lambda s: True)
+    path = str(tmp_path / "x.pt")
+    cudastage.write_plan_blocking(plan, path, _native.Handle(), StagingPool(pool_bytes), fsync=False,
+                                  copier=cudastage.HostCopier(delay=delay))
+    ref = str(tmp_path / "ref.pt")
+    fastpersist.save(sd, ref)
+    with open(path, "rb") as a, open(ref, "rb") as b:
+        assert a.read() == b.read()  # byte-identical to the ordinary save, CRC fields included
+    out = torch.load(path, weights_only=True)
+    _same(sd, out)
+    assert out["view"].untyped_storage().data_ptr() == out["big"].untyped_storage().data_ptr()
+    assert fastpersist.verify(path).ok
+
+
+def test_safetensors_through_windows(tmp_path):
+    from safetensors.torch import load_file
+
+    sd = {k: v for k, v in _state().items() if isinstance(v, torch.Tensor) and k != "view"}
+    plan = plan_safetensors(sd, None, 4096, device_sources=lambda s: True)
+    assert len(cudastage.device_sources_of(plan)) == 5
+    path = str(tmp_path / "x.safetensors")
+    cudastage.write_plan_blocking(plan, path, _native.Handle(), StagingPool(1 << 20), fsync=False,
+                                  copier=cudastage.HostCopier(delay=0.01))
+    out = load_file(path)
+    _same(sd, out)
+    assert fastpersist.verify(path).ok
+
+
+class _Recording:
+    """A submit() that checks each window's bytes are final when submitted."""
+
+    def __init__(self, handle, path, plan_bytes: bytes):
+        self.handle, self.path, self.expect = handle, path, plan_bytes
+        self.offsets: list[int] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, off, ptr, n):
+        import ctypes
+
+        got = ctypes.string_at(ptr, n)
+        exp = self.expect[off:off + n]
+        # CRC fields are placeholders in the windows; compare everything else
+        assert len(got) == len(exp)
+        with self.lock:
+            self.offsets.append(off)
+        self.mismatch = getattr(self, "mismatch", 0) + sum(1 for a, b in zip(got[::97], exp[::97]) if a != b)
+        return self.handle.write_async(self.path, [(off, ptr, n, -1)], truncate=False)
+
+
+def test_window_submitted_only_after_its_copies(tmp_path):
+    sd = {"a": torch.full((1 << 20,), 7, dtype=torch.uint8), "b": torch.full((3 << 20,), 9, dtype=torch.uint8)}
+    ref = str(tmp_path / "ref.pt")
+    fastpersist.save(sd, ref)
+    expect = open(ref, "rb").read()
+    plan = plan_torch(sd, 4096, device_sources=lambda s: True)
+    path = str(tmp_path / "x.pt")
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+    rec = _Recording(_native.Handle(), path, expect)
+    writes, crc = cudastage.stream_plan(plan, StagingPool(1 << 20), rec.handle, rec,
+                                        copier=cudastage.HostCopier(delay=0.03))
+    writes.result()
+    crc.done.wait()
+    assert rec.offsets == sorted(rec.offsets) and len(rec.offsets) >= 4
+    assert rec.mismatch == 0  # sampled bytes: none was submitted before its late copy landed
+
+
+def test_copy_error_fails_and_stops(tmp_path):
+    sd = {"a": torch.ones(3 << 20, dtype=torch.uint8), "b": torch.ones(3 << 20, dtype=torch.uint8)}
+    plan = plan_torch(sd, 4096, device_sources=lambda s: True)
+    path = str(tmp_path / "x.pt")
+    pool = StagingPool(1 << 20)
+    with pytest.raises(RuntimeError, match="injected device copy failure"):
+        cudastage.write_plan_blocking(plan, path, _native.Handle(), pool, fsync=False,
+                                      copier=cudastage.HostCopier(fail_after=2))
+    # every window given back: the pool serves a full save afterwards
+    cudastage.write_plan_blocking(plan, path, _native.Handle(), pool, fsync=False, copier=cudastage.HostCopier())
+    _same(sd, torch.load(path, weights_only=True))
+
+
+def test_write_error_mid_stream(tmp_path):
+    sd = {"a": torch.ones(3 << 20, dtype=torch.uint8)}
+    plan = plan_torch(sd, 4096, device_sources=lambda s: True)
+    path = str(tmp_path / "x.pt")
+    _native.set_fault("write", 2, "EIO")
+    try:
+        with pytest.raises(OSError):
+            cudastage.write_plan_blocking(plan, path, _native.Handle(engine="psync"), StagingPool(1 << 20),
+                                          fsync=False, copier=cudastage.HostCopier())
+    finally:
+        _native.clear_faults()
+
+
+def test_has_cuda_tensors_on_cpu_objects():
+    class Holder:
+        def __init__(self):
+            self.t = [torch.ones(2), {"x": (torch.zeros(1),)}]
+
+    assert not cudastage.has_cuda_tensors({"a": torch.ones(1), "m": torch.nn.Linear(2, 2), "h": Holder()})
+    loop: list = []
+    loop.append(loop)
+    assert not cudastage.has_cuda_tensors(loop)
