@@ -133,3 +133,32 @@ def test_guard_counts_its_waits(tmp_path, monkeypatch):
         assert g.waits == 1
     finally:
         g.remove()
+
+
+def test_pool_warmup_before_the_rounds_only_with_async_methods(tmp_path, monkeypatch):
+    """With an async method, one untimed save_async allocates the staging pool before the
+    rounds (reported, and printed); every run ends with a sync(); without one, no warm-up."""
+    warmed: list[str] = []
+    real_warm = train_bench._warm_pool
+    synced: list[int] = []
+
+    def warm(*a, **k):
+        warmed.append("yes")
+        return real_warm(*a, **k)
+
+    monkeypatch.setattr(train_bench, "_warm_pool", warm)
+    monkeypatch.setattr(train_bench, "_settle_disk", lambda: synced.append(1))
+    res = run_train_bench(str(tmp_path), methods=["torch.save", "async-snapshot"], **TINY)
+    assert warmed == ["yes"] and math.isfinite(res.pool_warmup_s) and res.pool_warmup_s > 0
+    assert len(synced) == len(res.runs) == 3
+    assert not any(n.startswith("train-") for n in __import__("os").listdir(tmp_path))
+    out = io.StringIO()
+    print_train_report(res, out)
+    assert "staging pool" in out.getvalue()
+    assert json.loads(json.dumps(res.to_dict(), default=str))["pool_warmup_s"] == pytest.approx(res.pool_warmup_s)
+    warmed.clear()
+    res = run_train_bench(str(tmp_path), methods=["torch.save"], **TINY)
+    assert warmed == [] and math.isnan(res.pool_warmup_s)
+    out = io.StringIO()
+    print_train_report(res, out)
+    assert "staging pool" not in out.getvalue()
