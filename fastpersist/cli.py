@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import traceback
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from fastpersist.bench.units import parse_int_list, parse_size, parse_size_list
 
@@ -243,9 +243,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         native_version = str(getattr(_native, "__version__", "")) or None
     except ImportError:
         pass
+    gpu = _gpu_path(args.dir)
     if args.json:
         data = info.to_dict()
         data.update({"engines_compiled": compiled, "native_version": native_version})
+        data["gpu_path"] = gpu if isinstance(gpu, str) else dataclasses.asdict(gpu)
         data["temp_files"] = None if temps is None else [
             {"path": t.path, "size": t.size, "pid": t.pid, "state": t.state, "age_s": round(_age(t), 1),
              "removed_by_next_save": t.removable, "removed": t.path in removed, "reason": t.reason}
@@ -260,9 +262,23 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"Compiled   : {', '.join(compiled)}")
     for line in info.summary_lines():
         print(line)
+    for line in ([f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()):
+        print(line)
     for line in _temp_lines(temps, temps_error, removed, args.clean):
         print(line)
     return 0
+
+
+def _gpu_path(directory: str) -> Any:
+    """:func:`fastpersist.io.gpu_path` of ``directory`` under the default config, or why it is unknown."""
+    try:
+        from fastpersist.config import get_default
+        from fastpersist.io import gpu_path
+
+        cfg = get_default()
+        return gpu_path(directory, engine=cfg.engine, checksum=cfg.checksum)
+    except (ImportError, OSError) as e:
+        return str(e)
 
 
 if TYPE_CHECKING:

@@ -395,6 +395,10 @@ def stream_plan(
     come from ``StreamedWrites.result()``. After an error nothing more is submitted.
     """
     sources = device_sources_of(plan) or DeviceSources()
+    if getattr(handle, "engine", "auto") == "cufile" and len(sources):
+        from fastpersist.io import require_cufile
+
+        require_cufile(".", "save")  # raises: saves of CUDA tensors never go through cuFile (docs/gpu.md)
     if copier is None:
         copier = copier_for(sources)
     copier.begin(sources)

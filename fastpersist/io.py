@@ -61,6 +61,7 @@ __all__ = [
     "available_engines",
     "cufile_status",
     "direct_io_supported",
+    "gpu_path",
     "is_page_locked",
     "pinned_empty",
 ]
@@ -124,6 +125,63 @@ def available_engines() -> list[str]:
 def cufile_status() -> str:
     """``"available"``, or the reason GPUDirect Storage (cuFile) cannot be used here."""
     return str(_native_module().cufile_status())
+
+
+@dataclass(frozen=True)
+class GpuPath:
+    """How CUDA tensors move between device memory and files of one directory
+    (:func:`gpu_path`): ``save``/``load`` are ``"cufile"`` (GPUDirect Storage, device
+    memory <-> disk), ``"pinned"`` (through page-locked host windows, D2H/H2D on a
+    side stream) or ``"none"`` (no CUDA device), each with the reason."""
+
+    save: str
+    save_reason: str
+    load: str
+    load_reason: str
+
+    def lines(self) -> list[str]:
+        """Two lines for ``fastpersist info``."""
+        return [f"GPU save   : {self.save} ({self.save_reason})", f"GPU load   : {self.load} ({self.load_reason})"]
+
+
+def gpu_path(directory: Union[str, "os.PathLike[str]"], *, engine: str = "auto", checksum: bool = True) -> GpuPath:
+    """Which path CUDA tensors take to and from files in ``directory``, and why.
+
+    Saves always stage through page-locked windows: the file's CRC-32 fields are
+    computed from host bytes, which a GPUDirect write never has. Loads read with
+    cuFile straight into device memory when cuFile is available (``engine`` ``"auto"``
+    or ``"cufile"``), the filesystem takes O_DIRECT and checksums are off; otherwise
+    through the pinned ring, where CRC-32s are checked. Never initialises CUDA
+    (``torch.cuda.is_available()`` and the cuFile probe do not).
+    """
+    if not torch.cuda.is_available():
+        why = "no CUDA device (torch.cuda.is_available() is False)"
+        return GpuPath("none", why, "none", why)
+    if engine not in ("auto", "cufile"):
+        why = f"engine={engine!r}: device bytes go through page-locked host windows"
+        return GpuPath("pinned", why, "pinned", why)
+    save_why = "the file's CRC-32s are computed from host bytes; GPUDirect writes are not used for saves"
+    status = cufile_status()
+    if status != "available":
+        why = f"cuFile unavailable: {status}"
+        return GpuPath("pinned", f"{why}; {save_why}", "pinned", why)
+    if not direct_io_supported(directory):
+        why = "the filesystem refuses O_DIRECT, which cuFile needs"
+        return GpuPath("pinned", save_why, "pinned", why)
+    if checksum:
+        return GpuPath("pinned", save_why, "pinned",
+                       "checksums on (Config.checksum): CRC-32s are checked from host bytes; cuFile reads need checksum=False")
+    return GpuPath("pinned", save_why, "cufile", "cuFile available, O_DIRECT filesystem, checksums off")
+
+
+def require_cufile(directory: Union[str, "os.PathLike[str]"], what: str, *, checksum: bool = True) -> None:
+    """``engine="cufile"`` fails loudly: raise RuntimeError naming why ``what`` (``"save"``
+    or ``"load"``) of CUDA tensors in ``directory`` cannot go through cuFile."""
+    p = gpu_path(directory, engine="cufile", checksum=checksum)
+    way, why = (p.save, p.save_reason) if what == "save" else (p.load, p.load_reason)
+    if way != "cufile":
+        raise RuntimeError(f"fastpersist: engine='cufile' cannot {what} CUDA tensors in {os.fspath(directory)!r}: {why}; "
+                           "use engine='auto' (pinned staging)")
 
 
 def alignment_of(path: Union[str, "os.PathLike[str]"]) -> int:

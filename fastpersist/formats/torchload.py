@@ -83,6 +83,7 @@ class _Record:
     buffer_offset: int = 0  #: where the data starts in ``buffer``
     slot: int = -1  #: CRC slot in the bulk read
     header_pos: int = -1  #: where the bulk read put the local header in the arena
+    device: Any = None  #: uint8 device tensor holding the data (the GPU path, fastpersist.cudaload)
 
     @property
     def data_end(self) -> int:
@@ -391,6 +392,8 @@ class _Load:
                        f"claims a storage of {nbytes} bytes")
         if r.size == 0:
             return torch.empty(0, dtype=torch.uint8)
+        if r.device is not None:  # read to its CUDA device through the ring (fastpersist.cudaload)
+            return r.device
         if r.buffer is None:  # not in the bulk read: read it now, checked
             r.buffer, r.buffer_offset = _own_buffer(r.data_offset, r.size, self.lock)
             view = memoryview(r.buffer).cast("B")[r.buffer_offset : r.buffer_offset + r.size]
@@ -438,7 +441,9 @@ def _cpu(map_location: Any) -> bool:
 
 
 def _wants_pinned(map_location: Any) -> bool:
-    """Page-lock the read buffers only when their bytes go on to an accelerator."""
+    """Page-lock the read buffers only when their bytes go on to an accelerator (storages
+    that go to a CUDA device take the ring of :mod:`fastpersist.cudaload` instead; the
+    rest, e.g. a callable ``map_location``, still come here)."""
     if isinstance(map_location, (str, torch.device)):
         return torch.device(map_location).type != "cpu"
     return False
@@ -541,6 +546,16 @@ def _load_fd(
                                            weights_only, pickle_load_args)
     wanted = scan.keys
     overlap = _overlap_allowed(scan, native_order, map_location)
+    # The GPU path: storages that torch would put on a CUDA device are read through a
+    # page-locked ring straight into device memory (fastpersist.cudaload), not into
+    # host buffers; only in native byte order (no byte swap of device storages).
+    to_device: dict[str, Any] = {}
+    if wanted is not None and native_order:
+        from fastpersist import cudaload
+
+        to_device = cudaload.destinations(map_location, scan.pids)
+        if to_device:
+            wanted = wanted - set(to_device)
 
     extents, bulk = load.plan_bulk(wanted)
     nbytes = sum(r.size for r in bulk)
@@ -567,6 +582,15 @@ def _load_fd(
 
     if extents:
         reader.submit_read(fd, extents, len(bulk))
+    if to_device:
+        from fastpersist import cudaload
+
+        try:
+            cudaload.read_to_device(load, reader, fd, to_device)
+        except BaseException:
+            _drain(reader)
+            raise
+
     def unpickle() -> Any:
         # The unpickler allocates several tracked objects per tensor; with the cyclic GC
         # on, its collections walk them again and again (6% of a 2 GiB load's samples,

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <mutex>
+#include <utility>
 
 #include "fastpersist/error.hpp"
 
@@ -125,34 +126,43 @@ void cuda_host_unregister(void* p) {
 std::string cufile_status() { return cufile().status; }
 bool cufile_available() { return cufile().ok; }
 
-void cufile_transfer(int fd, const std::string& path, bool write, void* dev, size_t len,
-                     uint64_t off, size_t chunk) {
+CufileFile::CufileFile(int fd, std::string path) : path_(std::move(path)) {
   auto& c = cufile();
-  if (!c.ok) throw IoError(ENOTSUP, "cuFile", path, off, len);
+  if (!c.ok) throw IoError(ENOTSUP, "cuFile (" + c.status + ")", path_, 0, 0);
   CUfileDescr_t d{};
-  d.type = 1;
+  d.type = 1;  // CU_FILE_HANDLE_TYPE_OPAQUE_FD
   d.handle.fd = fd;
   CUfileHandle_t fh = nullptr;
   CUfileError_t e = c.handle_register(&fh, &d);
-  if (e.err != 0) throw IoError(EIO, "cuFileHandleRegister", path, off, len);
-  struct Dereg {
-    CuFile& c;
-    CUfileHandle_t fh;
-    ~Dereg() { c.handle_deregister(fh); }
-  } dereg{c, fh};
+  if (e.err != 0) throw IoError(EIO, "cuFileHandleRegister", path_, 0, 0);
+  fh_ = fh;
+}
+
+CufileFile::~CufileFile() {
+  if (fh_) cufile().handle_deregister(fh_);
+}
+
+void CufileFile::transfer(bool write, void* dev, size_t len, uint64_t off, size_t chunk) {
+  auto& c = cufile();
   size_t done = 0;
   while (done < len) {
     size_t n = std::min(chunk, len - done);
-    ssize_t r = write ? c.write(fh, dev, n, static_cast<off_t>(off + done), static_cast<off_t>(done))
-                      : c.read(fh, dev, n, static_cast<off_t>(off + done), static_cast<off_t>(done));
+    ssize_t r = write ? c.write(fh_, dev, n, static_cast<off_t>(off + done), static_cast<off_t>(done))
+                      : c.read(fh_, dev, n, static_cast<off_t>(off + done), static_cast<off_t>(done));
     if (r == -1 && errno == EINTR) continue;
-    if (r < 0) throw IoError(r == -1 ? errno : EIO, write ? "cuFileWrite" : "cuFileRead", path, off + done, n);
+    if (r < 0) throw IoError(r == -1 ? errno : EIO, write ? "cuFileWrite" : "cuFileRead", path_, off + done, n);
     if (r == 0) {
-      if (write) throw IoError(EIO, "cuFileWrite", path, off + done, n);
-      throw EofError(path, off + done, off + len);
+      if (write) throw IoError(EIO, "cuFileWrite", path_, off + done, n);
+      throw EofError(path_, off + done, off + len);
     }
     done += static_cast<size_t>(r);
   }
+}
+
+void cufile_transfer(int fd, const std::string& path, bool write, void* dev, size_t len,
+                     uint64_t off, size_t chunk) {
+  CufileFile f(fd, path);
+  f.transfer(write, dev, len, off, chunk);
 }
 
 }  // namespace fastpersist

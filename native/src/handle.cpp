@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <cstdlib>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -113,10 +114,11 @@ std::vector<uint32_t> Handle::run_cufile(const OpSpec& op, State& s) {
   }
   File f = open_target(op.target, op.write, op.truncate, true);
   if (!f.direct()) throw IoError(EINVAL, "open(O_DIRECT) for cuFile", f.path(), 0, 0);
+  std::unique_ptr<CufileFile> reg;  // the file is registered once for the whole op
   for (const Extent& e : op.extents) {
     if (e.len) {
-      cufile_transfer(f.dfd(), f.path(), op.write, reinterpret_cast<void*>(e.ptr), e.len, e.off,
-                      opt_.chunk_size);
+      if (!reg) reg = std::make_unique<CufileFile>(f.dfd(), f.path());
+      reg->transfer(op.write, reinterpret_cast<void*>(e.ptr), e.len, e.off, opt_.chunk_size);
     }
   }
   if (op.write && op.fsync) f.sync();

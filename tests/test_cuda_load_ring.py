@@ -1,0 +1,144 @@
+"""The host side of the GPU load path (fastpersist.cudaload), on CPU.
+
+:func:`ring_read` streams records through a few page-locked windows into
+destination tensors; with CPU destinations it runs here, checking the windowing,
+the local headers and CRC-32s, and the error handling. The loader hook is run with
+:func:`destinations` replaced by one that sends every storage to the CPU through the
+ring (labelled as such: it checks the host part of the hook, not CUDA). CUDA
+destinations are covered by tests/test_gpu_path.py (skipped without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist import _native, cudaload
+from fastpersist.errors import ChecksumError
+from fastpersist.formats import torchload
+
+
+def _state():
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(600, 1000, generator=g)
+    return {
+        "big": big,
+        "view": big[10:20],
+        "small": torch.arange(100, dtype=torch.int16),
+        "odd": torch.randn(12345, generator=g).to(torch.bfloat16),
+        "bool": torch.tensor([True, False]),
+        "empty": torch.empty(0, 3),
+        "x": {"y": [torch.ones(7, dtype=torch.complex64)]},
+    }
+
+
+def _open_load(path):
+    fd = os.open(path, os.O_RDONLY)
+    load = torchload._Load(path, fd, os.fstat(fd).st_size, True, False)
+    load.index()
+    return fd, load
+
+
+@pytest.mark.parametrize("window,windows", [(4096, 1), (8192, 2), (1 << 20, 3), (16 << 20, 4)])
+def test_ring_read_cpu_destinations(tmp_path, window, windows):
+    p = str(tmp_path / "a.pt")
+    fastpersist.save(_state(), p)
+    fd, load = _open_load(p)
+    try:
+        recs = [r for r in load.records if r.short.startswith("data/") and r.size]
+        recs.sort(key=lambda r: r.entry.header_offset)
+        items = [cudaload.RingItem(r.entry.header_offset, r.data_offset, r.size,
+                                   torch.empty(r.size, dtype=torch.uint8)) for r in recs]
+        cudaload.ring_read(fd, _native.Handle(), items, windows=windows, window=window)
+        with open(p, "rb") as f:
+            data = f.read()
+        for r, it in zip(recs, items):
+            assert bytes(it.dest.numpy()) == data[r.data_offset:r.data_end]
+            assert bytes(it.header) == data[r.entry.header_offset:r.data_offset]
+            assert it.crc == r.entry.crc32
+            load._check_header(r, memoryview(it.header))
+    finally:
+        os.close(fd)
+
+
+def _all_to_cpu(map_location, pids):
+    """Stand-in for destinations(): every storage through the ring, to the CPU."""
+    return {str(pid[2]): torch.device("cpu") for pid in pids if isinstance(pid, tuple) and len(pid) == 5}
+
+
+def test_loader_hook_through_ring(tmp_path, monkeypatch):
+    sd = _state()
+    p = str(tmp_path / "a.pt")
+    fastpersist.save(sd, p)
+    calls = []
+    real = cudaload.read_to_device
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append(len(out))
+        return out
+
+    monkeypatch.setattr(cudaload, "destinations", _all_to_cpu)
+    monkeypatch.setattr(cudaload, "read_to_device", spy)
+    out = fastpersist.load(p, weights_only=True)
+    ref = torch.load(p, weights_only=True)
+    assert calls and calls[0] == 5  # every non-empty storage went through the ring
+    for k in ("big", "view", "small", "odd", "bool", "empty"):
+        assert torch.equal(out[k], ref[k]) and out[k].dtype == ref[k].dtype
+    assert torch.equal(out["x"]["y"][0], ref["x"]["y"][0])
+    assert out["view"].untyped_storage().data_ptr() == out["big"].untyped_storage().data_ptr()
+
+
+def test_loader_hook_detects_corruption(tmp_path, monkeypatch):
+    p = str(tmp_path / "a.pt")
+    fastpersist.save({"w": torch.ones(100000)}, p)
+    fd, load = _open_load(p)
+    r = load.by_short["data/0"]
+    os.close(fd)
+    with open(p, "r+b") as f:
+        f.seek(r.data_offset + 1000)
+        f.write(b"\x12")
+    monkeypatch.setattr(cudaload, "destinations", _all_to_cpu)
+    with pytest.raises(ChecksumError):
+        fastpersist.load(p, weights_only=True)
+
+
+def test_ring_read_error_waits_and_raises(tmp_path):
+    p = str(tmp_path / "a.pt")
+    fastpersist.save({"w": torch.ones(1 << 20)}, p)
+    fd, load = _open_load(p)
+    try:
+        r = load.by_short["data/0"]
+        it = cudaload.RingItem(r.entry.header_offset, r.data_offset, r.size, torch.empty(r.size, dtype=torch.uint8))
+        _native.set_fault("read", 2, "EIO")
+        try:
+            with pytest.raises(OSError):
+                cudaload.ring_read(fd, _native.Handle(engine="psync"), [it], window=1 << 20, windows=2)
+        finally:
+            _native.clear_faults()
+    finally:
+        os.close(fd)
+
+
+def test_destinations_without_cuda_targets():
+    pids = [("storage", None, "0", "cpu", 4), ("storage", None, "1", "cuda:0", 4)]
+    assert cudaload.destinations("cpu", pids) == {}
+    assert cudaload.destinations(torch.device("cpu"), pids) == {}
+    assert cudaload.destinations({"cuda:0": "cpu"}, pids) == {}
+    assert cudaload.destinations(lambda s, loc: s, pids) == {}
+    if not torch.cuda.is_available():
+        assert cudaload.destinations(None, pids) == {}  # torch raises its own error for cuda:0 later
+        assert cudaload.destinations("cuda", pids) == {}
+
+
+def test_windows_of_cuts_and_merges():
+    mk = lambda h, d, n: cudaload.RingItem(h, d, n, torch.empty(0, dtype=torch.uint8))  # noqa: E731
+    items = [mk(0, 100, 5000), mk(5100, 8192, 10000), mk(50 << 20, (50 << 20) + 64, 10)]
+    cuts = cudaload._windows_of(items, 8192)
+    assert cuts[0][0] == 0 and cuts[-1] == (50 << 20, (50 << 20) + 74)
+    covered = [c for c in cuts if c[0] < 18192]
+    assert covered[-1][1] == 18192 and all(b - a <= 8192 for a, b in cuts)
+    assert all(cuts[i][1] == cuts[i + 1][0] for i in range(len(covered) - 1))
