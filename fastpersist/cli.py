@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "docs/config.md)")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per configuration (default: 3)")
     p.add_argument("--no-fio", action="store_true", help="do not measure fio's ceiling")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: write/read a CUDA tensor (HBM <-> disk) per engine (cufile = GPUDirect Storage), "
+                   "beside pinned D2H/H2D bandwidth and fio measured in the same run (default: cpu)")
     _add_outputs(p, plot="write a bar chart (PNG)")
     p.set_defaults(func=cmd_bench_io)
 
@@ -166,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the timed loads run: fresh, a new Python process for each load, as a resumed job "
                    "loads (the default; imports and setup untimed); same, this process round after round, where "
                    "freed memory is reused")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: save/load a CUDA state (fastpersist vs torch.save/torch.load, map_location='cuda'), "
+                   "beside pinned D2H/H2D bandwidth and fio measured in the same run (default: cpu)")
     p.set_defaults(func=cmd_bench_save)
 
     # -- bench train (fastpersist.bench.train_bench) --
@@ -392,6 +398,8 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
     bad = sorted(set(args.engines) - {"auto", "aio", "psync", "cufile"})
     if bad:
         raise UsageError(f"--engines: unknown engine(s) {', '.join(bad)} (use aio, psync, cufile, auto)")
+    if getattr(args, "device", "cpu") == "cuda":
+        return _bench_gpu(args, "io")
     direct = {"on": [True], "off": [False], "both": [True, False]}[args.direct]
     staging = {"auto": None, "on": [True], "off": [False], "both": [False, True]}[args.read_staging]
     result = run_io_bench(
@@ -420,6 +428,8 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
     bad = sorted(set(args.peers) - set(PEERS))
     if bad:
         raise UsageError(f"--peers: unknown peer(s) {', '.join(bad)} (use {', '.join(PEERS)} or none)")
+    if getattr(args, "device", "cpu") == "cuda":
+        return _bench_gpu(args, "save")
     result = run_save_bench(
         args.dir, size=args.size, small_tensors=args.small_tensors, peers=args.peers, repeat=args.repeat,
         keep=args.keep, progress=not args.no_progress, load_into=args.load_into, load_process=args.load_process,
@@ -435,6 +445,27 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
     v = result.verification
     failed = fp is None or fp.error is not None or not v.get("ok", False) or v.get("into_ok") is False
     return 1 if failed else 0
+
+
+def _bench_gpu(args: argparse.Namespace, kind: str) -> int:
+    """``bench io/save --device cuda``: see :mod:`fastpersist.bench.gpu_bench`."""
+    from fastpersist.bench import gpu_bench, report
+
+    try:
+        gpu_bench.require_cuda()
+    except RuntimeError as e:
+        raise UsageError(str(e)) from e
+    if kind == "io":
+        result = gpu_bench.run_gpu_io_bench(args.dir, size=args.size, engines=args.engines, repeat=args.repeat,
+                                            fio=not args.no_fio)
+    else:
+        result = gpu_bench.run_gpu_save_bench(args.dir, size=args.size, repeat=args.repeat,
+                                              fio="fio" in args.peers)
+    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    gpu_bench.print_gpu_report(result, out)
+    if args.json:
+        report.write_json(result.to_dict(), args.json)
+    return 0 if result.verified else 1
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:

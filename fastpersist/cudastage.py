@@ -39,7 +39,6 @@ import bisect
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -57,23 +56,24 @@ __all__ = [
 # --------------------------------------------------------------------------- sources
 
 
-@dataclass
 class DeviceSources:
-    """The extents of a plan whose bytes are not read by the native writer: sorted
-    ``starts`` and ``(start, end, bytes tensor)`` (a 1-D ``uint8`` tensor over exactly
-    ``[start, end)``, on the source's device)."""
+    """The extents of a plan whose bytes are not read by the native writer: for each,
+    ``(start, end, bytes tensor)`` (a 1-D ``uint8`` tensor over exactly ``[start, end)``,
+    on the source's device), looked up by address."""
 
-    starts: list[int] = field(default_factory=list)
-    items: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int, torch.Tensor]] = []
+        self.starts: list[int] = []
+        self._seen: dict[tuple[int, int], int] = {}
+        self._sorted = True
 
     def add(self, t: torch.Tensor) -> int:
         """Record a 1-D uint8 tensor as a source; returns its address (the extent's ptr)."""
         ptr, n = t.data_ptr(), t.numel()
-        i = bisect.bisect_left(self.starts, ptr)
-        if i < len(self.starts) and self.starts[i] == ptr and self.items[i][1] == ptr + n:
-            return ptr  # the same storage named twice
-        self.starts.insert(i, ptr)
-        self.items.insert(i, (ptr, ptr + n, t))
+        if (ptr, n) not in self._seen:  # the same storage may be named twice
+            self._seen[(ptr, n)] = len(self.items)
+            self.items.append((ptr, ptr + n, t))
+            self._sorted = False
         return ptr
 
     def add_storage(self, storage: torch.UntypedStorage) -> int:
@@ -82,6 +82,10 @@ class DeviceSources:
 
     def find(self, ptr: int, n: int) -> Optional[tuple[torch.Tensor, int]]:
         """``(bytes tensor, offset)`` of the source holding ``[ptr, ptr + n)``, or None."""
+        if not self._sorted:
+            self.items.sort(key=lambda x: x[0])
+            self.starts = [x[0] for x in self.items]
+            self._sorted = True
         i = bisect.bisect_right(self.starts, ptr) - 1
         if i >= 0:
             a, z, t = self.items[i]
@@ -134,7 +138,9 @@ def has_cuda_tensors(obj: Any, limit: int = 100_000) -> bool:
         elif isinstance(o, (list, tuple, set, frozenset)):
             stack.extend(o)
         elif isinstance(o, torch.nn.Module):
-            stack.extend(o.state_dict(keep_vars=True).values())
+            stack.extend(o.parameters())
+            stack.extend(o.buffers())
+            stack.extend(v for v in vars(o).values() if not isinstance(v, (dict, torch.nn.Module)))
         elif hasattr(o, "__dict__") and not isinstance(o, type):
             stack.extend(vars(o).values())
     return False

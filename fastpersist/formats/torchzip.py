@@ -67,11 +67,13 @@ def _device_host_bytes(pred: Any) -> tuple[Any, Any]:
     from fastpersist.cudastage import DeviceSources
 
     sources = DeviceSources()
+    kept: list[int] = []  # id of the keepalive list that holds ``sources``
 
     def host_bytes(storage: torch.UntypedStorage, keepalive: list[Any]) -> int:
         if pred(storage):
-            if not any(k is sources for k in keepalive):
+            if id(keepalive) not in kept:
                 keepalive.append(sources)
+                kept.append(id(keepalive))
             return sources.add_storage(storage)
         return _host_bytes(storage, keepalive)
 
