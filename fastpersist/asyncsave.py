@@ -16,6 +16,11 @@ afterwards. Two ways to capture the state:
     and those fields written before the commit. A save larger than the pool, or one
     issued while an earlier save still occupies it, waits inside the call for
     earlier windows to reach the disk: page-locked memory never exceeds the limit.
+    CUDA tensors are not copied by the call itself: their D2H copies into the
+    windows are *queued* on a side stream (ordered after the current stream), the
+    current stream then waits for them on the GPU, and each window reaches the
+    disk once its copies are done (:mod:`fastpersist.cudastage`, docs/gpu.md).
+    With ``mode="lazy"`` CUDA tensors are copied to host memory at call time.
 
 ``mode="lazy"``
     The call returns after planning, without copying the large tensors: a
@@ -510,7 +515,7 @@ def save_async(
         # (fastpersist.cudastage); lazy: staged to host memory at planning (= call) time
         from fastpersist import cudastage
 
-        device = cudastage.is_cuda_storage if mode == "snapshot" and cudastage.has_cuda_tensors(obj) else None
+        device = cudastage.is_cuda_storage if mode == "snapshot" else None
         plan = _plan(obj, final, fmt, align, cfg, device)  # GC paused inside, restored on return
         if mode == "lazy":
             keep, owners = _lazy_split(plan, cfg.async_staging_limit, final)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -45,6 +46,41 @@ _PAGE = 4096
 #: Records closer than this in the file are read in one run (the gap is read too).
 _MERGE_GAP = 1 << 20
 _CUDA_LOCATION = re.compile(r"^cuda(:[0-9]+)?$")
+
+#: Ring windows of finished loads, kept for the next one: page-locking and
+#: registering 64 MiB with CUDA costs milliseconds per load. Keyed by window size;
+#: forgotten in a forked child (CUDA cannot be used there).
+_spare: dict[int, list[Any]] = {}
+_spare_lock = threading.Lock()
+
+
+def _take_windows(k: int, window: int, register_cuda: bool) -> list[Any]:
+    from fastpersist import _native
+
+    with _spare_lock:
+        free = _spare.get(window, [])
+        bufs, _spare[window] = free[:k], free[k:]
+    while len(bufs) < k:
+        bufs.append(_native.PinnedBuffer(window, _PAGE, True))
+    if register_cuda:
+        for b in bufs:
+            if not b.cuda_registered and not b.cuda_register():
+                log.debug("fastpersist: load ring window not registered with CUDA; H2D copies from it are synchronous")
+    return bufs
+
+
+def _give_back(window: int, bufs: list[Any]) -> None:
+    with _spare_lock:
+        free = _spare.setdefault(window, [])
+        free.extend(bufs[: max(0, RING_WINDOWS - len(free))])
+
+
+def _forget_in_child() -> None:
+    _spare.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _cuda_device(target: Any) -> Optional[torch.device]:
@@ -208,12 +244,7 @@ def ring_read(fd: int, reader: Any, items: list[RingItem], *, checksum: bool = T
         register_cuda = any(it.dest.device.type == "cuda" for it in items)
     cuts = _windows_of(items, window)
     k = max(1, min(windows, len(cuts)))
-    bufs: list[Any] = []
-    for _ in range(k):
-        b = _native.PinnedBuffer(window, _PAGE, True)
-        if register_cuda and not b.cuda_register():
-            log.debug("fastpersist: load ring window not registered with CUDA; H2D copies from it are synchronous")
-        bufs.append(b)
+    bufs = _take_windows(k, window, register_cuda)
     tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in bufs]
     futs: list[Any] = [None] * k
     tokens: list[Any] = [None] * k
@@ -258,6 +289,8 @@ def ring_read(fd: int, reader: Any, items: list[RingItem], *, checksum: bool = T
             copier.wait(tokens[w])
             tokens[w] = None
         copier.end()
+        del tensors
+        _give_back(window, bufs)
     except BaseException:
         for f in futs:
             if f is not None:

@@ -25,8 +25,8 @@ wait on the GPU, no host synchronize), so kernels queued after the call cannot
 change a tensor before it was copied. This is what ``save_async(mode="snapshot")``
 needs; a blocking save waits for everything (:func:`write_plan_blocking`).
 
-Nothing here initialises CUDA unless a plan holds CUDA sources
-(:func:`has_cuda_tensors` only reads ``Tensor.is_cuda``).
+Nothing here initialises CUDA unless a plan holds CUDA sources (the planners'
+predicate only reads ``storage.device``).
 
 NOTE: the CUDA parts (:class:`CudaCopier`) have not been run on a GPU by the
 session that wrote them; the pipeline itself is exercised on CPU through
@@ -48,7 +48,7 @@ from fastpersist.asyncstage import BackgroundCrc, StagingPool, _Both, _fill_wind
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CudaCopier", "Copier", "DeviceSources", "HostCopier", "device_sources_of", "has_cuda_tensors",
+    "CudaCopier", "Copier", "DeviceSources", "HostCopier", "device_sources_of",
     "stream_plan", "write_plan_blocking",
 ]
 
@@ -116,34 +116,6 @@ def device_sources_of(plan: Any) -> Optional[DeviceSources]:
 def is_cuda_storage(storage: Any) -> bool:
     """Default predicate of the planners: storages on a CUDA device become device sources."""
     return storage.device.type == "cuda"
-
-
-def has_cuda_tensors(obj: Any, limit: int = 100_000) -> bool:
-    """Whether ``obj`` holds a CUDA tensor, looking through dicts, lists, tuples, sets,
-    ``nn.Module``s and objects' ``__dict__`` (at most ``limit`` objects). Reads only
-    ``Tensor.is_cuda``: never initialises CUDA. A miss is harmless: the planner then
-    stages CUDA storages to host memory at planning time (the slower old path)."""
-    seen: set[int] = set()
-    stack = [obj]
-    while stack and len(seen) < limit:
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            if o.is_cuda:
-                return True
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set, frozenset)):
-            stack.extend(o)
-        elif isinstance(o, torch.nn.Module):
-            stack.extend(o.parameters())
-            stack.extend(o.buffers())
-            stack.extend(v for v in vars(o).values() if not isinstance(v, (dict, torch.nn.Module)))
-        elif hasattr(o, "__dict__") and not isinstance(o, type):
-            stack.extend(vars(o).values())
-    return False
 
 
 # --------------------------------------------------------------------------- copiers

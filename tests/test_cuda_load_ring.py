@@ -142,3 +142,48 @@ def test_windows_of_cuts_and_merges():
     covered = [c for c in cuts if c[0] < 18192]
     assert covered[-1][1] == 18192 and all(b - a <= 8192 for a, b in cuts)
     assert all(cuts[i][1] == cuts[i + 1][0] for i in range(len(covered) - 1))
+
+
+def test_safetensors_ring_load_on_cpu(tmp_path):
+    """The CUDA safetensors load path (every tensor through the ring), with CPU destinations."""
+    from fastpersist.formats.safetensors import _load_via_ring, read_header
+
+    g = torch.Generator().manual_seed(1)
+    sd = {"a": torch.randn(300, 700, generator=g), "b": torch.arange(11, dtype=torch.int8),
+          "c": torch.randn(5, generator=g).to(torch.bfloat16), "e": torch.empty(0, 4), "t": torch.tensor(True)}
+    p = str(tmp_path / "a.safetensors")
+    fastpersist.save(sd, p)
+    out = _load_via_ring(p, read_header(p), _native.Handle(), torch.device("cpu"), checksum=True)
+    for k, v in sd.items():
+        assert out[k].dtype == v.dtype and out[k].shape == v.shape and torch.equal(out[k], v), k
+    with open(p, "r+b") as f:
+        f.seek(-100, 2)
+        b = f.read(1)
+        f.seek(-100, 2)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ChecksumError):
+        _load_via_ring(p, read_header(p), _native.Handle(), torch.device("cpu"), checksum=True)
+    _load_via_ring(p, read_header(p), _native.Handle(), torch.device("cpu"), checksum=False)
+
+
+def test_ring_windows_reused_across_loads(tmp_path):
+    p = str(tmp_path / "a.pt")
+    fastpersist.save({"w": torch.randn(1 << 20)}, p)
+    fd, load = _open_load(p)
+    try:
+        r = load.by_short["data/0"]
+        cudaload._spare.clear()
+
+        def once():
+            it = cudaload.RingItem(r.entry.header_offset, r.data_offset, r.size, torch.empty(r.size, dtype=torch.uint8))
+            cudaload.ring_read(fd, _native.Handle(), [it], window=1 << 20, windows=2)
+            assert it.crc == r.entry.crc32
+
+        once()
+        kept = [b.ptr for b in cudaload._spare[1 << 20]]
+        assert len(kept) == 2
+        once()
+        assert sorted(b.ptr for b in cudaload._spare[1 << 20]) == sorted(kept)
+    finally:
+        os.close(fd)
+        cudaload._spare.clear()

@@ -157,12 +157,40 @@ def test_write_error_mid_stream(tmp_path):
         _native.clear_faults()
 
 
-def test_has_cuda_tensors_on_cpu_objects():
-    class Holder:
-        def __init__(self):
-            self.t = [torch.ones(2), {"x": (torch.zeros(1),)}]
+def test_blocking_save_restarts_on_the_device_path(tmp_path):
+    """fastpersist.save's streaming writer meets a device storage after some batches
+    were written (batch_bytes tiny): it waits for them and restarts on the GPU path,
+    which truncates and rewrites the file. Here the "device" storages are the CPU
+    ones named ``dev`` (by address), copied late by HostCopier."""
+    from fastpersist.formats.torchzip import stream_save_torch
 
-    assert not cudastage.has_cuda_tensors({"a": torch.ones(1), "m": torch.nn.Linear(2, 2), "h": Holder()})
-    loop: list = []
-    loop.append(loop)
-    assert not cudastage.has_cuda_tensors(loop)
+    sd = {"a": torch.randn(300000), "b": torch.arange(70000), "dev": torch.full((500000,), 3.0), "c": torch.ones(9)}
+    dev_ptr = sd["dev"].untyped_storage().data_ptr()
+    seen = []
+
+    def pred(storage):
+        hit = storage.data_ptr() == dev_ptr
+        seen.append(hit)
+        return hit
+
+    path = str(tmp_path / "x.pt")
+    stream_save_torch(sd, path, _native.Handle(), 4096, fsync=False, batch_bytes=4096, device_pred=pred,
+                      copier=cudastage.HostCopier(delay=0.01))
+    assert True in seen
+    ref = str(tmp_path / "ref.pt")
+    fastpersist.save(sd, ref)
+    with open(path, "rb") as a, open(ref, "rb") as b:
+        assert a.read() == b.read()
+    assert fastpersist.verify(path).ok
+
+
+def test_cpu_saves_never_take_the_device_path(tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("the GPU path ran for a CPU state")
+
+    monkeypatch.setattr(cudastage, "stream_plan", boom)
+    sd = _state()
+    fastpersist.save(sd, str(tmp_path / "a.pt"))
+    fastpersist.save_async(sd, str(tmp_path / "b.pt")).wait()
+    fastpersist.save_async({k: v for k, v in sd.items() if k in ("big", "ints")}, str(tmp_path / "c.safetensors")).wait()
+    _same(sd, torch.load(str(tmp_path / "b.pt"), weights_only=True))

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import fastpersist
+import fastpersist.formats.safetensors
 from fastpersist import _native, cudaload, cudastage
 from fastpersist.config import override
 from fastpersist.errors import ChecksumError
@@ -300,3 +301,22 @@ def test_bench_device_cuda_smoke(tmp_path, bench):
     args = ["bench", bench, "--dir", str(tmp_path), "--device", "cuda", "--size", "8M", "--repeat", "1"]
     args += ["--peers", "none"] if bench == "save" else ["--engines", "psync,cufile", "--no-fio"]
     assert cli.main(args) == 0
+
+
+def test_safetensors_round_trip_on_cuda(tmp_path, monkeypatch):
+    sd = {f"t{i}": _tensor(dt, 5000 + i, i) for i, dt in enumerate(_dtypes())
+          if dt not in (torch.complex64, torch.complex128)}  # safetensors has no complex dtypes
+    sd = {k: v for k, v in sd.items() if v.dtype in fastpersist.formats.safetensors.DTYPE_CODES}
+    p = str(tmp_path / "a.safetensors")
+    fastpersist.save(sd, p)
+    calls = _spy(monkeypatch, cudaload, "ring_read")
+    out = fastpersist.load(p, map_location="cuda")
+    assert calls
+    for k, v in sd.items():
+        assert out[k].is_cuda
+        _same(v, out[k])
+    from safetensors.torch import load_file
+
+    ref = load_file(p, device="cpu")
+    for k, v in sd.items():
+        _same(ref[k], out[k].cpu())

@@ -605,7 +605,9 @@ def load_safetensors(
 
     The file is read with one native read into one page-aligned host buffer; on CPU
     each returned tensor is a separate storage over its bytes in that buffer (the
-    buffer lives as long as any of them). Other devices get copies (``.to(device)``).
+    buffer lives as long as any of them). CUDA devices: the tensors' bytes go through
+    the bounded page-locked ring of :mod:`fastpersist.cudaload` straight into device
+    memory (:func:`_load_via_ring`). Other devices get copies (``.to(device)``).
 
     Args:
         path: the file.
@@ -621,6 +623,8 @@ def load_safetensors(
     path = os.fspath(path)
     header = read_header(path)
     device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type == "cuda" and hasattr(handle, "read_async"):
+        return _load_via_ring(path, header, handle, device, checksum=checksum)
     base = _host_buffer(header.file_size, pinned=device.type != "cpu")
     base_ptr = base.data_ptr()
 
@@ -648,6 +652,47 @@ def load_safetensors(
         return _tensors(header, base, device)
     except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
         raise SafetensorsFormatError(f"{path}: cannot make tensors of the header's dtypes and shapes ({exc})", path) from exc
+
+
+def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: torch.device, *,
+                   checksum: bool) -> dict[str, torch.Tensor]:
+    """Every tensor read through :func:`fastpersist.cudaload.ring_read` into its own
+    ``device`` tensor (CRC-32s checked from the host windows when the file has them),
+    no host copy of the file. Used for CUDA devices; works for any device. UNVERIFIED
+    on a GPU by the session that wrote it (docs/gpu.md)."""
+    from fastpersist.cudaload import RingItem, ring_read
+
+    check = checksum and header.crcs is not None
+    entries = sorted((e for e in header.tensors if e.nbytes), key=lambda e: e.begin)
+    items = [RingItem(header.data_start + e.begin, header.data_start + e.begin, e.nbytes,
+                      torch.empty(e.nbytes, dtype=torch.uint8, device=device)) for e in entries]
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        ring_read(fd, handle, items, checksum=check)
+    finally:
+        os.close(fd)
+    if check:
+        by_name = {e.name: it.crc for e, it in zip(entries, items)}
+        _extents, slots = _data_extents(header, lambda off: 0)
+        problems = _crc_problems(header, slots, [by_name[e.name] for e in slots])
+        if problems:
+            raise ChecksumError(
+                f"{path}: checksum mismatch, the file is corrupt (restore it from a good copy, or pass "
+                "checksum=False to read the bytes anyway):\n" + "\n".join(msg for _, msg in problems),
+                path,
+                [name for name, _ in problems],
+            )
+    raw = {e.name: it.dest for e, it in zip(entries, items)}
+    out: dict[str, torch.Tensor] = {}
+    try:
+        for e in header.tensors:
+            if e.nbytes == 0:
+                out[e.name] = torch.empty(e.torch_shape, dtype=e.torch_dtype, device=device)
+            else:
+                out[e.name] = raw[e.name].view(e.torch_dtype).view(e.torch_shape)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        raise SafetensorsFormatError(f"{path}: cannot make tensors of the header's dtypes and shapes ({exc})", path) from exc
+    return out
 
 
 def _plan_reader(path: str, nbytes: int, handle: Any) -> tuple[Any, Any]:

@@ -160,8 +160,14 @@ def _run_stream_inner(
         raise
 
 
+class _DeviceStorageFound(Exception):
+    """Raised by the streaming save's ``host_bytes`` at the first device storage: the
+    save restarts on the GPU path (never a RuntimeError: the planner wraps those)."""
+
+
 def stream_save_torch(
-    obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool, batch_bytes: int, fast: bool = True
+    obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool, batch_bytes: int, fast: bool = True,
+    device_pred: Any = None, copier: Any = None,
 ) -> None:
     """Write ``obj`` to ``path`` in torch's zip format while it is being pickled.
 
@@ -171,17 +177,24 @@ def stream_save_torch(
     shared with other work (its ``wait`` collects every op). The file at ``path``
     is created/truncated first; ``fsync`` syncs it at the end.
 
-    An object holding CUDA tensors (:func:`fastpersist.cudastage.has_cuda_tensors`)
-    is planned whole with its CUDA storages as device sources and written through
-    the async saves' staging pool (``Config.async_staging_limit`` of the default
-    config), D2H copies overlapping the disk writes (:func:`_save_cuda`).
+    An object holding CUDA storages restarts at the first one (what was written is
+    waited for and truncated): it is planned whole with its CUDA storages as device
+    sources and written through the async saves' staging pool
+    (``Config.async_staging_limit`` of the default config), D2H copies overlapping
+    the disk writes (:func:`_save_cuda`). CPU-only objects pay nothing for this.
+    ``device_pred``/``copier``: which storages count as device storages (default:
+    CUDA ones) and the copier of the GPU path (tests run that path on CPU with these).
     """
     from fastpersist.formats.torchstream import stream_torch
 
     from fastpersist import cudastage
 
-    if cudastage.has_cuda_tensors(obj):
-        return _save_cuda(obj, path, handle, alignment, fsync=fsync, fast=fast)
+    pred = device_pred or cudastage.is_cuda_storage
+
+    def host_bytes(storage: torch.UntypedStorage, keepalive: list[Any]) -> int:
+        if pred(storage):
+            raise _DeviceStorageFound()
+        return _host_bytes(storage, keepalive)
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     os.close(fd)
@@ -204,8 +217,13 @@ def stream_save_torch(
             submitted.append((op, batch.payloads))
 
     try:
-        result = _run_stream(obj, alignment, emit, batch_bytes, stream_torch, collect, fast)
+        result = _run_stream(obj, alignment, emit, batch_bytes, stream_torch, collect, fast, host_bytes)
         del result
+    except _DeviceStorageFound:
+        if handle.pending():
+            handle.wait()  # the batches written so far; the GPU path truncates the file
+        log.debug("%s: device storages found while pickling; saving through the GPU path", path)
+        return _save_cuda(obj, path, handle, alignment, fsync=fsync, fast=fast, pred=pred, copier=copier)
     finally:
         if handle.pending():
             try:
@@ -214,17 +232,18 @@ def stream_save_torch(
                 pass  # the exception already propagating is the one to report
 
 
-def _save_cuda(obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool, fast: bool) -> None:
+def _save_cuda(obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool, fast: bool,
+               pred: Any = None, copier: Any = None) -> None:
     """Blocking save of an object with CUDA tensors: plan with device sources, then
     :func:`fastpersist.cudastage.write_plan_blocking` through the shared staging pool
     (one capture at a time with the async saves). UNVERIFIED on a GPU (docs/gpu.md)."""
     from fastpersist import asyncsave, cudastage
     from fastpersist.config import get_default
 
-    plan = plan_torch(obj, alignment, fast=fast, device_sources=cudastage.is_cuda_storage)
+    plan = plan_torch(obj, alignment, fast=fast, device_sources=pred or cudastage.is_cuda_storage)
     pool = asyncsave._pool_for(get_default().async_staging_limit)
     with asyncsave._copy_lock:
-        cudastage.write_plan_blocking(plan, path, handle, pool, fsync=fsync)
+        cudastage.write_plan_blocking(plan, path, handle, pool, fsync=fsync, copier=copier)
 
 
 # --------------------------------------------------------------------------- reading
