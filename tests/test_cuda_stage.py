@@ -194,3 +194,46 @@ def test_cpu_saves_never_take_the_device_path(tmp_path, monkeypatch):
     fastpersist.save_async(sd, str(tmp_path / "b.pt")).wait()
     fastpersist.save_async({k: v for k, v in sd.items() if k in ("big", "ints")}, str(tmp_path / "c.safetensors")).wait()
     _same(sd, torch.load(str(tmp_path / "b.pt"), weights_only=True))
+
+
+def _as_device(monkeypatch, tensors, copier=None):
+    """Make the async snapshot treat these CPU storages as device sources (checks the
+    save_async hook and the finisher, not CUDA: HostCopier copies them)."""
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+    monkeypatch.setattr(cudastage, "is_cuda_storage", lambda s: s.data_ptr() in ptrs)
+    if copier is not None:
+        monkeypatch.setattr(cudastage, "copier_for", lambda sources: copier)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_save_async_snapshot_hook(tmp_path, monkeypatch, fmt):
+    sd = {"a": torch.randn(1 << 20), "b": torch.arange(1000), "c": torch.randn(3 << 18)}
+    _as_device(monkeypatch, [sd["a"], sd["c"]])
+    calls = []
+    real = cudastage.stream_plan
+    monkeypatch.setattr(cudastage, "stream_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    p = str(tmp_path / f"x.{fmt}")
+    fut = fastpersist.save_async(sd, p, config=fastpersist.Config(async_staging_limit=1 << 20))
+    fut.wait()
+    assert fut.exception() is None and calls
+    ref = str(tmp_path / f"ref.{fmt}")
+    fastpersist.save(sd, ref)
+    with open(p, "rb") as a, open(ref, "rb") as b:
+        assert a.read() == b.read()
+    assert fastpersist.verify(p).ok
+
+
+def test_save_async_copy_failure_keeps_previous(tmp_path, monkeypatch):
+    p = str(tmp_path / "x.pt")
+    fastpersist.save({"a": torch.zeros(10)}, p)
+    sd = {"a": torch.ones(3 << 20, dtype=torch.uint8), "b": torch.ones(3 << 20, dtype=torch.uint8)}
+    _as_device(monkeypatch, list(sd.values()), copier=cudastage.HostCopier(fail_after=1))
+    try:
+        fut = fastpersist.save_async(sd, p, config=fastpersist.Config(async_staging_limit=1 << 20))
+    except RuntimeError as e:  # the failure may be met inside the call
+        assert "injected" in str(e)
+    else:
+        fut.wait()
+        assert "injected" in str(fut.exception())
+    assert torch.equal(torch.load(p, weights_only=True)["a"], torch.zeros(10))
+    assert sorted(os.listdir(tmp_path)) == ["x.pt"]
