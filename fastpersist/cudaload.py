@@ -100,37 +100,39 @@ def _cuda_device(target: Any) -> Optional[torch.device]:
     return torch.device("cuda", index)
 
 
+def _is_storage_pid(pid: Any) -> bool:
+    return isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[3], str)
+
+
 def destinations(map_location: Any, pids: list[Any]) -> dict[str, torch.device]:
     """Storage key -> the CUDA device torch would restore it to, for the storages
     that go to a CUDA device under ``map_location`` (None, str, bytes, torch.device or
     dict; a callable gives ``{}``). ``pids``: the pickle's persistent ids
-    (``('storage', type, key, location, numel)``). Never initialises CUDA when no
-    storage goes to a CUDA device (``torch.cuda.is_available()`` does not)."""
-    if map_location is not None and not isinstance(map_location, (str, bytes, torch.device, dict)):
-        return {}
+    (``('storage', type, key, location, numel)``). Costs one check when nothing goes
+    to a CUDA device (a CPU ``map_location``, or no CUDA device here), and never
+    initialises CUDA then (``torch.cuda.is_available()`` does not)."""
+    if isinstance(map_location, (str, bytes, torch.device)):
+        dev = _cuda_device(map_location)
+        if dev is None:
+            return {}
+        return {str(pid[2]): dev for pid in pids if _is_storage_pid(pid)}
+    if map_location is not None and not isinstance(map_location, dict):
+        return {}  # a callable: the host path (it may rely on getting CPU storages)
+    if not torch.cuda.is_available():
+        return {}  # saved CUDA locations cannot be restored here: torch raises its own error
+    where: dict[str, Optional[torch.device]] = {}  # saved location -> device (None: not CUDA)
     out: dict[str, torch.device] = {}
-    seen: dict[str, Any] = {}
+    seen: dict[str, Optional[torch.device]] = {}
     for pid in pids:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[3], str)):
+        if not _is_storage_pid(pid):
             continue
         key, loc = str(pid[2]), pid[3]
-        if isinstance(map_location, dict):
-            target = map_location.get(loc, loc)
-        elif map_location is None:
-            target = loc
-        else:
-            target = map_location
-        if isinstance(target, (str, bytes)) and not _CUDA_LOCATION.match(target.decode() if isinstance(target, bytes) else target):
-            if key in seen and seen[key] != "host":
-                out.pop(key, None)
-            seen[key] = "host"
-            continue
-        if not isinstance(target, (str, bytes, torch.device)):
-            continue
-        dev = _cuda_device(target)
+        if loc not in where:
+            target = map_location.get(loc, loc) if isinstance(map_location, dict) else loc
+            where[loc] = _cuda_device(target)
+        dev = where[loc]
         if key in seen and seen[key] != dev:  # one key, two places: leave it to torch
             out.pop(key, None)
-            seen[key] = "conflict"
             continue
         seen[key] = dev
         if dev is not None:
@@ -333,7 +335,7 @@ def records_for_device(load: Any, dest: dict[str, torch.device]) -> list[Any]:
 
 
 def read_to_device(load: Any, reader: Any, fd: int, dest: dict[str, torch.device],
-                   allocate: Callable[[int, torch.device], torch.Tensor] = None) -> list[Any]:  # type: ignore[assignment]
+                   allocate: Optional[Callable[[int, torch.device], torch.Tensor]] = None) -> list[Any]:
     """Read every record of ``dest``'s keys into device memory through the ring; each
     record's ``device`` attribute is set to its uint8 tensor once its local header and
     CRC-32 (``load.checksum``) are checked. Returns the records."""

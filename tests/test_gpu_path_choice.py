@@ -64,3 +64,29 @@ def test_other_engines_stage(tmp_path, gpu_like):
     gpu_like("available")
     p = fio.gpu_path(tmp_path, engine="psync", checksum=False)
     assert (p.save, p.load) == ("pinned", "pinned") and "psync" in p.load_reason
+
+
+def test_load_destinations_follow_torch_map_location(monkeypatch):
+    """cudaload.destinations applies torch's map_location rules (string/device: every
+    storage; dict: saved locations mapped, others kept; None: saved locations; callable:
+    the host path), with a 2-GPU machine's answers faked: the mapping, not CUDA."""
+    from fastpersist import cudaload
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    pids = [("storage", None, "0", "cpu", 4), ("storage", None, "1", "cuda:0", 4),
+            ("storage", None, "2", "cuda:1", 4), ("storage", None, "3", "cuda:5", 4), "junk"]
+    c0, c1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    d = cudaload.destinations
+    assert d("cuda", pids) == {"0": c1, "1": c1, "2": c1, "3": c1}  # "cuda" = the current device
+    assert d("cuda:0", pids) == {k: c0 for k in "0123"}
+    assert d(torch.device("cuda", 1), pids) == {k: c1 for k in "0123"}
+    assert d("cuda:7", pids) == {}  # torch raises its own error
+    assert d("cpu", pids) == {}
+    assert d(None, pids) == {"1": c0, "2": c1}  # saved cpu stays; cuda:5 does not exist: torch's error
+    assert d({"cuda:1": "cuda:0", "cpu": "cuda"}, pids) == {"0": c1, "1": c0, "2": c0}
+    assert d({"cuda:0": "cpu", "cuda:1": "cpu"}, pids) == {}
+    assert d(lambda s, loc: s, pids) == {}
+    conflicting = [("storage", None, "9", "cuda:0", 4), ("storage", None, "9", "cpu", 4)]
+    assert d(None, conflicting) == {}
