@@ -187,3 +187,16 @@ def test_ring_windows_reused_across_loads(tmp_path):
     finally:
         os.close(fd)
         cudaload._spare.clear()
+
+
+def test_ring_loads_leave_read_mode_statistics_alone(tmp_path, monkeypatch):
+    p = str(tmp_path / "a.pt")
+    fastpersist.save({"w": torch.randn(1 << 18)}, p)
+    recorded = []
+    monkeypatch.setattr(torchload, "record_read", lambda *a: recorded.append(a))
+    fastpersist.load(p, weights_only=True)
+    n = len(recorded)
+    assert n >= 1
+    monkeypatch.setattr(cudaload, "destinations", _all_to_cpu)
+    fastpersist.load(p, weights_only=True)
+    assert len(recorded) == n  # no sample for a load whose storages took the ring
