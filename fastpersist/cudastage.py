@@ -326,6 +326,7 @@ class _Submitter:
                     return
                 token, win, start, base, length, pieces = item
                 if self.out.exc is not None:
+                    _settle(self.copier, token)  # no copy may still land in a window given back
                     self.pool.release(win)
                 else:
                     try:
@@ -333,6 +334,7 @@ class _Submitter:
                         fut = self.submit(start, base, length)
                     except BaseException as e:  # noqa: BLE001 - raised by result()
                         self.out.exc = e
+                        _settle(self.copier, token)
                         self.pool.release(win)
                     else:
                         self.out.futures.append(fut)
@@ -347,6 +349,23 @@ class _Submitter:
                 self.crc.close()
             self.keep = None
             self.out.finished.set()
+
+
+def _mark_quietly(copier: Copier) -> Any:
+    try:
+        return copier.mark()
+    except BaseException:  # noqa: BLE001 - an error is already being reported
+        return None
+
+
+def _settle(copier: Copier, token: Any) -> None:
+    """Wait for a token's copies, ignoring their errors (another one is reported)."""
+    if token is None:
+        return
+    try:
+        copier.wait(token)
+    except BaseException:  # noqa: BLE001 - the first error is the one to report
+        pass
 
 
 def stream_plan(
@@ -411,6 +430,7 @@ def stream_plan(
         if out.exc is None:
             out.exc = e
         if current is not None:
+            _settle(copier, _mark_quietly(copier))  # copies already queued into it must land first
             pool.release(current)
         try:
             copier.end(order_after)
