@@ -106,6 +106,10 @@ def direct_io_supported(path: str) -> bool:
 def crc32(ptr: int, length: int, crc: int = 0) -> int:
     """CRC-32 (zlib-compatible) of ``length`` bytes at host address ``ptr``, continuing ``crc``. GIL released."""
 
+def crc32_many(ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """CRC-32 of each ``(ptr, length)`` host range, in order, on the calling thread; the GIL
+    is released once for all of them."""
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC of A+B from crc(A), crc(B) and len(B) (zlib's crc32_combine)."""
 

@@ -180,7 +180,7 @@ class BackgroundCrc:
                         return
                     ev, pieces = self._items[i]
                 if not self._aborted:
-                    crcs = [_native.crc32(ptr, n) for ptr, n, _slot in pieces]  # GIL released
+                    crcs = _native.crc32_many([(ptr, n) for ptr, n, _slot in pieces])  # GIL released once
                     _add_partial_crcs(self.partial, [(slot, n) for _p, n, slot in pieces], crcs)
                 ev.set()
                 i += 1

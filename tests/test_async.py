@@ -158,16 +158,16 @@ def test_snapshot_slow_background_crc_holds_windows_without_deadlock(tmp_path, m
     """A pool of two windows and a slow background CRC: a window is reused only once its
     CRC was read (else the CRC would cover the next window's bytes), and a call that
     must wait for a window starts the CRC thread first (else it would wait forever)."""
-    real = _native.crc32
+    real = _native.crc32_many
 
     class SlowNative:
         def __getattr__(self, name):
             return getattr(_native, name)
 
         @staticmethod
-        def crc32(ptr, n, crc=0):
+        def crc32_many(ranges):
             time.sleep(0.01)
-            return real(ptr, n, crc)
+            return real(ranges)
 
     monkeypatch.setattr(asyncstage, "_native", SlowNative())
     state = {f"t{i}": torch.randn(6000 + 777 * i) for i in range(8)}
@@ -193,7 +193,7 @@ def test_snapshot_background_crc_error_reported_previous_kept(tmp_path, monkeypa
             return getattr(_native, name)
 
         @staticmethod
-        def crc32(ptr, n, crc=0):
+        def crc32_many(ranges):
             raise RuntimeError("injected crc failure")
 
     monkeypatch.setattr(asyncstage, "_native", BadNative())

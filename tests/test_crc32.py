@@ -42,3 +42,24 @@ def test_chaining_and_combine_match_one_pass() -> None:
         assert _native.crc32(BASE + cut, n - cut, first) == whole
         second = _native.crc32(BASE + cut, n - cut)
         assert _native.crc32_combine(first, second, n - cut) == whole
+
+
+def test_crc32_many_matches_zlib_per_range():
+    """``crc32_many``: one CRC-32 per (ptr, length) range, in order, equal to zlib's,
+    empty ranges included; bad input raises instead of reading anywhere."""
+    import zlib
+
+    import pytest
+    import torch
+
+    from fastpersist import _native
+
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    p = data.data_ptr()
+    raw = data.numpy().tobytes()
+    ranges = [(p, 0), (p, 1), (p + 7, 4096), (p + 100, (1 << 20) - 100), (p, 1 << 20)]
+    want = [zlib.crc32(raw[o - p:o - p + n]) for o, n in ranges]
+    assert _native.crc32_many(ranges) == want
+    assert _native.crc32_many([]) == []
+    with pytest.raises((TypeError, ValueError)):
+        _native.crc32_many([(p,)])

@@ -202,6 +202,29 @@ NB_MODULE(_native, m) {
         return crc32(crc, reinterpret_cast<const void*>(ptr), len);
       },
       nb::arg("ptr"), nb::arg("length"), nb::arg("crc") = 0);
+  // One call for many ranges, on the calling thread, the GIL released once: a
+  // background thread checksumming a window's tensors would otherwise take the GIL
+  // back after every tensor, each time forcing the training thread to hand it over.
+  m.def(
+      "crc32_many",
+      [](nb::handle ranges) {
+        FastSeq s(ranges, "ranges must be a sequence of (ptr, length) tuples");
+        std::vector<std::pair<uint64_t, uint64_t>> v(static_cast<size_t>(s.size()));
+        for (Py_ssize_t i = 0; i < s.size(); ++i) {
+          FastSeq t(s[i], "each range must be a (ptr, length) tuple");
+          if (t.size() != 2) throw ArgError("each range must be a (ptr, length) tuple");
+          v[static_cast<size_t>(i)] = {as_u64(t[0], "ptr"), as_u64(t[1], "length")};
+        }
+        std::vector<uint32_t> out(v.size());
+        {
+          nb::gil_scoped_release r;
+          for (size_t i = 0; i < v.size(); ++i) {
+            out[i] = crc32(0, reinterpret_cast<const void*>(v[i].first), v[i].second);
+          }
+        }
+        return out;
+      },
+      nb::arg("ranges"));
   m.def("crc32_combine", [](uint32_t a, uint32_t b, uint64_t len2) { return crc32_combine(a, b, len2); },
         nb::arg("crc1"), nb::arg("crc2"), nb::arg("len2"));
 
