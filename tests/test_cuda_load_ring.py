@@ -69,6 +69,14 @@ def _all_to_cpu(map_location, pids):
     return {str(pid[2]): torch.device("cpu") for pid in pids if isinstance(pid, tuple) and len(pid) == 5}
 
 
+def _ring_for_cpu(monkeypatch):
+    """Route every storage of a CPU load through the ring. Weights-only CPU loads
+    normally take torchload._load_fast (no storage can go to a device there, so the
+    ring is never asked); switched off here, so the hook the GPU path uses is reached."""
+    monkeypatch.setattr(cudaload, "destinations", _all_to_cpu)
+    monkeypatch.setattr(torchload, "_fast_unpickle_allowed", lambda *a, **k: False)
+
+
 def test_loader_hook_through_ring(tmp_path, monkeypatch):
     sd = _state()
     p = str(tmp_path / "a.pt")
@@ -81,7 +89,7 @@ def test_loader_hook_through_ring(tmp_path, monkeypatch):
         calls.append(len(out))
         return out
 
-    monkeypatch.setattr(cudaload, "destinations", _all_to_cpu)
+    _ring_for_cpu(monkeypatch)
     monkeypatch.setattr(cudaload, "read_to_device", spy)
     out = fastpersist.load(p, weights_only=True)
     ref = torch.load(p, weights_only=True)
@@ -101,7 +109,7 @@ def test_loader_hook_detects_corruption(tmp_path, monkeypatch):
     with open(p, "r+b") as f:
         f.seek(r.data_offset + 1000)
         f.write(b"\x12")
-    monkeypatch.setattr(cudaload, "destinations", _all_to_cpu)
+    _ring_for_cpu(monkeypatch)
     with pytest.raises(ChecksumError):
         fastpersist.load(p, weights_only=True)
 
@@ -197,6 +205,6 @@ def test_ring_loads_leave_read_mode_statistics_alone(tmp_path, monkeypatch):
     fastpersist.load(p, weights_only=True)
     n = len(recorded)
     assert n >= 1
-    monkeypatch.setattr(cudaload, "destinations", _all_to_cpu)
+    _ring_for_cpu(monkeypatch)
     fastpersist.load(p, weights_only=True)
     assert len(recorded) == n  # no sample for a load whose storages took the ring
