@@ -187,17 +187,14 @@ class H2DCopier:
         self._used.add(dst.device)
 
     def mark(self) -> Any:
-        events = []
-        for dev in self._used:
-            ev = torch.cuda.Event()
-            ev.record(self._streams[dev])
-            events.append(ev)
-        self._used.clear()
-        return events
+        from fastpersist.cudastage import mark_side_streams
+
+        return mark_side_streams(self._streams, self._used)
 
     def wait(self, token: Any) -> None:
-        for ev in token or ():
-            ev.synchronize()  # GIL released by torch
+        from fastpersist.cudastage import wait_events
+
+        wait_events(token)
 
     def end(self) -> None:
         for dev, side in self._streams.items():

@@ -140,6 +140,25 @@ class Copier(Protocol):
         """Every copy is queued; with ``order_after`` make the producers wait for them."""
 
 
+def mark_side_streams(streams: dict[torch.device, Any], used: set[torch.device]) -> list[Any]:
+    """One CUDA event per device in ``used``, recorded on its side stream in ``streams``
+    (the copies queued there since the last mark); empties ``used``. Shared by the
+    save's :class:`CudaCopier` and the load ring's ``cudaload.H2DCopier``."""
+    events = []
+    for dev in used:
+        ev = torch.cuda.Event()
+        ev.record(streams[dev])
+        events.append(ev)
+    used.clear()
+    return events
+
+
+def wait_events(token: Any) -> None:
+    """Block until every event of a :func:`mark_side_streams` token has completed."""
+    for ev in token or ():
+        ev.synchronize()  # GIL released by torch
+
+
 class CudaCopier:
     """D2H copies on one side stream per device, ordered after the producing (current)
     stream, one event per device and window; the caching allocator is told
@@ -179,17 +198,10 @@ class CudaCopier:
         self._used.add(src.device)
 
     def mark(self) -> Any:
-        events = []
-        for dev in self._used:
-            ev = torch.cuda.Event()
-            ev.record(self._streams[dev])
-            events.append(ev)
-        self._used.clear()
-        return events
+        return mark_side_streams(self._streams, self._used)
 
     def wait(self, token: Any) -> None:
-        for ev in token:
-            ev.synchronize()  # GIL released by torch
+        wait_events(token)
 
     def end(self, order_after: bool) -> None:
         if order_after:

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 import torch
 
+from fastpersist.bench.fsutil import fsync_path
 from fastpersist.bench.units import format_bytes, gbps, median
 
 
@@ -178,11 +179,7 @@ def run_gpu_save_bench(directory: str, *, size: int, repeat: int = 3, fio: bool 
 
 def _torch_save_durable(state: Any, path: str) -> None:
     torch.save(state, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def run_gpu_io_bench(directory: str, *, size: int, engines: Sequence[str], repeat: int = 3,
@@ -211,7 +208,7 @@ def run_gpu_io_bench(directory: str, *, size: int, engines: Sequence[str], repea
                     _sync()
                     t = time.perf_counter()
                     h.sync_pwrite(src, path)
-                    _fsync(path)
+                    fsync_path(path)
                     w.runs.append(gbps(size, time.perf_counter() - t))
                     drop_page_cache(path)
                     dst.zero_()
@@ -230,14 +227,6 @@ def run_gpu_io_bench(directory: str, *, size: int, engines: Sequence[str], repea
     res.verified = ok
     res.fio = _fio(directory, size, fio)
     return res
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def print_gpu_report(res: GpuBenchResult, out: TextIO) -> None:

@@ -637,12 +637,7 @@ def load_safetensors(
         crcs = reader.read(path, read_extents, len(slots))
         problems = _crc_problems(header, slots, crcs)
         if problems:
-            raise ChecksumError(
-                f"{path}: checksum mismatch, the file is corrupt (restore it from a good copy, or pass "
-                "checksum=False to read the bytes anyway):\n" + "\n".join(msg for _, msg in problems),
-                path,
-                [name for name, _ in problems],
-            )
+            raise _checksum_error(path, problems)
     else:
         reader.read(path, [(0, base_ptr, header.file_size, -1)], 0)
     if plan is not None:
@@ -652,6 +647,16 @@ def load_safetensors(
         return _tensors(header, base, device)
     except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
         raise SafetensorsFormatError(f"{path}: cannot make tensors of the header's dtypes and shapes ({exc})", path) from exc
+
+
+def _checksum_error(path: str, problems: list[tuple[str, str]]) -> ChecksumError:
+    """The error for ``(tensor name, message)`` CRC mismatches of ``path``."""
+    return ChecksumError(
+        f"{path}: checksum mismatch, the file is corrupt (restore it from a good copy, or pass "
+        "checksum=False to read the bytes anyway):\n" + "\n".join(msg for _, msg in problems),
+        path,
+        [name for name, _ in problems],
+    )
 
 
 def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: torch.device, *,
@@ -676,12 +681,7 @@ def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: to
         _extents, slots = _data_extents(header, lambda off: 0)
         problems = _crc_problems(header, slots, [by_name[e.name] for e in slots])
         if problems:
-            raise ChecksumError(
-                f"{path}: checksum mismatch, the file is corrupt (restore it from a good copy, or pass "
-                "checksum=False to read the bytes anyway):\n" + "\n".join(msg for _, msg in problems),
-                path,
-                [name for name, _ in problems],
-            )
+            raise _checksum_error(path, problems)
     raw = {e.name: it.dest for e, it in zip(entries, items)}
     out: dict[str, torch.Tensor] = {}
     try:

@@ -570,8 +570,7 @@ def _load_fd(
         if to_device:
             wanted = wanted - set(to_device)
 
-    finish = _start_bulk(load, handle, wanted, record=not to_device)  # the ring's time is not the planned read's
-    reader = finish.reader  # type: ignore[attr-defined]
+    reader, finish = _start_bulk(load, handle, wanted, record=not to_device)  # the ring's time is not the planned read's
     if to_device:
         from fastpersist import cudaload
 
@@ -613,11 +612,12 @@ def _load_fd(
     return result
 
 
-def _start_bulk(load: _Load, handle: Any, wanted: Optional[set[str]], *, record: bool = True) -> Callable[..., None]:
+def _start_bulk(load: _Load, handle: Any, wanted: Optional[set[str]], *,
+                record: bool = True) -> tuple[Any, Callable[..., None]]:
     """Plan and submit the bulk read of the storage records (``wanted``: their keys, None:
-    all); returns ``finish(only=None)``, which waits for it, checks local headers and
-    CRC-32s (of the records ``only`` accepts) and (``record``) records the read's rate
-    for ``read_mode="auto"``. ``finish.reader`` is the native handle reading."""
+    all); returns ``(reader, finish)``: the native handle reading, and ``finish(only=None)``,
+    which waits for it, checks local headers and CRC-32s (of the records ``only``
+    accepts) and (``record``) records the read's rate for ``read_mode="auto"``."""
     extents, bulk = load.plan_bulk(wanted)
     nbytes = sum(r.size for r in bulk)
     plan = plan_read(load.fd, nbytes, read_mode=getattr(handle, "read_mode", "direct"), direct=handle.direct,
@@ -642,8 +642,7 @@ def _start_bulk(load: _Load, handle: Any, wanted: Optional[set[str]], *, record:
         if record:
             record_read(plan, nbytes, time.perf_counter() - started)
 
-    finish.reader = reader  # type: ignore[attr-defined]
-    return finish
+    return reader, finish
 
 
 def _load_fast(load: _Load, pkl: bytes, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
@@ -659,7 +658,7 @@ def _load_fast(load: _Load, pkl: bytes, handle: Any, map_location: Any, pickle_m
     is not one the fast unpickler takes, the read is finished, the dry run tells which
     records the pickle refers to, those are checked, and torch's unpickler runs.
     """
-    finish = _start_bulk(load, handle, None)
+    reader, finish = _start_bulk(load, handle, None)
     encoding = pickle_load_args.get("encoding", "utf-8")
     was_enabled = gc.isenabled()
     gc.disable()  # see _load_fd's unpickle(): the same pause, for the same reason
@@ -670,7 +669,7 @@ def _load_fast(load: _Load, pkl: bytes, handle: Any, map_location: Any, pickle_m
             log.debug("%s: torch's unpickler runs instead of the fast one (%s)", load.path, e)
             result = _NOT_FAST
         except BaseException:
-            _drain(finish.reader)  # type: ignore[attr-defined]  # the read must be over before its buffers can go
+            _drain(reader)  # the read must be over before its buffers can go
             raise
         if result is not _NOT_FAST:
             finish(lambda r: r.used)

@@ -52,6 +52,18 @@ struct FastSeq {
   PyObject* operator[](Py_ssize_t i) const { return PySequence_Fast_GET_ITEM(seq, i); }
 };
 
+// ``(ptr, length)`` host ranges from a Python sequence of 2-tuples (crc32_many, crc32_ranges).
+std::vector<std::pair<uint64_t, uint64_t>> ptr_ranges(nb::handle ranges) {
+  FastSeq s(ranges, "ranges must be a sequence of (ptr, length) tuples");
+  std::vector<std::pair<uint64_t, uint64_t>> v(static_cast<size_t>(s.size()));
+  for (Py_ssize_t i = 0; i < s.size(); ++i) {
+    FastSeq t(s[i], "each range must be a (ptr, length) tuple");
+    if (t.size() != 2) throw ArgError("each range must be a (ptr, length) tuple");
+    v[static_cast<size_t>(i)] = {as_u64(t[0], "ptr"), as_u64(t[1], "length")};
+  }
+  return v;
+}
+
 std::vector<Extent> to_extents(nb::handle h) {
   FastSeq s(h, "extents must be a sequence of (file_offset, ptr, length, crc_slot) tuples");
   std::vector<Extent> out(static_cast<size_t>(s.size()));
@@ -208,13 +220,7 @@ NB_MODULE(_native, m) {
   m.def(
       "crc32_many",
       [](nb::handle ranges) {
-        FastSeq s(ranges, "ranges must be a sequence of (ptr, length) tuples");
-        std::vector<std::pair<uint64_t, uint64_t>> v(static_cast<size_t>(s.size()));
-        for (Py_ssize_t i = 0; i < s.size(); ++i) {
-          FastSeq t(s[i], "each range must be a (ptr, length) tuple");
-          if (t.size() != 2) throw ArgError("each range must be a (ptr, length) tuple");
-          v[static_cast<size_t>(i)] = {as_u64(t[0], "ptr"), as_u64(t[1], "length")};
-        }
+        std::vector<std::pair<uint64_t, uint64_t>> v = ptr_ranges(ranges);
         std::vector<uint32_t> out(v.size());
         {
           nb::gil_scoped_release r;
@@ -322,13 +328,7 @@ NB_MODULE(_native, m) {
       .def(
           "crc32_ranges",
           [](Handle& h, nb::handle ranges) {
-            FastSeq s(ranges, "ranges must be a sequence of (ptr, length) tuples");
-            std::vector<std::pair<uint64_t, uint64_t>> v(static_cast<size_t>(s.size()));
-            for (Py_ssize_t i = 0; i < s.size(); ++i) {
-              FastSeq t(s[i], "each range must be a (ptr, length) tuple");
-              if (t.size() != 2) throw ArgError("each range must be a (ptr, length) tuple");
-              v[static_cast<size_t>(i)] = {as_u64(t[0], "ptr"), as_u64(t[1], "length")};
-            }
+            std::vector<std::pair<uint64_t, uint64_t>> v = ptr_ranges(ranges);
             nb::gil_scoped_release r;
             return h.crc32_ranges(v);
           },
