@@ -227,6 +227,22 @@ def _safetensors_device(map_location: MapLocation) -> str:
     )
 
 
+def _mmap_wanted(mmap: Optional[bool]) -> bool:
+    """``mmap`` as ``torch.load`` resolves it (None: torch's ``config.load.mmap``)."""
+    if mmap is None:
+        from fastpersist import _compat
+
+        return _compat.load_mmap_default()
+    return bool(mmap)
+
+
+def _is_cpu(device: str) -> bool:
+    try:
+        return torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError, ValueError):
+        return False  # the regular path raises its error for it
+
+
 def load(
     path: Any,
     map_location: MapLocation = None,
@@ -261,9 +277,14 @@ def load(
         fastpersist.errors.ChecksumError: a record does not match its CRC-32.
         OSError: I/O errors, with path, offset and errno.
 
-    ``mmap=True``, file-like objects, legacy (non-zip) files, compressed or
-    encrypted archives, meta/fake-tensor loads and TorchScript archives go to
-    ``torch.serialization.load`` unchanged.
+    ``mmap=True`` (or torch's ``config.load.mmap`` default) returns tensors over a
+    private mapping of the file, as ``torch.load(mmap=True)`` does, after checking
+    it: the zip index, the sizes the pickle claims and (``config.checksum``) the
+    CRC-32 of every record torch will use, computed over a mapping of the same
+    descriptor that torch then loads (see ``fastpersist.formats.mmapload``);
+    ``.safetensors`` files are mapped the same way onto the CPU. File-like objects,
+    legacy (non-zip) files, compressed or encrypted archives, meta/fake-tensor
+    loads and TorchScript archives go to ``torch.serialization.load`` unchanged.
     """
     if group is not None:  # every rank of the group calls it; see fastpersist.distributed
         return __import__("fastpersist.distributed").distributed.load(path, map_location, pickle_module, group=group, weights_only=weights_only, mmap=mmap, config=config, **pickle_load_args)
@@ -281,7 +302,12 @@ def load(
     if fspath.endswith(".safetensors"):
         from fastpersist.formats.safetensors import load_safetensors
 
-        return load_safetensors(fspath, _handle(cfg, read=True), _safetensors_device(map_location), checksum=cfg.checksum)
+        device = _safetensors_device(map_location)
+        if _mmap_wanted(mmap) and _is_cpu(device):
+            from fastpersist.formats import mmapload
+
+            return mmapload.load_safetensors_mmap(fspath, checksum=cfg.checksum, threads=cfg.threads)
+        return load_safetensors(fspath, _handle(cfg, read=True), device, checksum=cfg.checksum)
 
     wo = _resolve_weights_only(weights_only, pickle_module)
     if wo is None or (wo and pickle_module is not None):
@@ -291,7 +317,16 @@ def load(
     if mmap is None:
         mmap = _compat.load_mmap_default()
     if mmap:
-        return torch_load()
+        if not os.path.isfile(fspath):
+            return torch_load()  # missing file, directory, device ...: torch's behaviour and errors
+        from fastpersist.formats import mmapload
+
+        try:
+            return mmapload.load_torch_mmap(fspath, map_location, pickle_module, weights_only=weights_only,
+                                            checksum=cfg.checksum, threads=cfg.threads, **original)
+        except UnsupportedLayoutError as e:
+            log.debug("checked mmap load not possible for %s (%s); using torch.serialization.load", fspath, e)
+            return torch_load()
     if not os.path.isfile(fspath) or not torchzip.fast_load_supported() or not _compat.ok("weights_only_unpickler"):
         return torch_load()  # missing file, directory, device ...: torch's behaviour and errors
     module = _compat.weights_only_unpickler() if wo else (pickle_module or pickle)

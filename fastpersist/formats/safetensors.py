@@ -520,6 +520,38 @@ def read_header(path: Union[str, os.PathLike]) -> SafetensorsHeader:
     return parse_header(path, header_json, file_size)
 
 
+def read_header_fd(fd: int, path: str) -> SafetensorsHeader:
+    """:func:`read_header` through an open descriptor (``pread``; the file is not
+    reopened, so the header is the one of the inode behind ``fd``); ``path`` names the
+    file in errors. Used by the checked mmap load (:mod:`fastpersist.formats.mmapload`).
+
+    Raises:
+        SafetensorsFormatError: not a valid safetensors file (message names the path).
+        OSError: the file cannot be read.
+    """
+    file_size = os.fstat(fd).st_size
+    if file_size < _LEN.size:
+        raise SafetensorsFormatError(
+            f"{path}: not a valid safetensors file: {file_size} bytes, shorter than the 8-byte header length", path
+        )
+    (length,) = _LEN.unpack(os.pread(fd, _LEN.size, 0).ljust(_LEN.size, b"\0"))
+    if length > MAX_HEADER_SIZE or _LEN.size + length > file_size:
+        raise SafetensorsFormatError(
+            f"{path}: not a valid safetensors file: header length {length} is larger than "
+            f"{'the file' if length <= MAX_HEADER_SIZE else 'the 100 MB limit'} ({file_size} bytes)",
+            path,
+        )
+    chunks = []
+    got = 0
+    while got < length:
+        chunk = os.pread(fd, length - got, _LEN.size + got)
+        if not chunk:
+            raise SafetensorsFormatError(f"{path}: the file shrank while its header was read", path)
+        chunks.append(chunk)
+        got += len(chunk)
+    return parse_header(path, b"".join(chunks), file_size)
+
+
 # ---------------------------------------------------------------------------
 # Loading and verifying.
 
