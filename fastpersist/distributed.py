@@ -23,17 +23,20 @@ status over the group; any error stops every rank at that step):
    of each host creates its own probe and the host's ranks that see it write one
    complete copy together on that filesystem (node-local disks); a rank that sees
    no probe at all writes a copy alone. The outcome is logged (``DEBUG`` when shared, ``INFO`` otherwise).
-3. **Slices and CRCs.** Each write group cuts the file into contiguous slices, one
-   per member, every boundary a multiple of the O_DIRECT alignment
-   (:func:`~fastpersist.formats.split.slice_bounds`). Each rank computes, from
-   memory, the CRC-32 of the part of every payload record inside its slice; the
-   group leader meanwhile creates the temporary file (stale temporaries of killed
-   saves are cleaned first) and preallocates it to the final size. The partial
-   CRCs are exchanged and every rank combines them (zlib's ``crc32_combine``), so
-   every rank knows every record's CRC before it writes.
-4. **Write.** Each rank fills the CRC fields inside its slice (data descriptors,
-   central directory entries, safetensors metadata) and writes its slice once,
-   aligned O_DIRECT, into the shared temporary file (opened without truncation).
+3. **Slices.** Each write group cuts the file into contiguous slices, one per
+   member, every boundary a multiple of the page size and of the O_DIRECT
+   alignment (:func:`~fastpersist.formats.split.slice_bounds`). The group leader creates the
+   temporary file (stale temporaries of killed saves are cleaned first),
+   preallocates it to the final size and sends its name to the group.
+4. **Write and CRCs, overlapped.** Each rank starts the aligned O_DIRECT write of
+   its whole slice into the shared temporary file (opened without truncation), the
+   CRC fields (data descriptors, central directory entries, safetensors metadata)
+   still holding the plan's placeholders. Meanwhile it computes, from memory, the
+   CRC-32 of the part of every payload record inside its slice. The partial CRCs
+   are exchanged and every rank combines them (zlib's ``crc32_combine``). Once its
+   bulk write is done, each rank writes the page-aligned blocks of its slice that
+   hold CRC fields (:func:`~fastpersist.formats.split.patch_blocks`) again, with
+   the fields filled, through the page cache.
    A rank on another host than its group leader (a network filesystem) then fsyncs
    its writes; the leader's host needs one fsync, the leader's own in step 5, which
    runs after every rank reported its writes complete and commits them all (same
@@ -72,6 +75,7 @@ record's CRC, or the safetensors header).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import mmap as _mmap
@@ -90,6 +94,10 @@ from fastpersist.errors import FastPersistError, UnsupportedLayoutError
 from fastpersist.formats import split
 
 log = logging.getLogger(__name__)
+
+#: Save slices start on page boundaries (and on the O_DIRECT alignment, when larger): the
+#: CRC-field blocks a rank writes through the page cache never share a page with another rank.
+_PAGE = 4096
 
 __all__ = ["DistributedCheckpointError", "DistributedTimeoutError", "save", "load"]
 
@@ -632,7 +640,8 @@ class _Agreed:
     def bounds(self, rank: int) -> tuple[int, int]:
         """This rank's slice ``[lo, hi)`` of the file within its write group."""
         assert self.layout is not None
-        return split.slice_bounds(self.layout.plan.file_size, len(self.mygroup), self.align)[self.mygroup.index(rank)]
+        return split.slice_bounds(self.layout.plan.file_size, len(self.mygroup), max(self.align, _PAGE))[
+            self.mygroup.index(rank)]
 
 
 def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str], loc: "_Local") -> _Agreed:
@@ -726,7 +735,7 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
 
     assert layout is not None and final is not None
     plan = layout.plan
-    lo, hi = split.slice_bounds(plan.file_size, len(mygroup), align)[mygroup.index(co.rank)]
+    lo, hi = split.slice_bounds(plan.file_size, len(mygroup), max(align, _PAGE))[mygroup.index(co.rank)]
     extents = split.clip(plan.extents, lo, hi)
     handle = api._handle(cfg)
     tmp: Optional[str] = None
@@ -735,29 +744,47 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
     if leader:
         tmp = loc.run(lambda: _create_temp(final, plan.file_size))
         ident = loc.run(lambda: _file_identity(tmp)) if tmp else None
-    partial = loc.run(lambda: split.partial_crcs(handle, extents))
     temps: list[Optional[str]] = []
+    bulk: Any = None  # the write of the slice's CRC-free blocks, in flight while the CRCs are exchanged
     try:
-        crcinfo = co.gather("crc", (loc.status, tmp, partial, ident))
-        temps = [crcinfo[g[0]][1] for g in groups]
-        tmp = crcinfo[mygroup[0]][1]
+        made = co.gather("tmp", (loc.status, tmp, ident))
+        temps = [made[g[0]][1] for g in groups]
+        tmp = made[mygroup[0]][1]
+        co.check("tmp", [v[0] for v in made], local=loc.exc, after="Nothing was written under the final name")
+
+        # The whole slice goes to the disk now, its CRC fields still holding the plan's
+        # placeholders; the partial CRCs are computed from memory meanwhile, on this thread
+        # (the handle's threads are writing), and exchanged. Once the bulk write is done,
+        # the page-aligned blocks that hold CRC fields are written again with the fields
+        # filled, through the page cache (a few KiB per record; O_DIRECT would cost a
+        # device round trip each), and the leader's fsync (or this rank's own) flushes them.
+        held = split.patch_blocks(plan.patches, lo, hi, _PAGE)
+        body = [(off, ptr, n, -1) for off, ptr, n, _slot in extents]
+        if body:
+            bulk = loc.run(lambda: handle.write_async(tmp, body, [], 0, truncate=False, fsync=False))
+        partial = loc.run(lambda: split.partial_crcs(None, extents))
+        crcinfo = co.gather("crc", (loc.status, partial))
         co.check("crc", [v[0] for v in crcinfo], local=loc.exc, after="Nothing was written under the final name")
-        crcs = split.combine_crcs([crcinfo[r][2] for r in mygroup], plan.nslots)
+        crcs = split.combine_crcs([crcinfo[r][1] for r in mygroup], plan.nslots)
 
         # One fsync per host, not per rank: the leader fsyncs the file after every rank wrote
         # (_commit), which covers the ranks of its own host.
         # Same host name is not proof enough (two machines may share one): the rank must also
         # run under the leader's kernel (boot id) and see the leader's inode (st_dev, st_ino).
         own_fsync = cfg.fsync and not (
-            agreed.leader_fsync_covers(co.rank) and (leader or _same_inode(tmp, crcinfo[mygroup[0]][3])))
+            agreed.leader_fsync_covers(co.rank) and (leader or _same_inode(tmp, made[mygroup[0]][2])))
 
         def write() -> None:
-            ext, keep = split.apply_patches(extents, plan.patches, crcs, lo, hi)
-            if ext:
-                api._naming_final(final, lambda t: handle.write(t, ext, [], 0, truncate=False, fsync=own_fsync))(tmp)
+            assert tmp is not None
+            if bulk is not None:  # before the blocks it wrote are written again
+                api._naming_final(final, lambda t: bulk.result())(tmp)
+            pieces = [e for a, b in held for e in split.clip(extents, a, b)]
+            ext, keep = split.apply_patches(pieces, plan.patches, crcs, lo, hi)
+            _pwrite_runs(tmp, final, ext, own_fsync)
             del keep
 
         loc.run(write)
+        bulk = None
         wrote = co.gather("write", loc.status)
         co.check("write", wrote, local=loc.exc,
                  after="The temporary files were removed; the previous file at the path is untouched")
@@ -766,9 +793,45 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         temps = []
         del extents, plan, layout
     except BaseException:
+        if bulk is not None:  # it reads the caller's tensors: never return while it runs
+            try:
+                bulk.wait()
+            except BaseException:  # noqa: BLE001 - the failure being raised says more
+                pass
         for t in temps:
             _remove(t)
         raise
+
+
+def _pwrite_runs(tmp: str, final: str, extents: Sequence[split.Extent], fsync: bool) -> None:
+    """Write ``extents`` (sorted, maybe with gaps) into ``tmp`` through the page cache, one
+    ``pwrite`` per contiguous run; fsync the file after when ``fsync``."""
+    if not extents and not fsync:
+        return
+    fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        k = 0
+        while k < len(extents):
+            start = extents[k][0]
+            parts = []
+            end = start
+            while k < len(extents) and extents[k][0] == end:
+                parts.append(ctypes.string_at(extents[k][1], extents[k][2]))
+                end += extents[k][2]
+                k += 1
+            data = memoryview(b"".join(parts))
+            done = 0
+            while done < len(data):
+                try:
+                    done += os.pwrite(fd, data[done:], start + done)
+                except OSError as e:
+                    raise type(e)(e.errno, f"{e.strerror} (saving {final!r} via temporary file {tmp!r}: writing the "
+                                  f"CRC fields at offset {start + done}; the previous file at this path is untouched)",
+                                  final) from e
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _boot_id() -> str:

@@ -533,6 +533,58 @@ def test_split_pieces_reassemble_the_file(tmp_path: Any, n: int, fmt: str) -> No
     assert filecmp.cmp(ref, out, shallow=False)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_slices_written_before_the_crcs_are_known_reassemble_the_file(tmp_path: Any, n: int, fmt: str) -> None:
+    """The group save's order: every slice written whole while its CRC fields still hold the
+    plan's placeholders, then only the page blocks holding CRC fields, with the combined CRCs,
+    through the page cache."""
+    from fastpersist import _native
+    from fastpersist.distributed import _pwrite_runs
+    from fastpersist.formats.safetensors import plan_safetensors
+    from fastpersist.formats.torchzip import plan_torch
+
+    obj = state() if fmt == "torch" else tensors()
+    ref = str(tmp_path / ("ref." + ("pt" if fmt == "torch" else "safetensors")))
+    fastpersist.save(obj, ref, config=cfg())
+    plan = plan_torch(obj, 4096) if fmt == "torch" else plan_safetensors(obj, None, 4096)
+    h = _native.Handle()
+    out = str(tmp_path / "out")
+    with open(out, "wb") as f:
+        f.truncate(plan.file_size)
+    bounds = split.slice_bounds(plan.file_size, n, 4096)
+    held = []
+    for lo, hi in bounds:
+        spans = split.patch_blocks(plan.patches, lo, hi, 4096)
+        assert all(lo <= a < b <= hi and a % 4096 == 0 and (b % 4096 == 0 or b == hi) for a, b in spans)
+        body = [(o, p, k, -1) for o, p, k, _s in split.clip(plan.extents, lo, hi)]
+        if body:
+            h.write(out, body, [], 0, truncate=False, fsync=False)
+        held.append(spans)
+    for off, _slot, kind in plan.patches:  # every CRC field byte lies in a held block
+        for x in range(off, off + (4 if kind == 0 else 8)):
+            assert any(a <= x < b for spans in held for a, b in spans), x
+    parts = [split.partial_crcs(None, split.clip(plan.extents, lo, hi)) for lo, hi in bounds]
+    assert parts == [split.partial_crcs(h, split.clip(plan.extents, lo, hi)) for lo, hi in bounds]
+    crcs = split.combine_crcs(parts, plan.nslots)
+    assert not filecmp.cmp(ref, out, shallow=False)  # the CRC fields are not written yet
+    for (lo, hi), spans in zip(bounds, held):
+        pieces = [e for a, b in spans for e in split.clip(plan.extents, a, b)]
+        ext, keep = split.apply_patches(pieces, plan.patches, crcs, lo, hi)
+        _pwrite_runs(out, ref, ext, fsync=False)
+    assert filecmp.cmp(ref, out, shallow=False)
+
+
+def test_patch_blocks_are_aligned_merged_and_clipped() -> None:
+    # u32 fields at 10 and 4094 (across a block boundary), hex8 at 9000, u32 in the next slice
+    patches = [(4094, 0, 0), (10, 1, 0), (9000, 2, 1), (20000, 3, 0)]
+    assert split.patch_blocks(patches, 0, 16384, 4096) == [(0, 12288)]
+    assert split.patch_blocks(patches, 4096, 16384, 4096) == [(4096, 12288)]
+    assert split.patch_blocks(patches, 0, 6000, 4096) == [(0, 6000)]
+    assert split.patch_blocks(patches, 12288, 16384, 4096) == []
+    assert split.patch_blocks([(100, 0, 0), (9000, 1, 0)], 0, 16384, 4096) == [(0, 4096), (8192, 12288)]
+
+
 def test_first_difference_names_the_record() -> None:
     from fastpersist.formats.torchzip import plan_torch
 

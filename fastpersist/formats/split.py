@@ -13,6 +13,9 @@ and take the exchanged values as arguments.
   bytes inside one slice (from memory, on the native handle's threads) with the
   part's length; :func:`combine_crcs` joins the parts of every rank, in file
   order, with zlib's ``crc32_combine`` arithmetic.
+* :func:`patch_blocks` names the aligned blocks of a slice that hold CRC fields: a
+  writer writes its slice while the CRCs are being computed and exchanged, then
+  writes only those blocks again with the fields filled.
 * :func:`apply_patches` turns the plan's CRC patches (zip data descriptors and
   central directory, safetensors ``__metadata__`` CRCs), now that every CRC is
   known, into small extents spliced into the slice, so each writer writes its
@@ -83,11 +86,18 @@ def clip(extents: Sequence[Extent], lo: int, hi: int) -> list[Extent]:
 
 def partial_crcs(handle: Any, extents: Sequence[Extent]) -> dict[int, tuple[int, int]]:
     """``{slot: (crc, length)}``: the CRC-32 of each slot's bytes within ``extents``
-    (a clipped slice) and their length; slots with no bytes there are absent."""
+    (a clipped slice) and their length; slots with no bytes there are absent.
+    Computed on ``handle``'s threads, or on the calling thread (GIL released) when
+    ``handle`` is None (while the handle's threads write)."""
     from fastpersist import _native
 
     ranges = [(ptr, length) for _off, ptr, length, slot in extents if slot >= 0 and length > 0]
-    crcs = handle.crc32_ranges(ranges) if ranges else []
+    if not ranges:
+        crcs: list[int] = []
+    elif handle is None:
+        crcs = _native.crc32_many(ranges)
+    else:
+        crcs = handle.crc32_ranges(ranges)
     out: dict[int, tuple[int, int]] = {}
     k = 0
     for _off, _ptr, length, slot in extents:
@@ -157,6 +167,23 @@ def apply_patches(
                 out.append((cur, ptr + (cur - off), take, -1))
             cur += take
     return out, (blob, base)
+
+
+def patch_blocks(patches: Sequence[tuple[int, int, int]], lo: int, hi: int, block: int) -> list[tuple[int, int]]:
+    """The ``block``-aligned ranges of ``[lo, hi)`` (clipped to it, merged, sorted) that
+    hold a byte of some CRC field: what a writer must write again once every CRC is
+    known. The rest of its slice is final when first written."""
+    spans: list[tuple[int, int]] = []
+    for off, _slot, kind in sorted(patches):
+        end = off + (4 if kind == PATCH_U32LE else 8)
+        a, b = max(off - off % block, lo), min(-(-end // block) * block, hi)
+        if a >= b:
+            continue
+        if spans and a <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], b))
+        else:
+            spans.append((a, b))
+    return spans
 
 
 # --------------------------------------------------------------------------- digests
