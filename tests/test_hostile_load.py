@@ -47,12 +47,12 @@ def same(a, b) -> bool:
     return a == b
 
 
-def _torch_raises(path, exc_type, weights_only: bool) -> bool:
+def _torch_raises(path, exc_type, weights_only: bool, **kw) -> bool:
     """Whether stock torch.load raises ``exc_type`` for the file too (e.g. a file whose
     zip signature is broken goes to torch's legacy reader, whose weights-only unpickler
     raises IndexError): then that is torch's result, not ours."""
     try:
-        torch.load(path, weights_only=weights_only)
+        torch.load(path, weights_only=weights_only, **kw)
     except exc_type:
         return True
     except Exception:  # noqa: BLE001 - another error: not the same answer
@@ -70,7 +70,7 @@ def check(path, want, **kw) -> str:
         try:
             got = fastpersist.load(path, weights_only=weights_only, **kw)
         except RAW as e:
-            if not _torch_raises(path, type(e), weights_only):  # torch's own answer for a file handed to it
+            if not _torch_raises(path, type(e), weights_only, **kw):  # torch's own answer for a file handed to it
                 pytest.fail(f"{path} (weights_only={weights_only}): raw {type(e).__name__}: {e}")
             outcome = outcome or "error"
             continue

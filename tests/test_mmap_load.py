@@ -324,6 +324,30 @@ def test_flipped_header_bytes(original, tmp_path):
     assert counts["error"] > 0
 
 
+def test_record_marked_as_a_directory_is_refused(tmp_path):
+    """A flipped bit in a central directory entry's external attributes (MS-DOS directory)
+    makes torch's reader skip the record and read memory it never filled (its answer
+    varies from run to run); the checked load refuses the file instead."""
+    p = tmp_path / "c.pt"
+    torch.save(saved(), p)
+    data = bytearray(p.read_bytes())
+    idx = read_zip_index(p)
+    version = next(e for e in idx.entries if e.name.endswith("/version"))
+    # the directory entry whose name is the version record's: its external attributes are at +38
+    pos = idx.cd_offset
+    while True:
+        assert data[pos:pos + 4] == b"PK\x01\x02"
+        n, x, c = int.from_bytes(data[pos + 28:pos + 30], "little"), int.from_bytes(data[pos + 30:pos + 32], "little"), \
+            int.from_bytes(data[pos + 32:pos + 34], "little")
+        if bytes(data[pos + 46:pos + 46 + n]).decode() == version.name:
+            break
+        pos += 46 + n + x + c
+    data[pos + 38] |= 0x10
+    p.write_bytes(data)
+    with pytest.raises(ZipFormatError, match="marked as a directory"):
+        fastpersist.load(p, mmap=True)
+
+
 def test_every_payload_byte_flipped(original, tmp_path):
     _writer, data = original
     src = tmp_path / "src.pt"
