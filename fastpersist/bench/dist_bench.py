@@ -32,6 +32,8 @@ count the state's tensor bytes once (not once per rank), in decimal GB.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import pickle
 import random
@@ -343,6 +345,7 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
                 if rank == 0:
                     r["file_bytes"] = total_size(target)
                     drop_page_cache_all([target])
+                _release_heap()
                 try:
                     load_s, loaded = timed(lambda: methods.load(name, target))
                     del loaded
@@ -360,6 +363,20 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
                     remove_path(target)
     return {"workload": workload, "results": res, "verification": verification, "order": order,
             "group_phases": phases}
+
+
+def _release_heap() -> None:
+    """Hand the memory the C heap keeps from earlier rounds' freed tensors back to the
+    kernel (glibc ``malloc_trim``), so that every timed load fills memory the rank never
+    used, as a resumed job does. Without it ``torch.load``, whose storages come from
+    malloc, reused last round's already-faulted memory, while fastpersist's read buffers
+    are fresh mappings every time (the bias that made ``bench save`` load in fresh
+    processes, docs/benchmarks.md "Session 7")."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def _progress_printer(enabled: bool) -> Callable[[str], None]:
@@ -446,7 +463,9 @@ def run_dist_bench(
         methods.append(DistMethodResult(name, kind, nbytes, r["save"], r["load"], r["file_bytes"], r["error"]))
     notes = [
         "durable saves: time includes fsync of every file written and of its directory",
-        "cold loads: rank 0 drops every file of the method from the page cache (posix_fadvise DONTNEED) first",
+        "cold loads: rank 0 drops every file of the method from the page cache (posix_fadvise DONTNEED) first; "
+        "every rank first returns its freed heap memory to the kernel (malloc_trim), so no loader reuses the "
+        "previous round's memory",
         "GB/s = the state's tensor bytes (counted once, not per rank) / seconds of the slowest rank, decimal",
         f"all ranks on this machine, gloo over loopback, torch.set_num_threads(1) per rank, fastpersist threads "
         f"{threads} per rank, DCP thread_count {threads}",
