@@ -306,7 +306,7 @@ def load(
         if _mmap_wanted(mmap) and _is_cpu(device):
             from fastpersist.formats import mmapload
 
-            return mmapload.load_safetensors_mmap(fspath, checksum=cfg.checksum, threads=cfg.threads)
+            return mmapload.load_safetensors_mmap(fspath, _handle(cfg, read=True), checksum=cfg.checksum)
         return load_safetensors(fspath, _handle(cfg, read=True), device, checksum=cfg.checksum)
 
     wo = _resolve_weights_only(weights_only, pickle_module)
@@ -323,7 +323,7 @@ def load(
 
         try:
             return mmapload.load_torch_mmap(fspath, map_location, pickle_module, weights_only=weights_only,
-                                            checksum=cfg.checksum, threads=cfg.threads, **original)
+                                            handle=_handle(cfg, read=True), checksum=cfg.checksum, **original)
         except UnsupportedLayoutError as e:
             log.debug("checked mmap load not possible for %s (%s); using torch.serialization.load", fspath, e)
             return torch_load()

@@ -780,7 +780,7 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
                 api._naming_final(final, lambda t: bulk.result())(tmp)
             pieces = [e for a, b in held for e in split.clip(extents, a, b)]
             ext, keep = split.apply_patches(pieces, plan.patches, crcs, lo, hi)
-            _pwrite_runs(tmp, final, ext, own_fsync)
+            api._naming_final(final, lambda t: _pwrite_runs(t, ext, own_fsync))(tmp)
             del keep
 
         loc.run(write)
@@ -803,12 +803,13 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         raise
 
 
-def _pwrite_runs(tmp: str, final: str, extents: Sequence[split.Extent], fsync: bool) -> None:
-    """Write ``extents`` (sorted, maybe with gaps) into ``tmp`` through the page cache, one
-    ``pwrite`` per contiguous run; fsync the file after when ``fsync``."""
+def _pwrite_runs(path: str, extents: Sequence[split.Extent], fsync: bool) -> None:
+    """Write ``extents`` (sorted, maybe with gaps) into ``path`` through the page cache, one
+    ``pwrite`` per contiguous run; fsync the file after when ``fsync``. An OSError names
+    the offset (callers add which save it was, see ``api._naming_final``)."""
     if not extents and not fsync:
         return
-    fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         k = 0
         while k < len(extents):
@@ -825,9 +826,8 @@ def _pwrite_runs(tmp: str, final: str, extents: Sequence[split.Extent], fsync: b
                 try:
                     done += os.pwrite(fd, data[done:], start + done)
                 except OSError as e:
-                    raise type(e)(e.errno, f"{e.strerror} (saving {final!r} via temporary file {tmp!r}: writing the "
-                                  f"CRC fields at offset {start + done}; the previous file at this path is untouched)",
-                                  final) from e
+                    raise type(e)(e.errno, f"{e.strerror}: writing CRC fields at offset {start + done} of {path!r}",
+                                  path) from e
         if fsync:
             os.fsync(fd)
     finally:

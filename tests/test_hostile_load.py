@@ -133,8 +133,10 @@ def test_every_header_byte_flipped(original, tmp_path):
     assert counts["error"] > 0
 
 
-def test_every_payload_byte_flipped_is_caught(original, tmp_path):
-    writer, data = original
+def payload_flips(original, tmp_path):
+    """Yield the path of a copy of the file with one payload byte flipped, for every byte of
+    every storage record (the file is rewritten between yields)."""
+    _writer, data = original
     src = tmp_path / "src.pt"
     src.write_bytes(data)
     p = tmp_path / "f.pt"
@@ -145,8 +147,13 @@ def test_every_payload_byte_flipped_is_caught(original, tmp_path):
             bad = bytearray(data)
             bad[off] ^= 0x10
             p.write_bytes(bad)
-            with pytest.raises(ChecksumError):
-                fastpersist.load(p)
+            yield p
+
+
+def test_every_payload_byte_flipped_is_caught(original, tmp_path):
+    for p in payload_flips(original, tmp_path):
+        with pytest.raises(ChecksumError):
+            fastpersist.load(p)
 
 
 @pytest.mark.parametrize("field,width", [(18, 4), (22, 4), (20, 4), (24, 4), (42, 4), (28, 2), (30, 2), (8, 2),

@@ -19,7 +19,7 @@ from fastpersist import _native
 from fastpersist.errors import CheckpointFormatError, ChecksumError, ZipFormatError
 from fastpersist.formats import mmapload
 from fastpersist.formats.zipindex import read_zip_index
-from test_hostile_load import check, header_offsets, original, saved  # noqa: F401 - original is a fixture
+from test_hostile_load import check, header_offsets, original, payload_flips, saved  # noqa: F401 - original is a fixture
 
 # --------------------------------------------------------------------------- helpers
 
@@ -181,13 +181,13 @@ def test_default_mmap_config_takes_the_checked_path(saved_file, tmp_path):
 
 def count_crc_calls(monkeypatch) -> list:
     calls: list = []
-    real = _native.crc32_many
+    real = mmapload.crc32_mapped
 
-    def counting(ranges):
+    def counting(handle, base, ranges):
         calls.append(sum(n for _a, n in ranges))
-        return real(ranges)
+        return real(handle, base, ranges)
 
-    monkeypatch.setattr(_native, "crc32_many", counting)
+    monkeypatch.setattr(mmapload, "crc32_mapped", counting)
     return calls
 
 
@@ -239,16 +239,16 @@ def test_renamed_over_during_the_crc_pass(tmp_path, monkeypatch, assert_same):
     p = tmp_path / "c.pt"
     old, new = {"w": torch.arange(4096.0)}, {"w": torch.zeros(4096)}
     fastpersist.save(old, p)
-    real = _native.crc32_many
+    real = mmapload.crc32_mapped
     renamed = []
 
-    def rename_then_crc(ranges):
+    def rename_then_crc(handle, base, ranges):
         if not renamed:
             renamed.append(1)
             fastpersist.save(new, p)
-        return real(ranges)
+        return real(handle, base, ranges)
 
-    monkeypatch.setattr(_native, "crc32_many", rename_then_crc)
+    monkeypatch.setattr(mmapload, "crc32_mapped", rename_then_crc)
     got = fastpersist.load(p, mmap=True)
     assert renamed
     assert_same(got, old)
@@ -285,13 +285,13 @@ def test_legacy_file_gets_torchs_answer(tmp_path):
     assert str(ours.value) == str(theirs.value)
 
 
-def test_crc32_mapped_matches_zlib(monkeypatch):
-    monkeypatch.setattr(mmapload, "CHUNK", 3 * 4096)
-    data = bytes(range(256)) * 1000 + b"tail"
+def test_crc32_mapped_matches_zlib():
+    data = bytes(range(256)) * 40_000 + b"tail"  # 10 MiB: several 4 MiB pieces
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    ranges = [(0, len(data)), (5, 0), (7, 4096 * 7 + 3), (100_000, 1), (len(data) - 30_000, 30_000)]
+    ranges = [(0, len(data)), (5, 0), (7, 4096 * 7 + 3), (100_000, 1), (len(data) - 30_000, 30_000),
+              (3, (5 << 20) + 11)]
     for threads in (1, 2, 3):
-        got = mmapload.crc32_mapped(buf.data_ptr(), ranges, threads)
+        got = mmapload.crc32_mapped(_native.Handle(threads=threads), buf.data_ptr(), ranges)
         assert got == [zlib.crc32(data[o:o + n]) for o, n in ranges]
 
 
@@ -333,35 +333,16 @@ def test_record_marked_as_a_directory_is_refused(tmp_path):
     data = bytearray(p.read_bytes())
     idx = read_zip_index(p)
     version = next(e for e in idx.entries if e.name.endswith("/version"))
-    # the directory entry whose name is the version record's: its external attributes are at +38
-    pos = idx.cd_offset
-    while True:
-        assert data[pos:pos + 4] == b"PK\x01\x02"
-        n, x, c = int.from_bytes(data[pos + 28:pos + 30], "little"), int.from_bytes(data[pos + 30:pos + 32], "little"), \
-            int.from_bytes(data[pos + 32:pos + 34], "little")
-        if bytes(data[pos + 46:pos + 46 + n]).decode() == version.name:
-            break
-        pos += 46 + n + x + c
-    data[pos + 38] |= 0x10
+    data[version.cd_offset + 38] |= 0x10  # external attributes, low byte
     p.write_bytes(data)
     with pytest.raises(ZipFormatError, match="marked as a directory"):
         fastpersist.load(p, mmap=True)
 
 
 def test_every_payload_byte_flipped(original, tmp_path):
-    _writer, data = original
-    src = tmp_path / "src.pt"
-    src.write_bytes(data)
-    p = tmp_path / "f.pt"
-    for e in read_zip_index(src).entries:
-        if "/data/" not in e.name or e.compressed_size == 0:
-            continue
-        for off in range(e.data_offset, e.data_end):
-            bad = bytearray(data)
-            bad[off] ^= 0x10
-            p.write_bytes(bad)
-            with pytest.raises(ChecksumError):
-                fastpersist.load(p, mmap=True)
+    for p in payload_flips(original, tmp_path):
+        with pytest.raises(ChecksumError):
+            fastpersist.load(p, mmap=True)
 
 
 @pytest.mark.parametrize("field,width", [(18, 4), (22, 4), (20, 4), (24, 4), (42, 4), (28, 2), (30, 2), (10, 2)])

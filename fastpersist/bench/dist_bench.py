@@ -32,7 +32,6 @@ count the state's tensor bytes once (not once per rank), in decimal GB.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import pickle
@@ -372,11 +371,13 @@ def _release_heap() -> None:
     malloc, reused last round's already-faulted memory, while fastpersist's read buffers
     are fresh mappings every time (the bias that made ``bench save`` load in fresh
     processes, docs/benchmarks.md "Session 7")."""
+    from fastpersist.io import _libc
+
     gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:  # glibc; other C libraries keep no such cache to trim
+        trim(0)
 
 
 def _progress_printer(enabled: bool) -> Callable[[str], None]:

@@ -32,9 +32,9 @@ What it costs
     is read, so a cold file costs one round of reads, not one per record. The CRC
     pass touches every referenced payload page once (read from the disk if it is
     not cached; the pages then sit in the page cache, where torch's own mapping
-    finds them), on ``threads`` threads (the native CRC releases the GIL; records
-    are cut into :data:`CHUNK` pieces dealt round-robin, so the threads walk the
-    file together and fault pages in parallel). With ``checksum=False`` only the
+    finds them), on the native handle's threads (``Handle.crc32_ranges``: records
+    are cut into 4 MiB pieces the threads checksum side by side, faulting pages in
+    parallel, GIL released). With ``checksum=False`` only the
     index and the pickle are read: the load stays as lazy as torch's.
 
 What it cannot protect against
@@ -61,7 +61,6 @@ import mmap as _mmap
 import os
 import stat
 import struct
-import threading
 from typing import Any, Optional, Sequence
 
 import torch
@@ -74,62 +73,20 @@ from fastpersist.formats.zipindex import CentralEntry, ZipEntry, parse_zip_index
 
 log = logging.getLogger(__name__)
 
-#: Records are checksummed in pieces of this size, dealt round-robin to the threads.
-CHUNK = 8 << 20
 _PAGE = 4096
 _FLAG_ENCRYPTED = 0x0001
 
-__all__ = ["CHUNK", "crc32_mapped", "load_torch_mmap", "load_safetensors_mmap"]
+__all__ = ["crc32_mapped", "load_torch_mmap", "load_safetensors_mmap"]
 
 
 # --------------------------------------------------------------------------- CRC-32 over a mapping
 
 
-def crc32_mapped(base: int, ranges: Sequence[tuple[int, int]], threads: int = 2) -> list[int]:
-    """CRC-32 of each ``(offset, length)`` range of the memory at address ``base``.
-
-    Ranges are cut into :data:`CHUNK` pieces dealt round-robin to ``threads`` threads,
-    each running one :func:`fastpersist._native.crc32_many` call (GIL released); the
-    pieces' CRCs are combined per range. Small totals run on the calling thread.
-    """
-    from fastpersist import _native
-
-    pieces: list[tuple[int, int, int]] = []  # (range index, address, length)
-    for i, (off, n) in enumerate(ranges):
-        for p in range(0, n, CHUNK):
-            pieces.append((i, base + off + p, min(CHUNK, n - p)))
-    total = sum(n for _i, _a, n in pieces)
-    threads = max(1, min(threads, len(pieces)))
-    if threads == 1 or total < 2 * CHUNK:
-        crcs = _native.crc32_many([(a, n) for _i, a, n in pieces])
-    else:
-        crcs = [0] * len(pieces)
-        errors: list[BaseException] = []
-
-        def work(k: int) -> None:
-            mine = list(range(k, len(pieces), threads))
-            try:
-                got = _native.crc32_many([(pieces[j][1], pieces[j][2]) for j in mine])
-            except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-                errors.append(e)
-                return
-            for j, c in zip(mine, got):
-                crcs[j] = c
-
-        workers = [threading.Thread(target=work, args=(k,), name=f"fastpersist-crc-{k}") for k in range(1, threads)]
-        for w in workers:
-            w.start()
-        work(0)
-        for w in workers:
-            w.join()
-        if errors:
-            raise errors[0]
-    out = [0] * len(ranges)
-    started = [False] * len(ranges)
-    for (i, _a, n), c in zip(pieces, crcs):
-        out[i] = _native.crc32_combine(out[i], c, n) if started[i] else c
-        started[i] = True
-    return out
+def crc32_mapped(handle: Any, base: int, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """CRC-32 of each ``(offset, length)`` range of the memory at address ``base``, on
+    ``handle``'s threads (``Handle.crc32_ranges``: large ranges cut into pieces that the
+    threads checksum, and fault in, side by side; GIL released)."""
+    return handle.crc32_ranges([(base + off, n) for off, n in ranges])
 
 
 class _Mapping:
@@ -221,8 +178,8 @@ def load_torch_mmap(
     pickle_module: Any,
     *,
     weights_only: Optional[bool],
+    handle: Any,
     checksum: bool = True,
-    threads: int = 2,
     **pickle_load_args: Any,
 ) -> Any:
     """``torch.load(path, map_location, pickle_module, weights_only=..., mmap=True, ...)``
@@ -244,7 +201,7 @@ def load_torch_mmap(
             raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
         mapping = _Mapping(fd, size)
         try:
-            _check_zip(path, mapping, checksum=checksum, threads=threads)
+            _check_zip(path, mapping, handle, checksum=checksum)
         finally:
             mapping.close()
         return torch.serialization.load(_fd_path(fd), map_location, pickle_module, weights_only=weights_only,
@@ -253,7 +210,7 @@ def load_torch_mmap(
         os.close(fd)
 
 
-def _check_zip(path: str, mapping: _Mapping, *, checksum: bool, threads: int) -> None:
+def _check_zip(path: str, mapping: _Mapping, handle: Any, *, checksum: bool) -> None:
     """Everything torch's mmap load relies on, checked through ``mapping`` (see the module
     docstring); returns only when the file may be handed to torch."""
     try:
@@ -283,7 +240,7 @@ def _check_zip(path: str, mapping: _Mapping, *, checksum: bool, threads: int) ->
     pkl_entry = by_short["data.pkl"]
     pkl = mapping.read_at(pkl_entry.data_offset, pkl_entry.compressed_size)
     if checksum:
-        _compare(path, small, crc32_mapped(mapping.addr, [(e.data_offset, e.compressed_size) for e in small], 1))
+        _compare(path, small, crc32_mapped(handle, mapping.addr, [(e.data_offset, e.compressed_size) for e in small]))
 
     wanted = _referenced(path, pkl, by_short)
     if wanted is None:
@@ -297,10 +254,10 @@ def _check_zip(path: str, mapping: _Mapping, *, checksum: bool, threads: int) ->
     # No MADV_WILLNEED over the payloads: on a 1 GiB file the call spent 0.4-0.6 s
     # queueing reads before the first CRC and saved nothing overall (docs/experiments/
     # mmap_load.py); the threads' faults read ahead on their own. MADV_POPULATE_READ per
-    # 8 MiB piece before its CRC was slower too (1 GiB cold, 6 interleaved rounds:
+    # piece before its CRC was slower too (1 GiB cold, 6 interleaved rounds:
     # 0.83 s against 0.63 s without it).
     ranges = [(e.data_offset, e.compressed_size) for e in records]
-    _compare(path, records, crc32_mapped(mapping.addr, ranges, threads))
+    _compare(path, records, crc32_mapped(handle, mapping.addr, ranges))
 
 
 def _prefetch_headers(mapping: _Mapping, cd_off: int, entries: Sequence[CentralEntry]) -> None:
@@ -352,7 +309,7 @@ def _compare(path: str, records: Sequence[ZipEntry], crcs: Sequence[int]) -> Non
 # --------------------------------------------------------------------------- safetensors
 
 
-def load_safetensors_mmap(path: str, *, checksum: bool = True, threads: int = 2) -> dict[str, torch.Tensor]:
+def load_safetensors_mmap(path: str, handle: Any, *, checksum: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file as a CPU tensor over a private (copy-on-write)
     mapping of the file, like ``safetensors.torch.load_file``; with ``checksum`` and
     fastpersist CRC-32s in the file, every tensor's bytes (and the header) are checked
@@ -378,7 +335,7 @@ def load_safetensors_mmap(path: str, *, checksum: bool = True, threads: int = 2)
     if checksum and header.crcs is not None:
         _extents, slots = st._data_extents(header, lambda off: 0)
         ranges = [(header.data_start + e.begin, e.nbytes) for e in slots]
-        problems = st._crc_problems(header, slots, crc32_mapped(storage.data_ptr(), ranges, threads))
+        problems = st._crc_problems(header, slots, crc32_mapped(handle, storage.data_ptr(), ranges))
         if problems:
             raise st._checksum_error(path, problems)
     out: dict[str, torch.Tensor] = {}
