@@ -140,6 +140,9 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
     fsync, rename, fsync of the directory). On any error the temporary file is
     removed, the previous file at ``path`` is left untouched, and the error
     (``OSError`` with errno, path and offset for I/O failures) is raised.
+    A pending :func:`fastpersist.save_async` to the same file is waited for first (the
+    newer call's state ends up in the file), and an earlier async save's error that
+    nobody collected is raised here, before anything is written.
     Tensor payloads start at multiples of the directory's O_DIRECT alignment; the
     result loads with stock ``torch.load`` (or ``safetensors``).
     """
@@ -152,6 +155,9 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
         )
     cfg = _config(config)
     final = resolve_target(path)
+    from fastpersist import asyncsave
+
+    asyncsave.before_blocking_save(final)
     fmt = _format_of(final, format)
     align = _alignment(os.path.dirname(final))
     if fmt == "safetensors":

@@ -247,6 +247,24 @@ def _raise_unreported() -> None:
     raise first._exc
 
 
+def before_blocking_save(final: str) -> None:
+    """Called by every blocking save (``fastpersist.save``, collective or not, and the
+    ``torch.save`` switch) before it writes ``final``.
+
+    1. Waits for this process's pending async saves to the same file: they were
+       called earlier, so their finisher would otherwise rename the older state over
+       the newer file once the blocking save returned.
+    2. Raises the first async save error nobody has collected yet (as ``save_async``
+       does), so a failure surfaces at the next save instead of only at exit; nothing
+       has been written when it raises.
+    """
+    with _lock:
+        same = [j.future for j in _jobs if j.future.path == final]
+    for f in same:
+        f._event.wait()
+    _raise_unreported()
+
+
 _io_handles: dict[tuple, Any] = {}
 
 

@@ -722,7 +722,13 @@ def _create_temp(final: str, size: int) -> str:
 def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]) -> None:
     from fastpersist import api
 
+    from fastpersist import asyncsave
+    from fastpersist.commit import resolve_target
+
     loc = _Local()
+    # This rank's pending async saves to the file finish first (and an uncollected async
+    # error fails every rank at the plan step, before anything is written).
+    loc.run(lambda: asyncsave.before_blocking_save(resolve_target(path)))
     agreed = _agree(co, obj, path, cfg, format, loc)
     final, directory, layout, align = agreed.final, agreed.directory, agreed.layout, agreed.align
     groups, mygroup = agreed.groups, agreed.mygroup

@@ -417,6 +417,48 @@ def test_uncollected_error_raised_by_next_save_and_wait_all(tmp_path):
     assert fastpersist.wait_all() is True  # reported once only
 
 
+def test_blocking_save_after_async_to_same_file_keeps_the_newer_state(tmp_path, monkeypatch):
+    """save_async(A, p) then save(B, p): the blocking save waits for the pending async save to
+    the same file, so B (the newer call) ends up in the file; before, the async finisher renamed
+    the older A over B after save had returned. Async saves to other files are not waited for."""
+    real = asyncsave._finish
+    gates = {}
+
+    def gated(job):
+        gates[os.path.basename(job.future.path)].wait(30)
+        real(job)
+
+    monkeypatch.setattr(asyncsave, "_finish", gated)
+    target, other = tmp_path / "c.pt", tmp_path / "other.pt"
+    gates["c.pt"], gates["other.pt"] = threading.Event(), threading.Event()
+    fut = fastpersist.save_async({"v": 1, "w": torch.zeros(1000)}, target)
+    opener = threading.Timer(0.3, gates["c.pt"].set)
+    opener.start()
+    fastpersist.save({"v": 2, "w": torch.ones(10)}, target)
+    assert fut.done() and fut.exception() is None
+    assert torch.load(target, weights_only=True)["v"] == 2
+    fut_other = fastpersist.save_async({"v": 3}, other)
+    fastpersist.save({"v": 4}, target)  # does not wait for the save to another file
+    assert not fut_other.done()
+    gates["other.pt"].set()
+    fut_other.wait(60)
+    assert torch.load(target, weights_only=True)["v"] == 4 and torch.load(other, weights_only=True)["v"] == 3
+
+
+def test_uncollected_async_error_raised_by_next_blocking_save(tmp_path):
+    _native.set_fault("write", 1, "EIO", 1000)
+    fastpersist.save_async({"w": torch.zeros(100_000)}, tmp_path / "e.pt")
+    while asyncsave._jobs:  # finished in the background, error not collected by anyone
+        time.sleep(0.01)
+    _native.clear_faults()
+    with pytest.raises(OSError) as ei:
+        fastpersist.save({"w": torch.zeros(10)}, tmp_path / "next.pt")
+    assert ei.value.errno == 5 and "async save" in str(ei.value) and "e.pt" in str(ei.value)
+    assert not (tmp_path / "next.pt").exists()  # raised before anything was written
+    fastpersist.save({"w": torch.zeros(10)}, tmp_path / "next.pt")  # reported once only
+    assert (tmp_path / "next.pt").exists()
+
+
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     e = dict(os.environ, **env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, env=e)

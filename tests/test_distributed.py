@@ -184,6 +184,47 @@ def sc_plan_error(rank: int, world: int, d: str) -> Any:
     fastpersist.save(obj, os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
 
 
+def sc_async_then_blocking(rank: int, world: int, d: str) -> Any:
+    """A collective save_async and then a collective blocking save to the same file: every rank's
+    blocking save waits for its pending async save there, so the newer state is what stays."""
+    from fastpersist import asyncsave
+
+    real = asyncsave._finish
+
+    def slow(job: Any) -> None:  # keep the async save pending while the blocking save runs
+        time.sleep(0.5)
+        real(job)
+
+    asyncsave._finish = slow
+    try:
+        p = os.path.join(d, "order.pt")
+        fut = fastpersist.save_async(state(5), p, group=torch.distributed.group.WORLD, config=cfg())
+        fastpersist.save(state(6), p, group=torch.distributed.group.WORLD, config=cfg())
+        waited = fut.done()
+        fut.wait(60)
+    finally:
+        asyncsave._finish = real
+    torch.distributed.barrier()
+    from conftest import assert_same_object
+
+    assert_same_object(fastpersist.load(p, weights_only=True), state(6))
+    return waited
+
+
+def sc_uncollected_async_error(rank: int, world: int, d: str) -> Any:
+    """Rank 1 holds an async save's error nobody collected: the next collective save fails on every
+    rank at the plan step, naming rank 1, before anything is written."""
+    from fastpersist import _native, asyncsave
+
+    if rank == 1:
+        _native.set_fault("write", 1, "EIO", 1000)
+        fastpersist.save_async(state(7), os.path.join(d, f"alone-{rank}.pt"), config=cfg())
+        while asyncsave._jobs:
+            time.sleep(0.01)
+        _native.clear_faults()
+    fastpersist.save(state(8), os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
+
+
 def sc_after_failures(rank: int, world: int, d: str) -> Any:
     """The group still works after the refused and failed saves, and nothing was left behind."""
     torch.distributed.barrier()
@@ -355,7 +396,7 @@ def reference(d: str) -> None:
 
 
 FULL = ["identical", "load", "disagree_shape", "disagree_value", "fault", "fault_after_write", "fault_leader_fsync",
-        "plan_error", "after_failures"]
+        "plan_error", "async_then_blocking", "uncollected_async_error", "after_failures"]
 
 
 @pytest.fixture(scope="module")
@@ -446,6 +487,20 @@ def test_planning_error_on_one_rank_fails_every_rank(world2: tuple) -> None:
         got = outcome(results, "plan_error", rank)
         assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
         assert "rank 0" in got[2] and "Nothing was written" in got[2], got[2]
+
+
+def test_blocking_group_save_waits_for_the_pending_async_one(world2: tuple) -> None:
+    _d, results = world2
+    assert ok(results, "async_then_blocking") == [True, True]
+
+
+def test_uncollected_async_error_fails_the_next_group_save_on_every_rank(world2: tuple) -> None:
+    d, results = world2
+    for rank in range(2):
+        got = outcome(results, "uncollected_async_error", rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert "rank 1" in got[2] and "Nothing was written" in got[2] and "alone-1.pt" in got[2], got[2]
+    assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, "group2.pt"), shallow=False)
 
 
 def test_group_still_works_after_failures(world2: tuple) -> None:
