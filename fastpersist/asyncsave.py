@@ -110,7 +110,8 @@ import torch
 
 from fastpersist import api
 from fastpersist.asyncstage import BackgroundCrc, LazyFeed, StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
-from fastpersist.commit import _keep_mode, _remove_quietly, clean_stale_temps, fsync_dir, fsync_path, resolve_target, temp_path_for
+from fastpersist.commit import (_keep_mode, _remove_quietly, clean_stale_temps, fsync_dir_after_rename, fsync_path,
+                                resolve_target, temp_path_for)
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats.base import WritePlan
 
@@ -336,7 +337,9 @@ def _finish_loop() -> None:
 
 
 def _naming(final: str, tmp: str, e: BaseException) -> BaseException:
-    if isinstance(e, OSError) and e.errno is not None:
+    from fastpersist.errors import DirectorySyncError
+
+    if isinstance(e, OSError) and e.errno is not None and not isinstance(e, DirectorySyncError):
         err = type(e)(e.errno, f"{e.strerror or e} (async save of {final!r} via temporary file {tmp!r}; "
                       "the previous file at this path is untouched)", final)
         err.__cause__ = e
@@ -378,7 +381,7 @@ def _finish(job: _Job) -> None:
         _keep_mode(fut.path, job.tmp)
         os.rename(job.tmp, fut.path)
         if job.fsync:
-            fsync_dir(os.path.dirname(fut.path))
+            fsync_dir_after_rename(fut.path)  # its error says the new file is in place
     except BaseException as e:  # noqa: BLE001 - reported through the future
         _remove_quietly(job.tmp)
         exc = _naming(fut.path, job.tmp, e)

@@ -441,5 +441,21 @@ def atomic_write(path: PathLike, write: Callable[[str], T], *, fsync: bool = Tru
         _remove_quietly(tmp)
         raise
     if fsync:
-        fsync_dir(os.path.dirname(final))
+        fsync_dir_after_rename(final)
     return result
+
+
+def fsync_dir_after_rename(final: str) -> None:
+    """fsync the directory of ``final`` after a new file was renamed there; a failure raises
+    :class:`~fastpersist.errors.DirectorySyncError`, which says that the new file is in place
+    but its rename may not survive a crash (not that the previous file is untouched)."""
+    from fastpersist.errors import DirectorySyncError
+
+    directory = os.path.dirname(final)
+    try:
+        fsync_dir(directory)
+    except OSError as e:
+        raise DirectorySyncError(
+            e.errno, f"{e.strerror or e}: the new file is in place at {final!r} (the previous one was replaced), "
+            f"but fsync of its directory {directory!r} failed, so the rename may not survive a crash or power "
+            "loss; check the filesystem, then save again to make the checkpoint durable", final) from e

@@ -878,7 +878,7 @@ def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local"
     end with different checkpoints under the same name (a crash between the renames
     can still leave them different; the removed link is then a leftover temporary file).
     Raises :class:`DistributedCheckpointError` on every rank on failure."""
-    from fastpersist.commit import _keep_mode, fsync_dir, fsync_path, temp_path_for
+    from fastpersist.commit import _keep_mode, fsync_dir, fsync_dir_after_rename, fsync_path, temp_path_for
 
     final, directory = agreed.final, agreed.directory
     leader = agreed.leader == co.rank
@@ -911,7 +911,7 @@ def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local"
         os.rename(tmp, final)
         state["renamed"] = True
         if cfg.fsync:
-            fsync_dir(directory)
+            fsync_dir_after_rename(final)  # its error says the new file is in place
 
     if leader:
         loc.run(place)
@@ -920,6 +920,9 @@ def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local"
     committed = co.gather("commit", loc.status)
     failed = any(committed)
     after = "The temporary files were removed; the previous file at the path is untouched"
+    if not several and any(v and v.startswith("DirectorySyncError") for v in committed):
+        after = ("The new file is in place at the path (the previous one was replaced), but the fsync of its "
+                 "directory failed, so the rename may not survive a crash; save again once the filesystem is healthy")
     if several and leader:
         backup = state["backup"]
         if failed and state["renamed"]:

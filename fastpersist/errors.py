@@ -48,3 +48,14 @@ class UnsupportedLayoutError(FastPersistError, RuntimeError):
     """The fast planner cannot lay out this object (for example quantized or nested
     tensors, which ``torch.serialization.skip_data`` refuses); callers fall back to
     torch's own writer."""
+
+
+class DirectorySyncError(FastPersistError, OSError):
+    """A save renamed its new file into place, then the fsync of the directory failed.
+
+    The new file *is* at the path (a load now sees it) and the previous file is no
+    longer there, but after a crash or power loss the directory may come back without
+    the rename. ``errno`` is the fsync's; ``filename`` the saved file. Saving again
+    once the filesystem is healthy makes the checkpoint durable.
+    """
+

@@ -76,6 +76,35 @@ def test_fsync_error_keeps_previous(previous, engine, action, code):
     assert info.value.errno == code and info.value.filename == str(previous)
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_directory_fsync_failure_after_the_rename_says_the_new_file_is_in_place(tmp_path, monkeypatch, suffix, how):
+    """The rename happened, then the directory's fsync failed: the error must not claim the previous
+    file is untouched (it was replaced); it says the new file is in place but may not survive a crash."""
+    from fastpersist import commit
+    from fastpersist.errors import DirectorySyncError
+
+    path = tmp_path / f"ckpt{suffix}"
+    fastpersist.save({"w": torch.zeros(8)}, path)
+    new = {"w": torch.arange(8, dtype=torch.float32)}
+
+    def failing(directory):
+        raise OSError(errno.EIO, "Input/output error", directory)
+
+    monkeypatch.setattr(commit, "fsync_dir", failing)
+    with pytest.raises(DirectorySyncError) as info:
+        if how == "save":
+            fastpersist.save(new, path, config=fastpersist.Config(fsync=True))
+        else:
+            fastpersist.save_async(new, path, config=fastpersist.Config(fsync=True)).wait(60)
+    e = info.value
+    assert isinstance(e, OSError) and e.errno == errno.EIO and e.filename == str(path)
+    assert "the new file is in place" in str(e) and "untouched" not in str(e), str(e)
+    monkeypatch.undo()
+    assert torch.equal(fastpersist.load(path, weights_only=True)["w"], new["w"])
+    assert _leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_open_error(previous, engine):
     _native.set_fault("open", 1, "EACCES")

@@ -177,6 +177,28 @@ def sc_fault_leader_fsync(rank: int, world: int, d: str) -> Any:
         commit.fsync_path = real
 
 
+def sc_fault_dir_fsync(rank: int, world: int, d: str) -> Any:
+    """The committing rank's directory fsync fails after its rename: every rank's error must say the
+    new file is in place (not that the previous one is untouched)."""
+    from fastpersist import commit
+
+    p = os.path.join(d, "dirsync.pt")
+    if rank == 0:
+        fastpersist.save(state(), p, config=cfg())
+    torch.distributed.barrier()
+    real = commit.fsync_dir
+
+    def failing(path: str) -> None:
+        raise OSError(5, "injected directory fsync failure", path)
+
+    if rank == 0:
+        commit.fsync_dir = failing
+    try:
+        fastpersist.save(state(1), p, group=torch.distributed.group.WORLD, config=cfg().replace(fsync=True))
+    finally:
+        commit.fsync_dir = real
+
+
 def sc_plan_error(rank: int, world: int, d: str) -> Any:
     obj = state()
     if rank == 0:
@@ -396,7 +418,7 @@ def reference(d: str) -> None:
 
 
 FULL = ["identical", "load", "disagree_shape", "disagree_value", "fault", "fault_after_write", "fault_leader_fsync",
-        "plan_error", "async_then_blocking", "uncollected_async_error", "after_failures"]
+        "fault_dir_fsync", "plan_error", "async_then_blocking", "uncollected_async_error", "after_failures"]
 
 
 @pytest.fixture(scope="module")
@@ -479,6 +501,18 @@ def test_fault_on_one_rank_fails_every_rank_and_keeps_the_old_file(world: str, r
 
     assert_same_object(torch.load(os.path.join(d, "ref.pt"), weights_only=True), state())
     assert temps(d) == []
+
+
+def test_directory_fsync_failure_after_the_rename_is_reported_as_such(world2: tuple) -> None:
+    d, results = world2
+    for rank in range(2):
+        got = outcome(results, "fault_dir_fsync", rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert "DirectorySyncError" in got[2] and "The new file is in place" in got[2], got[2]
+        assert "untouched" not in got[2], got[2]
+    from conftest import assert_same_object
+
+    assert_same_object(fastpersist.load(os.path.join(d, "dirsync.pt"), weights_only=True), state(1))
 
 
 def test_planning_error_on_one_rank_fails_every_rank(world2: tuple) -> None:
