@@ -146,8 +146,19 @@ def _make_engine_class() -> type:
             error: Optional[BaseException] = None
             try:
                 pending, self._pending = self._pending, []
+                # Every pending save settles before commit returns (none may still rename files
+                # of this tag afterwards); the first error is raised, the others are logged.
+                errors = []
                 for fut in pending:
-                    fut.wait()
+                    try:
+                        fut.wait()
+                    except Exception as e:  # noqa: BLE001 - collected, the first one raised
+                        errors.append(e)
+                for e in errors[1:]:
+                    log.error("fastpersist DeepSpeed engine: another save of checkpoint %r failed too: %s",
+                              info.tag, e)
+                if errors:
+                    raise errors[0]
                 tag_dir = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
                 for d in sorted(self._dirs | ({tag_dir} if os.path.isdir(tag_dir) else set())):
                     if os.path.isdir(d):

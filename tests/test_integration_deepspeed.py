@@ -341,3 +341,43 @@ def _worker(mode: str, stage: int, root: str, port: str) -> None:
 if __name__ == "__main__" and "--worker" in sys.argv:
     i = sys.argv.index("--worker")
     _worker(sys.argv[i + 1], int(sys.argv[i + 2]), sys.argv[i + 3], sys.argv[i + 4])
+
+
+DECOUPLED_COMMIT_FAILURE = r"""
+import os, sys, time, types
+import torch
+from fastpersist import asyncsave
+from fastpersist.integrations.deepspeed import FastPersistCheckpointEngine
+
+root = sys.argv[1]
+tag_dir = os.path.join(root, "step1")
+os.makedirs(tag_dir)
+real = asyncsave._finish
+def finish(job):
+    if job.future.path.endswith("bad.pt"):
+        os.remove(job.tmp)  # its rename fails (ENOENT)
+    else:
+        time.sleep(0.5)  # still pending when the first one has failed
+    real(job)
+asyncsave._finish = finish
+eng = FastPersistCheckpointEngine(None, decoupled=True)
+info = types.SimpleNamespace(save_dir=root, tag="step1", save_latest=True)
+eng.create(info)
+eng.save({"w": torch.zeros(4)}, os.path.join(tag_dir, "bad.pt"))
+eng.save({"w": torch.ones(4)}, os.path.join(tag_dir, "good.pt"))
+try:
+    eng.commit(info)
+except OSError as e:
+    print("RAISED", type(e).__name__, "bad.pt" in str(e))
+print("GOOD-SETTLED", os.path.exists(os.path.join(tag_dir, "good.pt")), asyncsave._jobs == type(asyncsave._jobs)())
+print("LATEST", os.path.exists(os.path.join(root, "latest")))
+"""
+
+
+def test_decoupled_commit_waits_for_every_save_before_raising(tmp_path):
+    """A failed decoupled save makes commit raise, but only after every other pending save of the
+    checkpoint settled (none renames files of the tag after commit reported), and 'latest' stays."""
+    out = _run([sys.executable, "-c", DECOUPLED_COMMIT_FAILURE, str(tmp_path)], _env(), str(tmp_path))
+    assert "RAISED FileNotFoundError True" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert "GOOD-SETTLED True True" in out.stdout, out.stdout
+    assert "LATEST False" in out.stdout, out.stdout
