@@ -119,7 +119,11 @@ class CheckpointReader:
         return {n: f.tensor_from_record(i, records[i.record]) for n, i in infos.items()}
 
     def get_slice(self, name: str) -> Any:  # pragma: no cover - not offered
-        raise NotImplementedError("slices: get() the tensor and index it")
+        """Not offered (safetensors' ``safe_open`` has it): a record's CRC-32 covers all its
+        bytes, so a checked slice costs the same read as the whole tensor. Use
+        ``get(name)[index]``. Raises ``NotImplementedError``."""
+        raise NotImplementedError(f"{self.path!r}: get_slice({name!r}) is not offered; get({name!r}) the tensor "
+                                  "and index it (a checked read covers the whole record anyway)")
 
     def __repr__(self) -> str:
         state = "closed" if self._f is None else f"{len(self._f.tensors)} tensors"
