@@ -653,32 +653,57 @@ def load_safetensors(
         OSError, EOFError: reading failed.
     """
     path = os.fspath(path)
-    header = read_header(path)
-    device = torch.device(device) if not isinstance(device, torch.device) else device
-    if device.type == "cuda" and hasattr(handle, "read_async"):
-        return _load_via_ring(path, header, handle, device, checksum=checksum)
-    base = _host_buffer(header.file_size, pinned=device.type != "cpu")
-    base_ptr = base.data_ptr()
+    # One descriptor for the header and the data: a save that renames a new file over
+    # ``path`` meanwhile cannot pair this header with another file's bytes.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = read_header_fd(fd, path)
+        device = torch.device(device) if not isinstance(device, torch.device) else device
+        if device.type == "cuda" and hasattr(handle, "read_async"):
+            return _load_via_ring(path, header, handle, device, checksum=checksum, fd=fd)
+        base = _host_buffer(header.file_size, pinned=device.type != "cpu")
+        base_ptr = base.data_ptr()
 
-    check = checksum and header.crcs is not None
-    extents, slots = _data_extents(header, lambda off: base_ptr + off)
-    reader, plan = _plan_reader(path, header.file_size, handle)
-    started = time.perf_counter()
-    if check:
-        read_extents = [(0, base_ptr, header.data_start, -1)] + extents
-        crcs = reader.read(path, read_extents, len(slots))
-        problems = _crc_problems(header, slots, crcs)
-        if problems:
-            raise _checksum_error(path, problems)
-    else:
-        reader.read(path, [(0, base_ptr, header.file_size, -1)], 0)
-    if plan is not None:
-        record_read(plan, header.file_size, time.perf_counter() - started)
+        check = checksum and header.crcs is not None
+        extents, slots = _data_extents(header, lambda off: base_ptr + off)
+        reader, plan = _plan_reader(fd, header.file_size, handle)
+        started = time.perf_counter()
+        if check:
+            read_extents = [(0, base_ptr, header.data_start, -1)] + extents
+            crcs = _read_fd(reader, fd, path, read_extents, len(slots))
+            problems = _crc_problems(header, slots, crcs)
+            if problems:
+                raise _checksum_error(path, problems)
+        else:
+            _read_fd(reader, fd, path, [(0, base_ptr, header.file_size, -1)], 0)
+        if plan is not None:
+            record_read(plan, header.file_size, time.perf_counter() - started)
+    finally:
+        os.close(fd)
 
     try:
         return _tensors(header, base, device)
     except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
         raise SafetensorsFormatError(f"{path}: cannot make tensors of the header's dtypes and shapes ({exc})", path) from exc
+
+
+def _read_fd(reader: Any, fd: int, path: str, extents: Sequence[tuple[int, int, int, int]], nslots: int) -> list[int]:
+    """``reader.read`` through the load's descriptor ``fd``; errors name ``path`` (the
+    native engine would name the descriptor's target, possibly ``... (deleted)``)."""
+    try:
+        return reader.read(fd, extents, nslots)
+    except (EOFError, OSError) as e:
+        raise _naming(e, path) from e
+
+
+def _naming(e: BaseException, path: str) -> BaseException:
+    """A read error through a descriptor of ``path``, naming ``path``."""
+    if isinstance(e, EOFError):
+        return EOFError(f"{path}: the file is shorter than its header says (truncated, or rewritten in place "
+                        f"while loading): {e}")
+    if isinstance(e, OSError) and e.errno is not None and e.filename != path:
+        return type(e)(e.errno, e.strerror or str(e), path)
+    return e
 
 
 def _checksum_error(path: str, problems: list[tuple[str, str]]) -> ChecksumError:
@@ -692,22 +717,30 @@ def _checksum_error(path: str, problems: list[tuple[str, str]]) -> ChecksumError
 
 
 def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: torch.device, *,
-                   checksum: bool) -> dict[str, torch.Tensor]:
+                   checksum: bool, fd: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Every tensor read through :func:`fastpersist.cudaload.ring_read` into its own
     ``device`` tensor (CRC-32s checked from the host windows when the file has them),
     no host copy of the file. Used for CUDA devices; works for any device. UNVERIFIED
-    on a GPU by the session that wrote it (docs/gpu.md)."""
+    on a GPU by the session that wrote it (docs/gpu.md).
+
+    ``fd``: the descriptor ``header`` was read through (:func:`load_safetensors`), so
+    the data comes from the same file even if ``path`` is replaced meanwhile; None:
+    ``path`` is opened here (callers that read ``header`` themselves)."""
     from fastpersist.cudaload import RingItem, ring_read
 
     check = checksum and header.crcs is not None
     entries = sorted((e for e in header.tensors if e.nbytes), key=lambda e: e.begin)
     items = [RingItem(header.data_start + e.begin, header.data_start + e.begin, e.nbytes,
                       torch.empty(e.nbytes, dtype=torch.uint8, device=device)) for e in entries]
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    own = fd is None
+    rfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
     try:
-        ring_read(fd, handle, items, checksum=check)
+        ring_read(rfd, handle, items, checksum=check)
+    except (EOFError, OSError) as e:
+        raise _naming(e, path) from e
     finally:
-        os.close(fd)
+        if own:
+            os.close(rfd)
     if check:
         by_name = {e.name: it.crc for e, it in zip(entries, items)}
         _extents, slots = _data_extents(header, lambda off: 0)
@@ -727,21 +760,15 @@ def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: to
     return out
 
 
-def _plan_reader(path: str, nbytes: int, handle: Any) -> tuple[Any, Any]:
-    """The handle a load reads with (``handle`` itself, or a pooled one reading the way
-    :func:`fastpersist.io.plan_read` chose) and the plan (None: ``handle`` as it is)."""
+def _plan_reader(fd: int, nbytes: int, handle: Any) -> tuple[Any, Any]:
+    """The handle a load of the file open as ``fd`` reads with (``handle`` itself, or a
+    pooled one reading the way :func:`fastpersist.io.plan_read` chose) and the plan
+    (None: ``handle`` as it is)."""
     mode = getattr(handle, "read_mode", None)
     if mode is None or not hasattr(handle, "stage_reads"):
         return handle, None  # a stand-in reader (tests): read with it as it is
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return handle, None  # the read itself raises the error, naming the path
-    try:
-        plan = plan_read(fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads,
-                         stage_auto=staging_auto(handle))
-    finally:
-        os.close(fd)
+    plan = plan_read(fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads,
+                     stage_auto=staging_auto(handle))
     if plan.direct == handle.direct and plan.stage == handle.stage_reads:
         return handle, plan
     return reader_handle(handle, plan), plan
@@ -787,15 +814,19 @@ def check_safetensors(path: Union[str, os.PathLike], handle: _Reader) -> Safeten
         OSError, EOFError: the file cannot be read (bad content never raises).
     """
     path = os.fspath(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # one descriptor: header and bytes of one file
     try:
-        header = read_header(path)
-    except SafetensorsFormatError as exc:
-        return SafetensorsCheck([str(exc)], checked=True)
-    records = len(header.tensors)
-    if header.crcs is None:
-        return SafetensorsCheck([], records=records, checked=False)
-    extents, slots = _data_extents(header, lambda off: 0)
-    crcs = handle.read(path, extents, len(slots)) if extents else []
+        try:
+            header = read_header_fd(fd, path)
+        except SafetensorsFormatError as exc:
+            return SafetensorsCheck([str(exc)], checked=True)
+        records = len(header.tensors)
+        if header.crcs is None:
+            return SafetensorsCheck([], records=records, checked=False)
+        extents, slots = _data_extents(header, lambda off: 0)
+        crcs = _read_fd(handle, fd, path, extents, len(slots)) if extents else []
+    finally:
+        os.close(fd)
     problems = [msg for _, msg in _crc_problems(header, slots, crcs)]
     return SafetensorsCheck(problems, records=records, nbytes=sum(e.nbytes for e in slots), checked=True)
 
