@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
+import re
+import secrets
 import threading
 from typing import Any, Union
 
@@ -18,13 +21,47 @@ from torch.futures import Future
 from fastpersist import _compat
 from fastpersist.commit import clean_stale_temps, fsync_dir, temp_path_for
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
-from fastpersist.dcp._metadata import seal
+from fastpersist.dcp._metadata import load_metadata, seal
 
 log = logging.getLogger("fastpersist.dcp")
 
 PathLike = Union[str, "os.PathLike[str]"]
 _SUFFIX = ".distcp"
 _METADATA = ".metadata"
+
+#: Data files this writer (and DCP's stock writer) names: ``__RANK_K.distcp`` (the first save
+#: into a directory holding no checkpoint, as stock) and ``__RANK_fpTOKEN_K.distcp`` (a save
+#: into a directory that holds one: TOKEN, 12 hex digits, is drawn once per save by the
+#: coordinator). Garbage collection after a save removes unreferenced files of these two
+#: shapes only; any other file in the directory is never touched.
+_DATA_RE = re.compile(r"__(?P<rank>[0-9]+)_(?:fp(?P<token>[0-9a-f]{12})_)?(?P<k>[0-9]+)\.distcp")
+_RANK_METADATA_RE = re.compile(r"__[0-9]+\.metadata")
+
+
+def _is_metadata_name(name: str) -> bool:
+    return name == _METADATA or _RANK_METADATA_RE.fullmatch(name) is not None
+
+
+def _holds_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a DCP metadata file (``.metadata`` or ``__N.metadata``)."""
+    try:
+        return any(_is_metadata_name(n) for n in os.listdir(directory))
+    except FileNotFoundError:
+        return False
+
+
+def _prefix(rank: int, token: Union[str, None]) -> Any:
+    """The ``_StoragePrefix`` of ``rank``'s data files in one save: files are ``PREFIX{k}.distcp``
+    (the stock writer, when this one falls back to it, names them the same way)."""
+    from torch.distributed.checkpoint import filesystem as fsmod
+
+    return fsmod._StoragePrefix(f"__{rank}_" if token is None else f"__{rank}_fp{token}_")
+
+
+def _new_token(directory: str) -> Union[str, None]:
+    """None (stock names) when ``directory`` holds no checkpoint that a save could damage,
+    else a token unique to this save, so that no file of the present checkpoint is touched."""
+    return secrets.token_hex(6) if _holds_checkpoint(directory) else None
 
 
 def _item_size(item: Any) -> int:
@@ -57,6 +94,18 @@ _handles: dict[tuple, Any] = {}
 _handles_lock = threading.Lock()
 
 
+def _forget_handles_in_child() -> None:
+    """A forked child starts with no cached handles and a fresh lock (a parent thread may
+    have held the old one at the fork), as ``fastpersist.api`` does for its own cache."""
+    global _handles_lock
+    _handles_lock = threading.Lock()
+    _handles.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_handles_in_child)
+
+
 def _shared_handle(kwargs: dict) -> Any:
     """One native handle per distinct setting in this process (see ``FastPersistWriter._get_handle``)."""
     from fastpersist import _native
@@ -87,14 +136,33 @@ class FastPersistWriter(FileSystemWriter):
     (``fastpersist_crc32``), which :class:`FastPersistReader` and
     ``fastpersist.verify`` check.
 
-    Commit: each rank writes its files under temporary names, fsyncs them, renames
-    them and fsyncs the directory before reporting success; only after every rank
-    succeeded does the coordinator write ``.metadata`` (temporary file, fsync,
-    rename, directory fsync). Saving into a directory that holds a checkpoint:
-    allowed when ``overwrite`` (the default, as stock; ``overwrite=False`` raises),
-    and the coordinator removes the old ``.metadata`` before any data file is
-    replaced, so a save that fails midway leaves a directory without ``.metadata``
-    (no checkpoint) rather than an old ``.metadata`` describing new bytes.
+    Commit (saving into a directory that already holds a checkpoint, the usual case of a
+    ``latest`` directory, never touches that checkpoint until the new one is durable):
+
+    1. Names. A save into a directory without a DCP metadata file names its data files
+       as stock does (``__RANK_K.distcp``). A save into a directory holding one draws a
+       token (12 random hex digits, once per save, on the coordinator; carried to every
+       rank in its plan's ``storage_data``) and names them ``__RANK_fpTOKEN_K.distcp``:
+       no file the present ``.metadata`` references is written, renamed over or removed.
+    2. Data. Each rank writes its files under temporary names, fsyncs them, renames
+       them to their names and fsyncs the directory before reporting success.
+    3. Publish. Only after every rank succeeded does the coordinator write the new
+       ``.metadata`` (temporary file, fsync, rename over the old ``.metadata``,
+       directory fsync). Until that rename the previous ``.metadata`` and its files
+       are in place and load exactly as before: an I/O error, a full disk, an
+       exception, a killed process or a failed rank leaves the previous checkpoint.
+    4. Garbage. After the rename the coordinator removes the data files of those two
+       name shapes that the new ``.metadata`` does not reference (the previous save's,
+       leftovers of saves that did not finish); files referenced by another metadata
+       file in the directory (``__N.metadata`` of rank-local saves) and files of any
+       other name are kept. A failure there is logged, never raised: the save has
+       already committed. (Temporary files of writers that died are removed when a save
+       starts, once their writer is known to be gone: ``fastpersist.commit``.)
+
+    ``overwrite=False`` raises when the directory holds a checkpoint, as stock. With
+    ``use_collectives=False`` each rank does all four steps for its own ``__RANK.metadata``
+    and files. Two saves into one directory at the same time are not supported (as with
+    stock DCP): wait for an ``async_save`` before starting the next save there.
 
     With stream transforms (``_extensions``) or ``serialization_format=SAFETENSORS``,
     or on a torch whose DCP internals differ from what this class knows
@@ -147,7 +215,9 @@ class FastPersistWriter(FileSystemWriter):
         return _METADATA
 
     def _drop_old_metadata(self) -> None:
-        """Remove an existing ``.metadata`` before this save replaces any data file."""
+        """Remove an existing ``.metadata`` before this save replaces any data file: only on a
+        torch whose DCP internals this class does not know (the stock writer then overwrites
+        the data files in place, and an old ``.metadata`` must not describe new bytes)."""
         path = os.path.join(self._dir(), self._metadata_name())
         try:
             os.unlink(path)
@@ -157,20 +227,35 @@ class FastPersistWriter(FileSystemWriter):
             fsync_dir(self._dir())
         log.info("fastpersist.dcp: removed the previous checkpoint's %s before overwriting it", path)
 
+    def _rank_local(self) -> bool:
+        return not self.use_collectives and self.rank is not None
+
     # ------------------------------------------------------------------ StorageWriter
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         plan = super().prepare_local_plan(plan)  # mkdir, overwrite check, rank prefix
-        if not self.use_collectives and self.rank is not None:
-            self._drop_old_metadata()  # no coordinator: each rank owns its metadata
+        if self._rank_local():  # no coordinator: each rank owns its metadata and names its files
             clean_stale_temps(self._dir())
+            if not _compat.ok("dcp_storage_layer"):
+                self._drop_old_metadata()
+            else:
+                plan = dataclasses.replace(plan, storage_data=_prefix(self.rank, _new_token(self._dir())))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        # Runs on the coordinator after every rank's local plan and before any write_data.
-        self._drop_old_metadata()
+        # Runs on the coordinator after every rank's local plan and before any write_data
+        # (rank-local saves: on each rank, with the plan prepare_local_plan named).
+        if not _compat.ok("dcp_storage_layer"):
+            self._drop_old_metadata()
+            clean_stale_temps(self._dir())
+            return super().prepare_global_plan(plans)
+        if self._rank_local():
+            return super().prepare_global_plan(plans)
         clean_stale_temps(self._dir())
-        return super().prepare_global_plan(plans)
+        # One token for the whole save, carried to every rank by its plan's storage_data.
+        token = _new_token(self._dir())
+        return [dataclasses.replace(plan, storage_data=_prefix(i, token))
+                if plan.storage_data is None else plan for i, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if not self._fast():
@@ -265,4 +350,52 @@ class FastPersistWriter(FileSystemWriter):
             raise
         if self.sync_files:
             fsync_dir(directory)
+        # The new checkpoint is committed: what follows never fails the save.
+        try:
+            self._collect_garbage(metadata)
+        except Exception as e:  # noqa: BLE001 - leftovers cost space, not correctness
+            log.warning("fastpersist.dcp: %s: could not remove the previous checkpoint's data files: %s",
+                        directory, e)
+
+    def _collect_garbage(self, metadata: Metadata) -> None:
+        """Remove the data files that the ``.metadata`` just published does not reference:
+        the previous checkpoint's, and those of saves that did not finish (killed, failed on
+        some rank). Only files named as this writer and DCP's stock writer name data files
+        (``__RANK_K.distcp``, ``__RANK_fpTOKEN_K.distcp``); a rank-local save
+        (``use_collectives=False``) only its own rank's. Files that another metadata file in
+        the directory (``.metadata`` / ``__N.metadata`` of another kind of save) references
+        stay; if one of those cannot be read, nothing is removed."""
+        directory = self._dir()
+        mine = self._metadata_name()
+        keep = {os.path.normpath(info.relative_path) for info in metadata.storage_data.values()}
+        names = os.listdir(directory)
+        for n in names:
+            if n == mine or not _is_metadata_name(n):
+                continue
+            try:
+                other, _sealed = load_metadata(os.path.join(directory, n))
+            except FileNotFoundError:
+                continue
+            except Exception as e:  # noqa: BLE001
+                log.warning("fastpersist.dcp: %s: %s is unreadable (%s), so which data files it uses is unknown: "
+                            "no data file removed", directory, n, e)
+                return
+            keep.update(os.path.normpath(str(getattr(i, "relative_path", ""))) for i in other.storage_data.values())
+        removed = []
+        for n in names:
+            m = _DATA_RE.fullmatch(n)
+            if m is None or n in keep:
+                continue
+            if self._rank_local() and int(m["rank"]) != self.rank:
+                continue
+            try:
+                os.unlink(os.path.join(directory, n))
+            except FileNotFoundError:
+                continue
+            removed.append(n)
+        if removed:
+            if self.sync_files:
+                fsync_dir(directory)
+            log.info("fastpersist.dcp: %s: removed %d data file(s) no checkpoint references: %s", directory,
+                     len(removed), ", ".join(sorted(removed)))
 

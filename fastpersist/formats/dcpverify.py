@@ -18,6 +18,13 @@ written with ``use_collectives=False``) is a DCP checkpoint. Checked:
 
 A checkpoint written by DCP's stock ``FileSystemWriter`` carries no checksums: it
 is ``"unchecked"`` when its structure is sound (its bytes are not read).
+
+Only the files the metadata references are looked at. Data files it does not
+reference (``__RANK_fpTOKEN_K.distcp`` of a save into this directory that failed
+or was killed before its ``.metadata`` replaced the previous one, or temporary
+files of a killed writer) are not part of the checkpoint: they are neither read
+nor reported, and the next save that commits removes them
+(:class:`fastpersist.dcp.FastPersistWriter`).
 """
 
 from __future__ import annotations
