@@ -398,7 +398,7 @@ class _Load:
             raise _bad(self.path, r.data_offset, f"record {r.entry.name!r} holds {r.size} bytes but the pickle "
                        f"claims a storage of {nbytes} bytes")
         if r.size == 0:
-            return torch.empty(0, dtype=torch.uint8)
+            return _empty_storage()
         if r.device is not None:  # read to its CUDA device through the ring (fastpersist.cudaload)
             return r.device
         if r.buffer is None:  # not in the bulk read: read it now, checked
@@ -414,6 +414,17 @@ class _Load:
         if isinstance(r.buffer, bytes):
             return torch.frombuffer(bytearray(r.buffer), dtype=torch.uint8)
         return torch.frombuffer(r.buffer, dtype=torch.uint8, count=r.size, offset=r.buffer_offset)
+
+
+def _empty_storage() -> torch.Tensor:
+    """A 0-byte uint8 tensor over a storage that cannot grow, as torch's reader returns for an
+    empty record. ``torch.empty(0)`` has a resizable storage: a pickle claiming a shape,
+    stride or offset past the record's 0 bytes would make torch's ``set_`` grow it and
+    hand back uninitialized memory as values, where ``torch.load`` raises "Trying to
+    resize storage that is not resizable"."""
+    import numpy
+
+    return torch.from_numpy(numpy.empty(0, dtype=numpy.uint8))
 
 
 class _HeaderMismatch(Exception):
