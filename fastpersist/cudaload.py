@@ -35,6 +35,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from fastpersist.formats.zipindex import pread_full
+
 log = logging.getLogger(__name__)
 
 __all__ = ["H2DCopier", "RING_WINDOW", "RING_WINDOWS", "RingItem", "destinations", "ring_read"]
@@ -309,7 +311,7 @@ def _cufile_read(fd: int, path: str, reader: Any, items: list[RingItem]) -> None
     from fastpersist import _native
 
     for it in items:
-        it.header = bytearray(os.pread(fd, it.data_offset - it.header_offset, it.header_offset))
+        it.header = bytearray(pread_full(fd, it.data_offset - it.header_offset, it.header_offset, path))
     for dev in {it.dest.device for it in items}:
         # the caching allocator may hand out memory that kernels queued on the current
         # stream still use; cuFile writes it outside any stream

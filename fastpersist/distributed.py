@@ -92,6 +92,7 @@ import torch.distributed as dist
 
 from fastpersist.errors import FastPersistError, UnsupportedLayoutError
 from fastpersist.formats import split
+from fastpersist.formats.zipindex import pread_full
 
 log = logging.getLogger(__name__)
 
@@ -1025,8 +1026,8 @@ def _fingerprint(fspath: str) -> tuple[int, str]:
     with open(fspath, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         h = hashlib.blake2b(digest_size=16)
-        h.update(os.pread(f.fileno(), _HASH_SPAN, 0))
-        h.update(os.pread(f.fileno(), _HASH_SPAN, max(0, size - _HASH_SPAN)))
+        h.update(pread_full(f.fileno(), _HASH_SPAN, 0, fspath))
+        h.update(pread_full(f.fileno(), _HASH_SPAN, max(0, size - _HASH_SPAN), fspath))
     return size, h.hexdigest()
 
 

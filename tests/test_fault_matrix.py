@@ -505,10 +505,6 @@ def test_index_read_eio_raises(saved, monkeypatch, reader, suffix):
     assert all(not t.any() for t in target.values())  # nothing read: nothing overwritten
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: an EIO from the Python-level os.pread of the magic / zip index / safetensors header "
-    "(torchindex.open_checkpoint, mmapload, safetensors.read_header_fd, verify) escapes as a bare "
-    "OSError(EIO) with filename None and no path in the message"))
 @pytest.mark.parametrize("reader,suffix", ALL_READ_CELLS)
 def test_index_read_eio_names_the_path(saved, monkeypatch, reader, suffix):
     files, _want = saved
@@ -519,16 +515,7 @@ def test_index_read_eio_names_the_path(saved, monkeypatch, reader, suffix):
     assert info.value.filename == str(files[suffix]) or str(files[suffix]) in str(info.value), str(info.value)
 
 
-SHORT_HEADER_DEFECT = pytest.mark.xfail(strict=True, raises=Exception, reason=(
-    "defect: torchindex._index_safetensors (fastpersist.open, load_state_dict on .safetensors) reads the "
-    "8-byte header length and the header with one os.pread each and does not retry a short read: "
-    "struct.error 'unpack requires a buffer of 8 bytes' (safetensors.read_header_fd, used by load/verify, "
-    "does retry)"))
-
-
-@pytest.mark.parametrize("reader,suffix", [
-    pytest.param(r, s, marks=SHORT_HEADER_DEFECT) if s == ".safetensors" and r in ("open_get", "load_state_dict")
-    else (r, s) for r, s in ALL_READ_CELLS])
+@pytest.mark.parametrize("reader,suffix", ALL_READ_CELLS)
 def test_short_index_reads_are_exact(saved, monkeypatch, reader, suffix):
     files, want = saved
     calls = _failing_pread(monkeypatch, 0, "short")
@@ -536,13 +523,6 @@ def test_short_index_reads_are_exact(saved, monkeypatch, reader, suffix):
     monkeypatch.undo()
     assert calls
     _check_values(reader, got, want)
-
-
-MAGIC_DEFECT = pytest.mark.xfail(strict=True, reason=(
-    "defect: fastpersist.load of a .pt file (torchload.py load path and mmapload.load_torch_mmap) reads the "
-    "4-byte zip magic with one os.pread; a short read makes it treat the file as 'not a zip' and hand it to "
-    "stock torch.load, which skips the CRC check: a flipped payload byte is returned as values instead of "
-    "raising ChecksumError"))
 
 
 @pytest.fixture(scope="module")
@@ -558,10 +538,7 @@ def corrupted(saved, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("reader,suffix", [
-    pytest.param(r, s, marks=MAGIC_DEFECT) if s == ".pt" and r in ("load", "load_mmap")
-    else pytest.param(r, s, marks=SHORT_HEADER_DEFECT) if s == ".safetensors" and r in ("open_get", "load_state_dict")
-    else (r, s) for r, s in ALL_READ_CELLS])
+@pytest.mark.parametrize("reader,suffix", ALL_READ_CELLS)
 def test_short_index_reads_still_detect_corruption(corrupted, monkeypatch, reader, suffix):
     """Short Python-level reads (magic, index, header) must not switch off the CRC check."""
     from fastpersist.errors import ChecksumError

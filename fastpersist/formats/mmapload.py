@@ -69,7 +69,7 @@ from fastpersist.errors import UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats import torchload
 from fastpersist.formats.picklescan import scan_pickle
 from fastpersist.formats.torchverify import _crc_mismatch, _element_size, _storage_ref
-from fastpersist.formats.zipindex import CentralEntry, ZipEntry, parse_zip_index, read_central_directory
+from fastpersist.formats.zipindex import CentralEntry, ZipEntry, parse_zip_index, pread_full, read_central_directory
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def load_torch_mmap(
     _check_supported(map_location)
     fd, size = _open_regular(path)
     try:
-        if os.pread(fd, 4, 0) != b"PK\x03\x04":
+        if pread_full(fd, 4, 0, path) != b"PK\x03\x04":  # a short read must not pass for "not a zip"
             raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
         mapping = _Mapping(fd, size)
         try:

@@ -37,6 +37,7 @@ import torch
 
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.base import PATCH_HEX8, WritePlan
+from fastpersist.formats.zipindex import pread_full
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
 
 __all__ = [
@@ -534,22 +535,17 @@ def read_header_fd(fd: int, path: str) -> SafetensorsHeader:
         raise SafetensorsFormatError(
             f"{path}: not a valid safetensors file: {file_size} bytes, shorter than the 8-byte header length", path
         )
-    (length,) = _LEN.unpack(os.pread(fd, _LEN.size, 0).ljust(_LEN.size, b"\0"))
+    (length,) = _LEN.unpack(pread_full(fd, _LEN.size, 0, path).ljust(_LEN.size, b"\0"))
     if length > MAX_HEADER_SIZE or _LEN.size + length > file_size:
         raise SafetensorsFormatError(
             f"{path}: not a valid safetensors file: header length {length} is larger than "
             f"{'the file' if length <= MAX_HEADER_SIZE else 'the 100 MB limit'} ({file_size} bytes)",
             path,
         )
-    chunks = []
-    got = 0
-    while got < length:
-        chunk = os.pread(fd, length - got, _LEN.size + got)
-        if not chunk:
-            raise SafetensorsFormatError(f"{path}: the file shrank while its header was read", path)
-        chunks.append(chunk)
-        got += len(chunk)
-    return parse_header(path, b"".join(chunks), file_size)
+    raw = pread_full(fd, length, _LEN.size, path)
+    if len(raw) != length:
+        raise SafetensorsFormatError(f"{path}: the file shrank while its header was read", path)
+    return parse_header(path, raw, file_size)
 
 
 # ---------------------------------------------------------------------------

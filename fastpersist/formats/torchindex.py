@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError, UnsupportedLayoutError
+from fastpersist.formats.zipindex import pread_full
 
 __all__ = [
     "AmbiguousNameError",
@@ -537,7 +538,7 @@ def open_checkpoint(path: str, *, checksum: bool = True) -> CheckpointFile:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsupportedLayoutError(f"{path}: not a regular file")
-        magic = os.pread(fd, 9, 0)
+        magic = pread_full(fd, 9, 0, path)
         if magic[:4] == b"PK\x03\x04":
             f = CheckpointFile(path, fd, st.st_size, "torch", checksum)
             _index_torch(f)
@@ -558,11 +559,11 @@ def _index_safetensors(f: CheckpointFile) -> None:
     if f.size < 8:
         raise st.SafetensorsFormatError(f"{f.path}: not a valid safetensors file: {f.size} bytes, shorter than "
                                         "the 8-byte header length", f.path)
-    (length,) = struct.unpack("<Q", os.pread(f.fd, 8, 0))
+    (length,) = struct.unpack("<Q", pread_full(f.fd, 8, 0, f.path).ljust(8, b"\0"))
     if length > st.MAX_HEADER_SIZE or 8 + length > f.size:
         raise st.SafetensorsFormatError(f"{f.path}: not a valid safetensors file: header length {length} does not "
                                         f"fit the file ({f.size} bytes) or the 100 MB limit", f.path)
-    raw = os.pread(f.fd, length, 8)
+    raw = pread_full(f.fd, length, 8, f.path)
     if len(raw) != length:
         raise st.SafetensorsFormatError(f"{f.path}: the file shrank while its header was read", f.path)
     header = st.parse_header(f.path, raw, f.size)

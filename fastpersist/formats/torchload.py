@@ -47,7 +47,7 @@ import torch
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats import fastunpickle
 from fastpersist.formats.picklescan import data_free, scan_pickle
-from fastpersist.formats.zipindex import CentralEntry, fd_reader, parse_zip_index, read_central_directory
+from fastpersist.formats.zipindex import CentralEntry, fd_reader, parse_zip_index, pread_full, read_central_directory
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _predict(entries: list[CentralEntry], cd_off: int) -> Optional[dict[int, int
 
 def _exact(fd: int, path: str, size: int) -> tuple[int, dict[int, int], list[CentralEntry]]:
     """Data offsets from every local header (slow path: a few small reads per record)."""
-    index = parse_zip_index(fd_reader(fd), size, path)
+    index = parse_zip_index(fd_reader(fd, path), size, path)
     entries = [
         CentralEntry(e.name, e.cd_offset, e.header_offset, e.compressed_size, e.crc32, e.flags, e.method,
                      e.uncompressed_size)
@@ -257,7 +257,7 @@ class _Load:
         """Records from the central directory; data offsets predicted, or (``exact``,
         or when the prediction does not fit) read from every local header."""
         try:
-            cd_off, entries = read_central_directory(fd_reader(self.fd), self.size, self.path)
+            cd_off, entries = read_central_directory(fd_reader(self.fd, self.path), self.size, self.path)
         except ZipFormatError:
             raise
         except (ValueError, UnicodeDecodeError, struct.error) as e:  # defensive: the parser should raise ZipFormatError
@@ -500,7 +500,7 @@ def load_torch(
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise UnsupportedLayoutError("not a regular file")
-        if os.pread(fd, 4, 0) != b"PK\x03\x04":
+        if pread_full(fd, 4, 0, path) != b"PK\x03\x04":  # a short read must not pass for "not a zip"
             raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
         try:
             return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, private_load,

@@ -388,7 +388,7 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        read_at = fd_reader(fd)
+        read_at = fd_reader(fd, path)
         head = read_at(0, len(_LEGACY_MAGIC))
         if size == 0:
             return TorchCheck([f"{path}: the file is empty"])

@@ -446,19 +446,32 @@ def buffer_reader(buf: "bytes | bytearray | memoryview") -> ReadAt:
     return read_at
 
 
-def fd_reader(fd: int) -> ReadAt:
-    """A ``read_at`` over an open file descriptor (``os.pread``, page cache)."""
+def pread_full(fd: int, length: int, offset: int, path: Optional[str] = None) -> bytes:
+    """``length`` bytes at ``offset`` of ``fd`` (``os.pread``, page cache), short reads
+    retried: fewer only where the file ends. An ``OSError`` names ``path``, the offset and
+    the length (the bare one from ``os.pread`` names no file)."""
+    chunks = []
+    while length > 0:
+        try:
+            b = os.pread(fd, length, offset)
+        except OSError as e:
+            if path is None or e.errno is None:
+                raise
+            raise type(e)(e.errno, f"{e.strerror or e} (reading {length} bytes at offset {offset} of {path!r})",
+                          path) from e
+        if not b:
+            break
+        chunks.append(b)
+        offset += len(b)
+        length -= len(b)
+    return b"".join(chunks)
+
+
+def fd_reader(fd: int, path: Optional[str] = None) -> ReadAt:
+    """A ``read_at`` over an open file descriptor (:func:`pread_full`; errors name ``path``)."""
 
     def read_at(offset: int, length: int) -> bytes:
-        chunks = []
-        while length > 0:
-            b = os.pread(fd, length, offset)
-            if not b:
-                break
-            chunks.append(b)
-            offset += len(b)
-            length -= len(b)
-        return b"".join(chunks)
+        return pread_full(fd, length, offset, path)
 
     return read_at
 
@@ -468,7 +481,7 @@ def read_zip_index(path: "str | os.PathLike[str]") -> ZipIndex:
     p = os.fspath(path)
     fd = os.open(p, os.O_RDONLY)
     try:
-        return parse_zip_index(fd_reader(fd), os.fstat(fd).st_size, p)
+        return parse_zip_index(fd_reader(fd, p), os.fstat(fd).st_size, p)
     finally:
         os.close(fd)
 
