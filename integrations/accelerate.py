@@ -39,7 +39,14 @@ Accelerate deletes the oldest checkpoints *before* writing the new one (with
 ``total_limit=1`` a crash during the save leaves no checkpoint at all); an enabled
 Accelerator deletes them only after the new checkpoint is durable, the same ones
 Accelerate would have deleted. (Until the deletion there are ``N + 1``
-checkpoints on disk.)
+checkpoints on disk.) If a save with automatic naming raises, the main process
+removes the incomplete ``checkpoint_N`` it had started, so ``load_state()`` without a
+path resumes from the previous checkpoint and the next ``save_state`` can write
+``checkpoint_N`` again. A process killed during ``save_state`` (no exception) still
+leaves the incomplete directory, as stock Accelerate does; every file in it is
+whole, but it may lack files (remove it, or pass the previous directory to
+``load_state``). Saving into a fixed ``output_dir`` replaces its files one by one:
+each is whole, but a failure part-way leaves a mix of two steps.
 
 Multiple processes (DDP, ``MULTI_CPU``/``MULTI_GPU``): the weights and optimizer
 files, which every rank holds a replica of, are written by all ranks together
@@ -270,11 +277,25 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         install()
         pc = self.project_configuration
         limit = pc.total_limit if pc.automatic_checkpoint_naming else None
+        new_dir = (os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
+                   if pc.automatic_checkpoint_naming else None)
+        fresh = new_dir is not None and not os.path.exists(new_dir)
         if limit is not None:
             pc.total_limit = None  # retention runs below, once the new checkpoint is durable
         try:
             with _routing(s):
                 location = original(self, output_dir, safe_serialization, **kwargs)
+        except BaseException:
+            if fresh and self.is_main_process and new_dir is not None and os.path.isdir(new_dir):
+                # A partial checkpoint_N would be what a default load_state() resumes from, and
+                # the next save_state (same N: Accelerate counts only successful saves) would
+                # refuse to write into it: remove it, the previous checkpoints stay.
+                log.error("fastpersist: save_state failed; removing the incomplete %s (the previous checkpoints "
+                          "are untouched)", new_dir)
+                shutil.rmtree(new_dir, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    fsync_dir(os.path.dirname(new_dir))
+            raise
         finally:
             if limit is not None:
                 pc.total_limit = limit

@@ -850,12 +850,19 @@ def test_accelerate_failed_save_state_keeps_previous_checkpoint_loadable(tmp_pat
     assert {n: _digest(prev / n) for n in os.listdir(prev)} == before
     for sub in (tmp_path / "checkpoints").iterdir():
         assert _leftovers(sub) == [], sub
+    # the incomplete checkpoint_1 was removed: a default resume finds checkpoint_0
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_0"]
     _acc_step(acc, model, opt)
-    acc.load_state(str(prev))
+    acc.load_state()
     got = _acc_snapshot(acc, model, opt)
     _equal(got[0], want[0])
     _equal({str(k): v["exp_avg"] for k, v in got[1]["state"].items()},
            {str(k): v["exp_avg"] for k, v in want[1]["state"].items()})
+    # and the next save writes checkpoint_1 (Accelerate counts successful saves only), then retention
+    _acc_step(acc, model, opt)
+    second = acc.save_state()
+    assert os.path.basename(second) == "checkpoint_1"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1"]
 
 
 def test_accelerate_failed_save_state_into_the_same_directory_keeps_files_whole(tmp_path):
