@@ -2,7 +2,9 @@
 // neither libaio nor its headers are needed at build or run time. Requests
 // stay in a slot until fully transferred: short completions are resubmitted
 // for the remainder (through the buffered twin when the remainder is no longer
-// aligned), EINTR/EAGAIN are retried, every result is checked.
+// aligned), EINTR is retried, EAGAIN is retried with a bounded backoff (one
+// budget for the engine, reset by any progress: see sys::EagainBackoff), every
+// result is checked.
 #include <linux/aio_abi.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -120,6 +122,7 @@ class AioEngine final : public Engine {
         pump(1);  // make room, then try again
         continue;
       }
+      if (e == EAGAIN && backoff_.wait()) continue;  // nothing of ours to wait for
       finish(i, -e);
       return;
     }
@@ -148,8 +151,16 @@ class AioEngine final : public Engine {
       if (f.kind == sys::Fault::Errno) res = -f.err;
       if (f.kind == sys::Fault::Eintr) res = -EINTR;
       if (f.kind == sys::Fault::Short && res > 1) res /= 2;
-      if (res == -EINTR || res == -EAGAIN) {
+      if (res == -EINTR) {
         launch(i);
+      } else if (res == -EAGAIN) {
+        // Bounded: a completion that keeps failing with EAGAIN fails the request
+        // after about a second of backoff without progress, instead of looping.
+        if (backoff_.wait()) {
+          launch(i);
+        } else {
+          finish(i, res);
+        }
       } else if (res < 0) {
         finish(i, res);
       } else if (res == 0) {
@@ -159,6 +170,7 @@ class AioEngine final : public Engine {
           finish(i, static_cast<int64_t>(s.done));  // end of file
         }
       } else {
+        backoff_.reset();
         s.done += static_cast<size_t>(res);
         if (s.done < s.req.len) {
           launch(i);
@@ -183,6 +195,7 @@ class AioEngine final : public Engine {
   std::vector<unsigned> free_;
   std::vector<IoDone> ready_;
   size_t in_flight_ = 0;
+  sys::EagainBackoff backoff_;
 };
 
 }  // namespace

@@ -356,10 +356,14 @@ ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
     WChunk& c = chunks[d.tag];
     --inflight;
     ++completed;
-    if ((d.res < 0 || static_cast<size_t>(d.res) != c.len) && !err) {
+    if (d.res < 0 || static_cast<size_t>(d.res) != c.len) {
       int e = d.res < 0 ? static_cast<int>(-d.res) : EIO;
-      err = std::make_exception_ptr(
-          IoError(e, "pwrite", f.path(), d.err_off, c.len - (d.err_off - c.off)));
+      // `err` is shared with the fill tasks on the pool: only under `mu`.
+      std::lock_guard<std::mutex> lk(mu);
+      if (!err) {
+        err = std::make_exception_ptr(
+            IoError(e, "pwrite", f.path(), d.err_off, c.len - (d.err_off - c.off)));
+      }
     }
     cache.release(c.ring);
     c.ring = nullptr;
@@ -446,7 +450,12 @@ ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
     std::free(c.held);
     c.ring = c.held = nullptr;
   }
-  if (err) std::rethrow_exception(err);
+  {
+    // No fill task runs any more (wait_all above), but read `err` under `mu`
+    // like everywhere else so the rule needs no exception.
+    std::unique_lock<std::mutex> lk(mu);
+    if (err) std::rethrow_exception(err);
+  }
   if (opt.fsync) f.sync();
   return result;
 }
@@ -674,7 +683,10 @@ ExecResult execute_read(const File& f, const std::vector<Extent>& extents, int n
   }
   tasks.wait_all();
   for (auto& c : chunks) cache.release(c.ring);
-  if (err) std::rethrow_exception(err);
+  {
+    std::unique_lock<std::mutex> lk(mu);  // see execute_write: `err` only under `mu`
+    if (err) std::rethrow_exception(err);
+  }
 
   std::sort(pieces.begin(), pieces.end(), [](const Piece& x, const Piece& y) {
     return x.slot != y.slot ? x.slot < y.slot : x.off < y.off;

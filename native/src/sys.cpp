@@ -4,12 +4,15 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "fastpersist/error.hpp"
@@ -222,9 +225,19 @@ int open(const char* path, int flags, unsigned mode) {
   }
 }
 
+bool EagainBackoff::wait() {
+  if (slept_us_ >= kEagainBudgetUs) return false;
+  const uint64_t us = std::min({next_us_, kMaxUs, kEagainBudgetUs - slept_us_});
+  std::this_thread::sleep_for(std::chrono::microseconds(us));
+  slept_us_ += us;
+  next_us_ = std::min(next_us_ * 2, kMaxUs);
+  return true;
+}
+
 int full_pwrite(int fd, int dfd, size_t align, const char* buf, size_t n, uint64_t off,
                 size_t* done) {
   size_t d = 0;
+  EagainBackoff backoff;
   while (d < n) {
     const char* p = buf + d;
     size_t left = n - d;
@@ -232,7 +245,8 @@ int full_pwrite(int fd, int dfd, size_t align, const char* buf, size_t n, uint64
     bool direct = dfd >= 0 && aligned(reinterpret_cast<uintptr_t>(p), align) &&
                   aligned(o, align) && aligned(left, align);
     ssize_t r = sys::pwrite(direct ? dfd : fd, p, left, o);
-    if (r == -EINTR || r == -EAGAIN) continue;
+    if (r == -EINTR) continue;
+    if (r == -EAGAIN && backoff.wait()) continue;
     if (r < 0) {
       *done = d;
       return static_cast<int>(r);
@@ -241,6 +255,7 @@ int full_pwrite(int fd, int dfd, size_t align, const char* buf, size_t n, uint64
       *done = d;
       return -EIO;
     }
+    backoff.reset();
     d += static_cast<size_t>(r);
   }
   *done = d;
@@ -249,6 +264,7 @@ int full_pwrite(int fd, int dfd, size_t align, const char* buf, size_t n, uint64
 
 int full_pread(int fd, int dfd, size_t align, char* buf, size_t n, uint64_t off, size_t* done) {
   size_t d = 0;
+  EagainBackoff backoff;
   while (d < n) {
     char* p = buf + d;
     size_t left = n - d;
@@ -256,12 +272,14 @@ int full_pread(int fd, int dfd, size_t align, char* buf, size_t n, uint64_t off,
     bool direct = dfd >= 0 && aligned(reinterpret_cast<uintptr_t>(p), align) &&
                   aligned(o, align) && aligned(left, align);
     ssize_t r = sys::pread(direct ? dfd : fd, p, left, o);
-    if (r == -EINTR || r == -EAGAIN) continue;
+    if (r == -EINTR) continue;
+    if (r == -EAGAIN && backoff.wait()) continue;
     if (r < 0) {
       *done = d;
       return static_cast<int>(r);
     }
     if (r == 0) break;  // end of file
+    backoff.reset();
     d += static_cast<size_t>(r);
   }
   *done = d;

@@ -1,8 +1,9 @@
 // The syscall layer. Every read, write, fsync and open of the engines goes
 // through here so that tests can inject faults (EIO, ENOSPC, short transfers,
 // EINTR) at the Nth call. Functions return the byte count or -errno, like
-// liburing; the transfer loops (full_pwrite/full_pread) retry EINTR and
-// continue after short transfers.
+// liburing; the transfer loops (full_pwrite/full_pread) retry EINTR, retry
+// EAGAIN a bounded number of times with backoff (EagainBackoff), and continue
+// after short transfers.
 #pragma once
 
 #include <sys/types.h>
@@ -44,5 +45,25 @@ int full_pwrite(int fd, int dfd, size_t align, const char* buf, size_t n, uint64
 int full_pread(int fd, int dfd, size_t align, char* buf, size_t n, uint64_t off, size_t* done);
 
 inline bool aligned(uint64_t v, size_t a) { return a <= 1 || v % a == 0; }
+
+// Bounded retry of EAGAIN. A transfer that keeps failing with EAGAIN must not
+// spin forever (a psync thread at 100% CPU): each wait() sleeps a little longer
+// (50 us, doubling, at most 200 ms per sleep) until about kEagainBudgetUs of
+// sleeping without progress; then it returns false and the caller fails the
+// transfer with EAGAIN (reported as an IoError naming op, path and offset).
+// reset() after any progress: the budget is for consecutive failures.
+inline constexpr uint64_t kEagainBudgetUs = 1000000;
+class EagainBackoff {
+ public:
+  bool wait();
+  void reset() { slept_us_ = 0; next_us_ = kFirstUs; }
+  uint64_t slept_us() const { return slept_us_; }
+
+ private:
+  static constexpr uint64_t kFirstUs = 50;
+  static constexpr uint64_t kMaxUs = 200000;
+  uint64_t slept_us_ = 0;
+  uint64_t next_us_ = kFirstUs;
+};
 
 }  // namespace fastpersist::sys
