@@ -10,7 +10,7 @@ if not os.path.exists(P):
 CHILD = r'''
 import os, sys, time, ctypes
 mode, start = sys.argv[1], float(sys.argv[2])
-if mode == "fp4k":
+if mode.endswith("4k"):
     ctypes.CDLL(None).prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
 import torch, fastpersist
 while time.time() < start: time.sleep(0.001)
