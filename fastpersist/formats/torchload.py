@@ -421,10 +421,18 @@ def _empty_storage() -> torch.Tensor:
     empty record. ``torch.empty(0)`` has a resizable storage: a pickle claiming a shape,
     stride or offset past the record's 0 bytes would make torch's ``set_`` grow it and
     hand back uninitialized memory as values, where ``torch.load`` raises "Trying to
-    resize storage that is not resizable"."""
-    import numpy
+    resize storage that is not resizable". Every empty record's storage points at the same
+    (empty) buffer, as torch's all point at address 0, so "which tensors share storage"
+    comes out as for ``torch.load``."""
+    global _EMPTY
+    if _EMPTY is None:
+        import numpy
 
-    return torch.from_numpy(numpy.empty(0, dtype=numpy.uint8))
+        _EMPTY = numpy.empty(0, dtype=numpy.uint8)
+    return torch.from_numpy(_EMPTY)
+
+
+_EMPTY: Any = None
 
 
 class _HeaderMismatch(Exception):
