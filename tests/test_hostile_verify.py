@@ -492,3 +492,33 @@ if __name__ == "__main__":  # the closing note's table
                 print(tp.row())
                 for line in (tv.bad + tp.bad)[:3]:
                     print("    e.g.", line[:160])
+
+
+@pytest.mark.parametrize("edit", ["bigger size", "offset past the end", "stride past the end"])
+def test_tensor_view_larger_than_its_storage_is_reported(tmp_path: Path, edit: str) -> None:
+    """A pickle (its CRC rewritten to match) that builds a tensor view reaching past its storage:
+    torch.load refuses the file, so verify must not call it intact (found by the reader fuzz)."""
+    path = str(tmp_path / "v.pt")
+    fastpersist.save({"a": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, path)
+    raw = Path(path).read_bytes()
+    # the pickle's size (3, 4), stride (4, 1) and offset 0 as torch.save writes them: BININT1 each
+    old = b"K\x00K\x03K\x04\x86q"
+    new = {"bigger size": b"K\x00K\x04K\x04\x86q", "offset past the end": b"K\x01K\x03K\x04\x86q",
+           "stride past the end": None}[edit]
+
+    def change(name: str, data: bytes) -> Optional[tuple[str, bytes]]:
+        if not name.endswith("data.pkl"):
+            return name, data
+        if new is None:
+            i = data.index(b"K\x04K\x01\x86q")  # the stride (4, 1) -> (5, 1)
+            return name, data[:i] + b"K\x05K\x01\x86q" + data[i + 6:]
+        assert old in data, data
+        return name, data.replace(old, new, 1)
+
+    bad = str(tmp_path / "bad.pt")
+    Path(bad).write_bytes(_rebuild(raw, change))
+    with pytest.raises(RuntimeError, match="out of bounds|not resizable|size"):
+        torch.load(bad, weights_only=True)
+    res = fastpersist.verify(bad)
+    assert not res.ok and any("needs" in p and "storage '0'" in p for p in res.problems), res
+    assert fastpersist.verify(path).ok  # the original view fits exactly

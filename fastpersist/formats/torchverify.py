@@ -266,6 +266,61 @@ def storage_references(pickle_bytes: bytes) -> list[tuple[str, str, int, Any]]:
     return [_storage_ref(pid) for pid in scan.pids]
 
 
+class _StorageMark:
+    """What a persistent id resolves to in :func:`tensor_views`' dry run: its key."""
+
+    def __init__(self, pid: Any) -> None:
+        self.key = pid[2] if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[2], str) else None
+
+
+def tensor_views(pickle_bytes: bytes) -> list[tuple[str, int, tuple[int, ...], tuple[int, ...]]]:
+    """``(storage key, storage_offset, size, stride)`` of every ``torch._utils._rebuild_tensor_v2``
+    call of a torch pickle whose arguments are plain non-negative ints, from a dry run like
+    :func:`storage_references` (nothing imported or executed). Calls with other arguments
+    are left out (torch decides those). Raises ``ValueError`` if the pickle cannot be run."""
+    from fastpersist.formats.picklescan import _ONE, _DryUnpickler
+
+    views: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]] = []
+
+    def plain(xs: Any) -> bool:
+        return isinstance(xs, tuple) and all(type(x) is int and x >= 0 for x in xs)
+
+    class _Rebuild(_StandIn):
+        def __new__(cls, *args: Any, **_kwargs: Any) -> Any:
+            if (len(args) >= 4 and isinstance(args[0], _StorageMark) and args[0].key is not None
+                    and type(args[1]) is int and args[1] >= 0 and plain(args[2]) and plain(args[3])
+                    and len(args[2]) == len(args[3])):
+                views.append((args[0].key, args[1], args[2], args[3]))
+            return _ONE
+
+    class _Views(_DryUnpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (str(module), str(name)) == ("torch._utils", "_rebuild_tensor_v2"):
+                return _Rebuild
+            return super().find_class(module, name)
+
+        def persistent_load(self, pid: Any) -> Any:
+            super().persistent_load(pid)
+            return _StorageMark(pid)
+
+    try:
+        _Views(pickle_bytes).load()
+    except Exception as e:  # noqa: BLE001 - any failure means "not understood"
+        raise ValueError(f"{type(e).__name__}: {e}") from e
+    return views
+
+
+def _view_nbytes(offset: int, size: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of storage a view needs, as torch computes it when it sets the storage
+    (``at::detail::computeStorageNbytes``): 0 if any dimension is empty."""
+    last = 0
+    for n, st in zip(size, stride):
+        if n == 0:
+            return 0
+        last += st * (n - 1)
+    return (offset + last + 1) * itemsize
+
+
 def _storage_ref(pid: Any) -> tuple[str, str, int, Any]:
     cls = global_ref(pid[1]) if isinstance(pid, tuple) and len(pid) == 5 else None
     if (
@@ -330,6 +385,7 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any, notes: Optiona
         problems.append(f"{prefix}byteorder: holds {order[:20]!r}, not 'little' or 'big'")
     pickles = ["data.pkl"] + (["constants.pkl"] if "constants.pkl" in by_short else [])
     seen: dict[str, int] = {}
+    itemsize: dict[str, int] = {}
     for pkl_name in pickles:
         pkl = record(pkl_name, True)
         if pkl is None:
@@ -362,6 +418,7 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any, notes: Optiona
             if key in seen:  # torch loads a key once, with the size of its first reference
                 continue
             seen[key] = nbytes
+            itemsize[key] = size
             e = by_short.get(f"data/{key}")
             if e is None:
                 problems.append(f"{path}: record {prefix}data/{key} is missing (storage {key!r} of {prefix}{pkl_name})")
@@ -372,6 +429,15 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any, notes: Optiona
                     f"{e.name}: holds {e.uncompressed_size} bytes but {prefix}{pkl_name} claims "
                     f"{nbytes} ({numel} x {size}-byte elements of {cls.split(' ')[-1]})"
                 )
+        # every tensor view must fit its storage (torch refuses to build one that does not)
+        for key, offset, vsize, vstride in tensor_views(pkl):
+            if key not in seen:
+                continue
+            need = _view_nbytes(offset, vsize, vstride, itemsize[key])
+            if need > seen[key]:
+                problems.append(
+                    f"{prefix}{pkl_name}: a tensor of size {list(vsize)}, stride {list(vstride)} at offset {offset} "
+                    f"needs {need} bytes of storage {key!r}, which has {seen[key]}")
     return problems
 
 
