@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastpersist.errors import ZipFormatError
-from fastpersist.formats.picklescan import _StandIn, global_ref, scan_pickle
+from fastpersist.formats.picklescan import _StandIn, global_ref
 from fastpersist.formats.zipindex import ZipEntry, ZipIndex, buffer_reader, fd_reader, parse_zip_index
 
 #: The first bytes of a legacy (``_use_new_zipfile_serialization=False``) torch file:
@@ -251,6 +251,9 @@ def _element_size(module: str, name: str) -> Optional[int]:
     return torch._utils._element_size(dtype)
 
 
+View = tuple[str, int, tuple[int, ...], tuple[int, ...]]
+
+
 def storage_references(pickle_bytes: bytes) -> list[tuple[str, str, int, Any]]:
     """``(key, storage class "module name", numel, location)`` of every persistent id
     a torch pickle references, from the dry run of :mod:`fastpersist.formats.picklescan`
@@ -260,27 +263,30 @@ def storage_references(pickle_bytes: bytes) -> list[tuple[str, str, int, Any]]:
         ValueError: the pickle cannot be run, or a persistent id is not a
             ``('storage', <class>, key, location, numel)`` tuple torch can load.
     """
-    scan = scan_pickle(pickle_bytes)
-    if scan.error is not None:
-        raise ValueError(scan.error)
-    return [_storage_ref(pid) for pid in scan.pids]
+    return references_and_views(pickle_bytes)[0]
 
 
-class _StorageMark:
-    """What a persistent id resolves to in :func:`tensor_views`' dry run: its key."""
+class _StorageMark(_StandIn):
+    """What a persistent id resolves to in the dry run: an inert stand-in that knows its key."""
 
-    def __init__(self, pid: Any) -> None:
-        self.key = pid[2] if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[2], str) else None
+    def __new__(cls, pid: Any) -> "_StorageMark":
+        mark = object.__new__(cls)
+        mark.key = pid[2] if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[2], str) else None
+        return mark
 
 
-def tensor_views(pickle_bytes: bytes) -> list[tuple[str, int, tuple[int, ...], tuple[int, ...]]]:
-    """``(storage key, storage_offset, size, stride)`` of every ``torch._utils._rebuild_tensor_v2``
-    call of a torch pickle whose arguments are plain non-negative ints, from a dry run like
-    :func:`storage_references` (nothing imported or executed). Calls with other arguments
-    are left out (torch decides those). Raises ``ValueError`` if the pickle cannot be run."""
+def references_and_views(pickle_bytes: bytes) -> tuple[list[tuple[str, str, int, Any]], list[View]]:
+    """One dry run of a torch pickle (nothing imported or executed): its storage references
+    (as :func:`storage_references`) and ``(storage key, storage_offset, size, stride)`` of every
+    ``torch._utils._rebuild_tensor_v2`` call whose arguments are plain non-negative ints
+    (calls with other arguments are left out: torch decides those).
+
+    Raises:
+        ValueError: as :func:`storage_references`.
+    """
     from fastpersist.formats.picklescan import _ONE, _DryUnpickler
 
-    views: list[tuple[str, int, tuple[int, ...], tuple[int, ...]]] = []
+    views: list[View] = []
 
     def plain(xs: Any) -> bool:
         return isinstance(xs, tuple) and all(type(x) is int and x >= 0 for x in xs)
@@ -303,11 +309,12 @@ def tensor_views(pickle_bytes: bytes) -> list[tuple[str, int, tuple[int, ...], t
             super().persistent_load(pid)
             return _StorageMark(pid)
 
+    dry = _Views(pickle_bytes)
     try:
-        _Views(pickle_bytes).load()
+        dry.load()
     except Exception as e:  # noqa: BLE001 - any failure means "not understood"
         raise ValueError(f"{type(e).__name__}: {e}") from e
-    return views
+    return [_storage_ref(pid) for pid in dry.pids], views
 
 
 def _view_nbytes(offset: int, size: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
@@ -391,7 +398,7 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any, notes: Optiona
         if pkl is None:
             continue
         try:
-            refs = storage_references(pkl)
+            refs, views = references_and_views(pkl)
         except ValueError as exc:
             problems.append(f"{prefix}{pkl_name}: cannot be parsed as a pickle ({exc})")
             continue
@@ -430,7 +437,7 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any, notes: Optiona
                     f"{nbytes} ({numel} x {size}-byte elements of {cls.split(' ')[-1]})"
                 )
         # every tensor view must fit its storage (torch refuses to build one that does not)
-        for key, offset, vsize, vstride in tensor_views(pkl):
+        for key, offset, vsize, vstride in views:
             if key not in seen:
                 continue
             need = _view_nbytes(offset, vsize, vstride, itemsize[key])
