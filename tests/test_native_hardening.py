@@ -6,7 +6,6 @@ to do. Faults come from the native syscall layer (fastpersist.testing)."""
 from __future__ import annotations
 
 import errno
-import random
 import time
 
 import pytest
@@ -15,28 +14,10 @@ import torch
 import fastpersist.io as fio
 from fastpersist.testing import inject_fault
 
-KiB = 1024
-MiB = 1024 * 1024
-BLOCK = 64 * KiB
-SIZE = MiB + 3  # 17 blocks of 64 KiB and an unaligned tail
-CPU_ENGINES = [e for e in fio.available_engines() if e != "cufile"]
+# the same file size, block size, data and handles as the fault tests of the I/O handle
+from test_io_faults import BLOCK, CPU_ENGINES, MiB, SIZE, _bytes, _data, _handle, _tensor  # noqa: E402
+
 FOREVER = 10**9  # fault count: every matching call for the rest of the block
-
-
-def _data(n: int, seed: int = 0) -> bytes:
-    return random.Random(seed * 7919 + n).randbytes(n)
-
-
-def _tensor(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    return fio.as_bytes(t).numpy().tobytes()
-
-
-def _handle(engine: str, direct: bool = True, **kw) -> fio.IOHandle:
-    return fio.IOHandle(engine=engine, block_size=BLOCK, direct=direct, **kw)
 
 
 # ---- EAGAIN ------------------------------------------------------------------------
