@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -372,12 +372,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, d: str, names: list[str], limit: float = 150) -> list[dict]:
+def launch(world: int, d: str, names: list[str], limit: float = 150,
+           target: Optional[Callable[[int, int, int, str, list[str]], None]] = None) -> list[dict]:
+    """Run ``names`` on ``world`` spawned ranks (``target``: a module-level worker with
+    :func:`_worker`'s signature that writes ``result-{rank}.pkl`` into ``d``; default :func:`_worker`);
+    every rank's results (``{}`` for a rank that wrote none)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, d, names)) for r in range(world)]
+    procs = [ctx.Process(target=target or _worker, args=(r, world, port, d, names)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + limit

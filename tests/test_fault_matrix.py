@@ -23,7 +23,6 @@ import hashlib
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -678,33 +677,13 @@ def _group_worker(rank: int, world: int, port: int, d: str, names: list[str]) ->
 def group2(tmp_path_factory):
     if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
         pytest.skip("no gloo backend")
-    import torch.multiprocessing as mp
-
     d = str(tmp_path_factory.mktemp("group2"))
     fastpersist.save(_gstate(), os.path.join(d, "ref.pt"), config=_gcfg())
     fastpersist.save(_gstate(), os.path.join(d, "prev.pt"), config=_gcfg())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from test_distributed import launch
+
     names = ["eio_rank1", "short", "eintr", "pwrite_eio", "pwrite_short", "temps"]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_group_worker, args=(r, 2, port, d, names)) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = []
-    for r in range(2):
-        try:
-            with open(os.path.join(d, f"result-{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        except FileNotFoundError:
-            results.append({})
+    results = launch(2, d, names, limit=120, target=_group_worker)
     return d, results
 
 
