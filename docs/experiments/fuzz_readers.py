@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import io
 import json
 import os
@@ -773,22 +772,25 @@ class Fuzzer:
             self.record("safetensors", verdict, f"{label} {kw}", bad, ".safetensors",
                         f"load_file: {'ok' if tok else repr(theirs)[:300]}")
 
-    # -- load_state_dict -------------------------------------------------------------
-    def case_into(self, rng: random.Random) -> None:
-        use_st = rng.random() < 0.3
-        if use_st:
+    def _mixed_case(self, rng: random.Random) -> tuple[str, bytes, str, str, Any]:
+        """A mutated file for the readers that take both formats: 30% safetensors (written by
+        fastpersist or the safetensors library), else torch zip. ``(path, bytes, label, ext,
+        saved safetensors state or None)``."""
+        if rng.random() < 0.3:
             writer = rng.choice(["fastpersist", "safetensors"])
             bad, label, _c = st_mutate(self.st_original(writer), rng)
             p = os.path.join(self.work, "case.safetensors")
             with open(p, "wb") as f:
                 f.write(bad)
-            want = saved_st()
-            ext = ".safetensors"
-        else:
-            p, bad, label, _c = self._zip_case(rng)
-            want = tensors_of(saved_torch())
-            ext = ".pt"
-        label = ("st " if use_st else "") + label
+            return p, bad, "st " + label, ".safetensors", saved_st()
+        p, bad, label, _c = self._zip_case(rng)
+        return p, bad, label, ".pt", None
+
+    # -- load_state_dict -------------------------------------------------------------
+    def case_into(self, rng: random.Random) -> None:
+        p, bad, label, ext, st_want = self._mixed_case(rng)
+        use_st = ext == ".safetensors"
+        want = st_want if use_st else tensors_of(saved_torch())
         target = {k: torch.full(v.shape, 3, dtype=v.dtype) if v.numel() else torch.empty_like(v) for k, v in want.items()}
         before = {k: v.clone() for k, v in target.items()}
         strict = rng.random() < 0.8
@@ -839,20 +841,9 @@ class Fuzzer:
 
     # -- partial loads -----------------------------------------------------------------
     def case_partial(self, rng: random.Random) -> None:
-        use_st = rng.random() < 0.3
-        if use_st:
-            writer = rng.choice(["fastpersist", "safetensors"])
-            bad, label, _c = st_mutate(self.st_original(writer), rng)
-            p = os.path.join(self.work, "case.safetensors")
-            with open(p, "wb") as f:
-                f.write(bad)
-            want = saved_st()
-            ext = ".safetensors"
-        else:
-            p, bad, label, _c = self._zip_case(rng)
-            want = tensors_of(saved_torch())
-            ext = ".pt"
-        label = ("st " if use_st else "") + label
+        p, bad, label, ext, st_want = self._mixed_case(rng)
+        use_st = ext == ".safetensors"
+        want = st_want if use_st else tensors_of(saved_torch())
         checksum = rng.random() > 0.15
         label += f" checksum={checksum}"
 
@@ -900,20 +891,9 @@ class Fuzzer:
 
     # -- verify ----------------------------------------------------------------------------
     def case_verify(self, rng: random.Random) -> None:
-        use_st = rng.random() < 0.3
-        if use_st:
-            writer = rng.choice(["fastpersist", "safetensors"])
-            bad, label, _c = st_mutate(self.st_original(writer), rng)
-            p = os.path.join(self.work, "case.safetensors")
-            with open(p, "wb") as f:
-                f.write(bad)
-            want: Any = saved_st()
-            ext = ".safetensors"
-        else:
-            p, bad, label, _c = self._zip_case(rng)
-            want = saved_torch()
-            ext = ".pt"
-        label = ("st " if use_st else "") + label
+        p, bad, label, ext, st_want = self._mixed_case(rng)
+        use_st = ext == ".safetensors"
+        want: Any = st_want if use_st else saved_torch()
         ok, res = call(lambda: fastpersist.verify(p))
         if not ok:
             verdict = _err(res) if isinstance(res, (CheckpointFormatError, OSError)) else "BUG verify-raised-" + type(res).__name__
