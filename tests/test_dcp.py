@@ -748,3 +748,24 @@ def test_verify_rejects_non_checkpoint_dirs(tmp_path: Any) -> None:
 
 def test_compat_probe_ok() -> None:
     assert _compat.ok("dcp_storage_layer"), _compat.status("dcp_storage_layer").reason
+
+
+def test_directory_fsync_failure_after_the_metadata_rename_says_the_checkpoint_is_in_place(tmp_path: Any,
+                                                                                           monkeypatch: Any) -> None:
+    """The new .metadata was renamed in (the commit), then the directory's fsync failed: the error
+    is fastpersist's DirectorySyncError, which says the new checkpoint is in place, and it loads."""
+    from fastpersist import commit
+    from fastpersist.errors import DirectorySyncError
+
+    path = str(tmp_path / "ckpt")
+    save_flat(flat_state(1.0), path)
+
+    def failing(directory: str) -> None:
+        raise OSError(5, "Input/output error", directory)
+
+    monkeypatch.setattr(commit, "fsync_dir", failing)  # only the fsync after the commit goes through it
+    with pytest.raises((DirectorySyncError, CheckpointException)) as info:
+        save_flat(flat_state(2.0), path, sync_files=True)
+    monkeypatch.undo()
+    assert "the new file is in place" in str(info.value) and "untouched" not in str(info.value), str(info.value)
+    assert_loads(path, flat_state(2.0))

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from fastpersist import _compat
-from fastpersist.commit import clean_stale_temps, fsync_dir, temp_path_for
+from fastpersist.commit import clean_stale_temps, fsync_dir, fsync_dir_after_rename, temp_path_for
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
 from fastpersist.dcp._metadata import load_metadata, seal
 
@@ -349,7 +349,7 @@ class FastPersistWriter(FileSystemWriter):
                 pass
             raise
         if self.sync_files:
-            fsync_dir(directory)
+            fsync_dir_after_rename(final)  # its error says the new .metadata is in place
         # The new checkpoint is committed: what follows never fails the save.
         try:
             self._collect_garbage(metadata)
