@@ -7,9 +7,10 @@
   names, local headers, extents, overlaps), then the records torch's reader
   needs are looked up the way it looks them up: every entry under one archive
   folder, ``data.pkl``, a ``version`` it accepts, a sane ``byteorder``, and every
-  storage that ``data.pkl`` references (found by walking the pickle's opcodes
-  with :mod:`pickletools`, never executing it) present as ``data/<key>`` with
-  exactly the bytes the pickle claims.
+  storage that ``data.pkl`` references present as ``data/<key>`` with exactly
+  the bytes the pickle claims, and every tensor view it builds inside its storage
+  (found by one dry run of the pickle with inert stand-ins for every global,
+  :func:`references_and_views`: nothing imported or executed).
 * **Are its bytes the ones written?** Every record's CRC-32 is computed (stored
   records natively, read-and-discard extents with CRC slots; deflated records
   inflated with :mod:`zlib`) and compared with the central directory; data
