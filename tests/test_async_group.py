@@ -14,7 +14,6 @@ import copy
 import filecmp
 import os
 import pickle
-import socket
 import sys
 import time
 import traceback
@@ -228,37 +227,12 @@ def _worker(rank: int, world: int, port: int, d: str, names: list[str], clean_ex
     sys.exit(0)  # interpreter exit: atexit handlers run (pending async saves)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(d: str, names: list[str], clean_exit: bool = False, limit: float = 180) -> tuple[list[dict], list[Any]]:
-    import torch.multiprocessing as mp
+    """Run ``names`` on 2 spawned gloo ranks; every rank's results and exit codes."""
+    from test_distributed import rank_results, spawn_ranks  # tests/ is on sys.path (rootdir conftest)
 
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, d, names, clean_exit)) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + limit
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    codes = []
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-        codes.append(p.exitcode)
-    results = []
-    for r in range(2):
-        try:
-            with open(os.path.join(d, f"result-{r}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        except FileNotFoundError:
-            results.append({})
-    return results, codes
+    codes = spawn_ranks(2, _worker, (d, names, clean_exit), limit)
+    return rank_results(d, 2), codes
 
 
 def ok(results: list[dict], name: str) -> list[Any]:
@@ -358,22 +332,16 @@ def test_exit_with_a_pending_group_save_finishes_it(tmp_path: Any) -> None:
 
 def test_group_of_one_is_the_single_process_path(tmp_path: Any) -> None:
     """A 1-rank group needs no store or side group (exercised in a spawned 1-rank world)."""
-    import torch.multiprocessing as mp
+    from test_distributed import spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    p = ctx.Process(target=_one_rank, args=(_free_port(), str(tmp_path)))
-    p.start()
-    p.join(120)
-    if p.is_alive():
-        p.kill()
-    assert p.exitcode == 0
+    assert spawn_ranks(1, _one_rank, (str(tmp_path),), 120) == [0]
     assert filecmp.cmp(str(tmp_path / "ref.pt"), str(tmp_path / "one.pt"), shallow=False)
 
 
-def _one_rank(port: int, d: str) -> None:
+def _one_rank(rank: int, world: int, port: int, d: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     m, opt = model_and_opt()
     st = full_state(m, opt, 0)
     fastpersist.save(copy.deepcopy(st), os.path.join(d, "ref.pt"), config=cfg())

@@ -372,25 +372,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, d: str, names: list[str], limit: float = 150,
-           target: Optional[Callable[[int, int, int, str, list[str]], None]] = None) -> list[dict]:
-    """Run ``names`` on ``world`` spawned ranks (``target``: a module-level worker with
-    :func:`_worker`'s signature that writes ``result-{rank}.pkl`` into ``d``; default :func:`_worker`);
-    every rank's results (``{}`` for a rank that wrote none)."""
+def spawn_ranks(world: int, target: Callable[..., None], args: tuple, limit: float) -> list[Optional[int]]:
+    """Start ``world`` spawned processes running ``target(rank, world, port, *args)`` (a fresh
+    TCP port for gloo's rendezvous), wait up to ``limit`` seconds for all of them, kill the
+    ones still running; their exit codes (negative: the signal that ended them)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=target or _worker, args=(r, world, port, d, names)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + limit
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
+    codes = []
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
+        codes.append(p.exitcode)
+    return codes
+
+
+def rank_results(d: str, world: int) -> list[dict]:
+    """Every rank's ``result-{rank}.pkl`` in ``d`` (``{}`` for a rank that wrote none)."""
     results = []
     for r in range(world):
         try:
@@ -399,6 +405,15 @@ def launch(world: int, d: str, names: list[str], limit: float = 150,
         except FileNotFoundError:
             results.append({})
     return results
+
+
+def launch(world: int, d: str, names: list[str], limit: float = 150,
+           target: Optional[Callable[[int, int, int, str, list[str]], None]] = None) -> list[dict]:
+    """Run ``names`` on ``world`` spawned ranks (``target``: a module-level worker with
+    :func:`_worker`'s signature that writes ``result-{rank}.pkl`` into ``d``; default :func:`_worker`);
+    every rank's results (``{}`` for a rank that wrote none)."""
+    spawn_ranks(world, target or _worker, (d, names), limit)
+    return rank_results(d, world)
 
 
 def outcome(results: list[dict], name: str, rank: int) -> tuple:
