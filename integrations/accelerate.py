@@ -32,21 +32,59 @@ Rank selection is Accelerate's: the main process writes shared files (the local
 main process with ``save_on_each_node``), every process its RNG file.
 
 Durability and retention: each file is durable when written (fastpersist's
-temporary file, fsync, rename, directory fsync); after all ranks finished, the main
-process fsyncs every file and directory of the new checkpoint and its parent.
-With ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)``
+temporary file, fsync, rename, directory fsync), and the checkpoint *directory*
+appears in one step. ``save_state`` writes into a hidden staging directory,
+``.fastpersist-staging-NAME-TOKEN``, and after every rank finished the main process
+fsyncs every file and directory in it and makes it visible: a new directory
+(``checkpoint_N`` with automatic naming, or an ``output_dir`` that does not exist
+yet) by ``rename``; an existing ``output_dir`` by swapping the two directories with
+``renameat2(RENAME_EXCHANGE)`` (Linux >= 3.15; called through ctypes, Python's
+``os`` has no renameat2), then removing the previous one; then the parent is
+fsynced. So a save that raises *or is killed* (SIGKILL, power loss) leaves the
+previous checkpoint exactly as it was: ``load_state()`` without a path resumes from
+the last complete ``checkpoint_N``, the next ``save_state`` can write
+``checkpoint_N``, and a fixed ``output_dir`` holds one whole step, never a mix. The
+new directory holds what this save wrote: files of the previous checkpoint that it
+does not write again (a ``custom_checkpoint_1.pkl`` of an object no longer
+registered, Accelerate's or fastpersist's names only) are gone with it, while other
+entries (a user's ``config.json``, logs) are carried into the new directory as hard
+links, as stock Accelerate leaves them in place. Where the filesystem refuses
+RENAME_EXCHANGE (EINVAL/ENOSYS/ENOTSUP: some network and FUSE filesystems, kernels
+before 3.15) the previous directory is renamed to ``.fastpersist-old-NAME-TOKEN``
+and the new one renamed in: a process killed between these two renames leaves no
+``output_dir``, its previous copy under that name, which the next enabled
+``save_state`` into that ``output_dir`` renames back (or rename it back by hand).
+
+Where the staging directory lives: beside the final directory, in the same parent
+(same filesystem, so the commit is a rename), except for automatic naming (and an
+``output_dir`` directly in the project's ``checkpoints/``), where it is the project
+directory: Accelerate parses every entry of ``checkpoints/`` as a checkpoint number
+(``load_state()`` takes the largest, retention deletes the smallest, an entry
+without a number makes both raise), so nothing of ours may appear there. All ranks
+write the same staging directory: the main process draws TOKEN (16 hex digits) and
+broadcasts it (``accelerate.utils.broadcast_object_list``). Staging directories of
+killed saves are removed by the next enabled ``save_state`` on the main process
+(of the same NAME; with automatic naming, of any ``checkpoint_N``), before it
+writes. Without staging (old behaviour: files replaced in place, each whole, a
+failure part-way leaves a mix; logged as a warning): where the staging parent and
+the final directory are on different filesystems (``checkpoints`` or ``output_dir``
+a mount point) or the working directory is inside ``output_dir`` (swapping it would
+leave the process in a deleted directory); a raised exception there still removes
+an incomplete ``checkpoint_N``.
+
+What differs from stock ``save_state`` for the caller: nothing in the return value
+(the final directory, as ``pathlib.Path``), ``save_iteration`` (counted only when
+the checkpoint became visible) or retention, but the ``output_dir`` that Accelerate
+hands to ``register_save_state_pre_hook`` hooks (and logs) is the staging directory:
+files a hook writes there are part of the checkpoint, as they should be, but a hook
+that records the path records one that exists only during the save. With
+``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)``
 Accelerate deletes the oldest checkpoints *before* writing the new one (with
 ``total_limit=1`` a crash during the save leaves no checkpoint at all); an enabled
 Accelerator deletes them only after the new checkpoint is durable, the same ones
 Accelerate would have deleted. (Until the deletion there are ``N + 1``
-checkpoints on disk.) If a save with automatic naming raises, the main process
-removes the incomplete ``checkpoint_N`` it had started, so ``load_state()`` without a
-path resumes from the previous checkpoint and the next ``save_state`` can write
-``checkpoint_N`` again. A process killed during ``save_state`` (no exception) still
-leaves the incomplete directory, as stock Accelerate does; every file in it is
-whole, but it may lack files (remove it, or pass the previous directory to
-``load_state``). Saving into a fixed ``output_dir`` replaces its files one by one:
-each is whole, but a failure part-way leaves a mix of two steps.
+checkpoints on disk.) With ``save_on_each_node`` each node's main process commits
+its node's copy (on a shared filesystem the main process's commit is the only one).
 
 Multiple processes (DDP, ``MULTI_CPU``/``MULTI_GPU``): the weights and optimizer
 files, which every rank holds a replica of, are written by all ranks together
@@ -70,17 +108,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import functools
 import logging
 import os
+import pathlib
+import platform
 import re
+import secrets
 import shutil
+import sys
 import types
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
 
 import fastpersist
-from fastpersist.commit import fsync_dir, fsync_path
+from fastpersist.commit import TMP_MARKER, fsync_dir, fsync_path
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
 
@@ -268,6 +311,288 @@ def _fsync_tree(directory: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(directory)))
 
 
+# ---------------------------------------------------------------- directory-level commit
+
+_STAGING = ".fastpersist-staging-"
+_OLD = ".fastpersist-old-"
+# .fastpersist-staging-NAME-TOKEN (a save's directory while it is written) and
+# .fastpersist-old-NAME-TOKEN (the previous NAME, moved aside where RENAME_EXCHANGE is refused)
+_LEFTOVER_RE = re.compile(r"\.fastpersist-(?P<kind>staging|old)-(?P<name>.+)-(?P<token>[0-9a-f]{16})", re.DOTALL)
+_AUTO_NAME_RE = re.compile(r"checkpoint_[0-9]+")
+# Entries of a directory save_state writes (Accelerate's names: weights, optimizer, scheduler,
+# sampler, dataloader, GradScaler, RNG, custom objects; FSDP/DeepSpeed directories) and
+# fastpersist's temporary files: in an output_dir being replaced, those the new checkpoint
+# does not write again are stale state of the previous one and go with it.
+_CHECKPOINT_ENTRY_RE = re.compile(
+    r"(pytorch_model|model)(_fsdp)?(_[0-9]+)?(\.(safetensors|bin)(\.index\.json)?)?"
+    r"|(optimizer|scheduler|sampler|dl_state_dict)(_[0-9]+)?(\.bin)?"
+    r"|scaler\.pt|random_states_[0-9]+\.pkl|custom_checkpoint_[0-9]+\.pkl")
+# errnos with which renameat2 says "not here" (kernel < 3.15, a filesystem without RENAME_EXCHANGE)
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+# renameat2's syscall number, for a libc without the renameat2 wrapper (glibc < 2.28)
+_SYS_RENAMEAT2 = {"x86_64": 316, "amd64": 316, "i386": 353, "i686": 353, "aarch64": 276, "arm64": 276,
+                  "riscv64": 276, "loongarch64": 276, "armv7l": 382, "armv6l": 382, "ppc64le": 357,
+                  "ppc64": 357, "s390x": 347}
+
+
+@functools.lru_cache(maxsize=None)
+def _renameat2() -> Optional[Callable[[bytes, bytes, int], int]]:
+    """``renameat2(AT_FDCWD, a, AT_FDCWD, b, flags)`` through ctypes (Python's ``os`` has no
+    renameat2 up to 3.13 at least): libc's wrapper, else the raw syscall; None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover - no libc handle
+        return None
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return lambda a, b, flags: fn(_AT_FDCWD, a, _AT_FDCWD, b, flags)
+    nr = _SYS_RENAMEAT2.get(platform.machine())  # pragma: no cover - glibc < 2.28
+    syscall = getattr(libc, "syscall", None)  # pragma: no cover
+    if nr is None or syscall is None:  # pragma: no cover
+        return None
+    syscall.restype = ctypes.c_long  # pragma: no cover
+    return lambda a, b, flags: syscall(ctypes.c_long(nr), ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(a),  # pragma: no cover
+                                       ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(b), ctypes.c_uint(flags))
+
+
+def _exchange(a: str, b: str) -> None:
+    """Swap the directories ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``);
+    OSError(ENOSYS) where renameat2 cannot be called, EINVAL where the filesystem refuses."""
+    import ctypes
+
+    fn = _renameat2()
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available on this system", a, None, b)
+    if fn(os.fsencode(a), os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), a, None, b)
+
+
+class _Layout:
+    """Where one save_state stages and commits.
+
+    ``final``: the path stock Accelerate writes (and returns); ``target``: the same with
+    symbolic links resolved (what is renamed or swapped: a symlinked output_dir keeps its
+    link); ``stage_parent``: where the hidden staging directory goes. That is the parent of
+    ``target`` (same filesystem, so the commit is a rename), except where the parent is the
+    project's ``checkpoints/`` directory: Accelerate parses every entry there as a
+    checkpoint number (``load_state()`` takes the largest, retention deletes the smallest, a
+    name without a number makes both raise), so the staging directory goes one level up,
+    into the project directory, which Accelerate never scans."""
+
+    def __init__(self, acc: Any, final: str, auto: bool) -> None:
+        self.final = final
+        self.auto = auto
+        self.target = os.path.realpath(final)
+        self.parent = os.path.dirname(self.target)
+        self.name = os.path.basename(self.target)
+        ckpts = None
+        if getattr(acc, "project_dir", None):
+            ckpts = os.path.realpath(os.path.join(acc.project_dir, "checkpoints"))
+        self.stage_parent = os.path.dirname(self.parent) if auto or self.parent == ckpts else self.parent
+
+    def staging(self, token: str) -> str:
+        return os.path.join(self.stage_parent, f"{_STAGING}{self.name}-{token}")
+
+    def old(self, token: str) -> str:
+        return os.path.join(self.stage_parent, f"{_OLD}{self.name}-{token}")
+
+    def why_not_staged(self) -> Optional[str]:
+        """None where the save can be staged and committed by rename; else the reason."""
+        try:
+            dev = os.stat(self.parent).st_dev
+            if os.stat(self.stage_parent).st_dev != dev:
+                return f"{self.parent} and {self.stage_parent} are on different filesystems"
+            if os.path.lexists(self.target):
+                if not os.path.isdir(self.target):
+                    return f"{self.target} exists and is not a directory"
+                if os.stat(self.target).st_dev != dev:
+                    return f"{self.target} is a mount point"
+                cwd = os.path.realpath(os.getcwd())
+                if cwd == self.target or cwd.startswith(self.target.rstrip(os.sep) + os.sep):
+                    return f"the working directory is inside {self.target}"
+        except OSError as e:
+            return str(e)
+        return None
+
+    def clean_leftovers(self) -> None:
+        """Remove the staging directories of killed saves of this name (any
+        ``checkpoint_N`` with automatic naming); give back a previous directory that a
+        killed fallback commit had moved aside and not replaced."""
+        try:
+            entries = os.listdir(self.stage_parent)
+        except OSError:
+            return
+        changed = False
+        for entry in entries:
+            m = _LEFTOVER_RE.fullmatch(entry)
+            if m is None:
+                continue
+            if not (m["name"] == self.name or (self.auto and _AUTO_NAME_RE.fullmatch(m["name"]))):
+                continue
+            path = os.path.join(self.stage_parent, entry)
+            if os.path.islink(path) or not os.path.isdir(path):
+                continue
+            try:
+                dest = os.path.join(self.parent, m["name"])
+                if m["kind"] == "old" and not os.path.lexists(dest):
+                    log.warning("fastpersist: a save_state was killed while replacing %s: restoring the previous "
+                                "copy from %s", dest, path)
+                    os.rename(path, dest)
+                    fsync_dir(self.parent)
+                else:
+                    log.info("fastpersist: removing %s, left by a save_state that did not finish", path)
+                    shutil.rmtree(path)
+                changed = True
+            except OSError as e:
+                log.warning("fastpersist: could not clean up %s: %s", path, e)
+        if changed:
+            with contextlib.suppress(OSError):
+                fsync_dir(self.stage_parent)
+
+    def commit(self, staging: str, token: str, done: list) -> None:
+        """Make ``staging`` visible as ``target`` in one step; ``done`` gets True once it is."""
+        parents = [self.parent] if self.parent == self.stage_parent else [self.parent, self.stage_parent]
+        if not os.path.lexists(self.target):
+            _fsync_tree(staging)
+            os.rename(staging, self.target)
+            done.append(True)
+            for d in parents:
+                fsync_dir(d)
+            return
+        _carry_over(self.target, staging)
+        _fsync_tree(staging)
+        try:
+            _exchange(staging, self.target)
+        except OSError as e:
+            if e.errno not in _NO_EXCHANGE:
+                raise
+            # No RENAME_EXCHANGE here: move the previous directory aside, then rename the new
+            # one in. Killed between the two, target is missing and the previous copy waits
+            # under .fastpersist-old-NAME-TOKEN; the next save_state (or the user) renames it back.
+            old = self.old(token)
+            log.info("fastpersist: RENAME_EXCHANGE refused (%s); replacing %s with two renames", e, self.target)
+            os.rename(self.target, old)
+            try:
+                os.rename(staging, self.target)
+            except BaseException:
+                os.rename(old, self.target)
+                raise
+            done.append(True)
+            for d in parents:
+                fsync_dir(d)
+            shutil.rmtree(old)
+        else:
+            done.append(True)  # staging now holds the previous checkpoint
+            for d in parents:
+                fsync_dir(d)
+            shutil.rmtree(staging)
+        fsync_dir(self.stage_parent)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old_dir: str, new_dir: str) -> None:
+    """Entries of the directory being replaced that are no part of an Accelerate checkpoint
+    (a user's config.json, logs) move into the new one, as stock save_state leaves them in
+    place: hard links (copies where the filesystem has none), so the old directory stays
+    whole until the swap. Stale checkpoint files the new save did not write are dropped."""
+    for name in os.listdir(old_dir):
+        dst = os.path.join(new_dir, name)
+        if os.path.lexists(dst) or _CHECKPOINT_ENTRY_RE.fullmatch(name) or (name.startswith(".") and TMP_MARKER in name):
+            continue
+        src = os.path.join(old_dir, name)
+        log.info("fastpersist: keeping %s (not part of an Accelerate checkpoint) in the new checkpoint", src)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
+
+
+def _final_location(location: Any, staging: str, final: str) -> Any:
+    """What stock save_state returns (``save_accelerator_state``'s ``Path(output_dir)``),
+    with the staging directory replaced by the final one."""
+    path = os.fspath(location)
+    if os.path.abspath(path) == os.path.abspath(staging):
+        path = final
+    elif os.path.abspath(path).startswith(os.path.abspath(staging) + os.sep):
+        path = os.path.join(final, os.path.relpath(path, staging))
+    return pathlib.Path(path) if isinstance(location, pathlib.PurePath) else path
+
+
+def _retain(acc: Any, limit: Optional[int], location: str) -> None:
+    """Accelerate's total_limit retention, run once ``location`` is durable (main process)."""
+    if limit is None:
+        return
+    parent = os.path.join(acc.project_dir, "checkpoints")
+    folders = [os.path.join(parent, d) for d in os.listdir(parent)]
+    folders = [d for d in folders if os.path.realpath(d) != os.path.realpath(location)]
+    excess = len(folders) + 1 - limit
+    if excess > 0:
+        folders.sort(key=_checkpoint_number)
+        log.info("fastpersist: deleting %d old checkpoint(s) now that %s is durable", excess, location)
+        for folder in folders[:excess]:
+            shutil.rmtree(folder)
+        fsync_dir(parent)
+
+
+def _save_in_place(self: Any, original: Callable[..., Any], s: _Settings, output_dir: Any,
+                   safe_serialization: bool, kwargs: dict) -> Any:
+    """Accelerate's own directory handling, each file atomic (no staging: see _Layout.why_not_staged)."""
+    pc = self.project_configuration
+    limit = pc.total_limit if pc.automatic_checkpoint_naming else None
+    new_dir = (os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
+               if pc.automatic_checkpoint_naming else None)
+    fresh = new_dir is not None and not os.path.exists(new_dir)
+    if limit is not None:
+        pc.total_limit = None  # retention runs below, once the new checkpoint is durable
+    try:
+        with _routing(s):
+            location = original(self, output_dir, safe_serialization, **kwargs)
+    except BaseException:
+        if fresh and self.is_main_process and new_dir is not None and os.path.isdir(new_dir):
+            # A partial checkpoint_N would be what a default load_state() resumes from, and
+            # the next save_state (same N: Accelerate counts only successful saves) would
+            # refuse to write into it: remove it, the previous checkpoints stay.
+            log.error("fastpersist: save_state failed; removing the incomplete %s (the previous checkpoints "
+                      "are untouched)", new_dir)
+            shutil.rmtree(new_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                fsync_dir(os.path.dirname(new_dir))
+        raise
+    finally:
+        if limit is not None:
+            pc.total_limit = limit
+    self.wait_for_everyone()  # every rank's files are durable
+    if self.is_main_process:
+        _fsync_tree(os.fspath(location))
+        _retain(self, limit, os.fspath(location))
+    self.wait_for_everyone()
+    return location
+
+
+def _raise_everywhere(error: Optional[BaseException], message: Optional[str]) -> None:
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"fastpersist: save_state failed on another process: {message}")
+
+
 def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Optional[_Settings]]) -> Callable[..., Any]:
     @functools.wraps(original)
     def save_state(self: Any, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
@@ -275,47 +600,101 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         if s is None:
             return original(self, output_dir, safe_serialization, **kwargs)
         install()
+        from accelerate.utils import broadcast_object_list, gather_object
+
         pc = self.project_configuration
-        limit = pc.total_limit if pc.automatic_checkpoint_naming else None
-        new_dir = (os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
-                   if pc.automatic_checkpoint_naming else None)
-        fresh = new_dir is not None and not os.path.exists(new_dir)
-        if limit is not None:
-            pc.total_limit = None  # retention runs below, once the new checkpoint is durable
+        auto = bool(pc.automatic_checkpoint_naming)
+        if auto:  # stock save_state's own checks, before anything is written
+            checkpoints = os.path.join(self.project_dir, "checkpoints")
+            os.makedirs(checkpoints, exist_ok=True)
+            final = os.path.join(checkpoints, f"checkpoint_{self.save_iteration}")
+            if os.path.exists(final):
+                raise ValueError(
+                    f"Checkpoint directory {final} ({self.save_iteration}) already exists. Please manually override "
+                    "`self.save_iteration` with what iteration to start with."
+                )
+        elif output_dir is None:
+            return original(self, output_dir, safe_serialization, **kwargs)  # stock raises
+        else:
+            final = os.fspath(output_dir)
+            os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+        layout = _Layout(self, final, auto)
+        # The committer holds the directory's files: the main process, or with save_on_each_node
+        # the main process of each node (whose disk may be its own).
+        committer = self.is_local_main_process if pc.save_on_each_node else self.is_main_process
+        token = None
+        if committer:
+            layout.clean_leftovers()
+        if self.is_main_process:
+            why = layout.why_not_staged()
+            if why is None:
+                token = secrets.token_hex(8)
+            else:
+                log.warning("fastpersist: cannot stage this save_state beside %s (%s): writing its files in place, "
+                            "each atomic, the directory not", final, why)
+        token = broadcast_object_list([token])[0]  # every rank writes into the same staging directory
+        self.wait_for_everyone()
+        if token is None:
+            return _save_in_place(self, original, s, output_dir, safe_serialization, kwargs)
+
+        staging = layout.staging(token)
+        iteration = pc.iteration
+        limit = pc.total_limit if auto else None
+        # Stock save_state, told to write the staging directory: no automatic naming (we did its
+        # checks above; its retention runs once the new checkpoint is durable, below).
+        pc.automatic_checkpoint_naming = False
+        if auto:
+            pc.total_limit = None
         try:
             with _routing(s):
-                location = original(self, output_dir, safe_serialization, **kwargs)
+                location = original(self, staging, safe_serialization, **kwargs)
         except BaseException:
-            if fresh and self.is_main_process and new_dir is not None and os.path.isdir(new_dir):
-                # A partial checkpoint_N would be what a default load_state() resumes from, and
-                # the next save_state (same N: Accelerate counts only successful saves) would
-                # refuse to write into it: remove it, the previous checkpoints stay.
-                log.error("fastpersist: save_state failed; removing the incomplete %s (the previous checkpoints "
-                          "are untouched)", new_dir)
-                shutil.rmtree(new_dir, ignore_errors=True)
+            pc.iteration = iteration
+            if committer and os.path.isdir(staging):
+                log.error("fastpersist: save_state failed; removing its staging directory %s (%s is untouched)",
+                          staging, final)
+                shutil.rmtree(staging, ignore_errors=True)
                 with contextlib.suppress(OSError):
-                    fsync_dir(os.path.dirname(new_dir))
+                    fsync_dir(layout.stage_parent)
             raise
         finally:
-            if limit is not None:
+            pc.automatic_checkpoint_naming = auto
+            if auto:
                 pc.total_limit = limit
-        location = os.fspath(location)
-        self.wait_for_everyone()  # every rank's files are durable
+        self.wait_for_everyone()  # every rank's files are in the staging directory
+
+        def commit_here() -> tuple[Optional[BaseException], bool]:
+            # -> (the error, whether the new checkpoint is visible under its final name)
+            done: list = []
+            try:
+                layout.commit(staging, token, done)
+            except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                if not done:  # nothing visible changed: the previous checkpoint stays, as does iteration
+                    log.error("fastpersist: committing %s failed (%s); removing its staging directory", final, e)
+                    shutil.rmtree(staging, ignore_errors=True)
+                return e, bool(done)
+            return None, True
+
+        def describe(e: Optional[BaseException]) -> Optional[str]:
+            return None if e is None else f"{type(e).__name__}: {e}"
+
+        error, visible = commit_here() if self.is_main_process else (None, False)
+        outcome = broadcast_object_list([describe(error), visible])  # the main process's outcome, everywhere
+        if not outcome[1]:
+            pc.iteration = iteration
+        _raise_everywhere(error, outcome[0])
+        if pc.save_on_each_node and self.num_processes > 1:
+            # Other nodes' main processes commit their own copy (on a shared filesystem the
+            # main process's commit took the staging directory away: nothing left to do).
+            error = None
+            if committer and not self.is_main_process and os.path.isdir(staging):
+                error = commit_here()[0]
+            messages = gather_object([describe(error)])
+            _raise_everywhere(error, next((m for m in messages if m is not None), None))
         if self.is_main_process:
-            _fsync_tree(location)
-            if limit is not None:
-                parent = os.path.join(self.project_dir, "checkpoints")
-                folders = [os.path.join(parent, d) for d in os.listdir(parent)]
-                folders = [d for d in folders if os.path.abspath(d) != os.path.abspath(location)]
-                excess = len(folders) + 1 - limit
-                if excess > 0:
-                    folders.sort(key=_checkpoint_number)
-                    log.info("fastpersist: deleting %d old checkpoint(s) now that %s is durable", excess, location)
-                    for folder in folders[:excess]:
-                        shutil.rmtree(folder)
-                    fsync_dir(parent)
+            _retain(self, limit, layout.target)
         self.wait_for_everyone()
-        return location
+        return _final_location(location, staging, final)
 
     setattr(save_state, _MARK, original)
     return save_state

@@ -14,12 +14,16 @@ safetensors-written file is "unchecked").
 from __future__ import annotations
 
 import copy
+import errno
+import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -346,6 +350,11 @@ def test_two_processes(tmp_path):
     names = set(os.listdir(ckpts / "checkpoint_2"))
     assert names == (EXPECTED_FILES | {"random_states_1.pkl"})
     _all_verified(str(ckpts / "checkpoint_2"))
+    # Both ranks staged every save in the same hidden directory, committed once: none is left.
+    assert _staging_leftovers(tmp_path / "proj") == [] and _staging_leftovers(tmp_path) == []
+    # The fixed directory, saved twice (the second save replaced the first in one step).
+    assert set(os.listdir(tmp_path / "fixed")) == (EXPECTED_FILES | {"random_states_1.pkl"})
+    _all_verified(str(tmp_path / "fixed"))
     # A 1-process stock Accelerate loads the 2-process checkpoint.
     _stock_load(str(ckpts / "checkpoint_2"), str(tmp_path / "expected_model.pt"), counter=3)
 
@@ -383,9 +392,243 @@ def _worker(root: str) -> None:
     res = {"log": log, "loaded_equal": loaded_equal, "rng_equal": bool(torch.equal(torch.rand(3), rng))}
     with open(os.path.join(root, "out", f"rank{acc.process_index}.json"), "w") as f:
         json.dump(res, f)
+    # A fixed output_dir, written and then replaced (both ranks write into the same staging directory).
+    acc.project_configuration.automatic_checkpoint_naming = False
+    for _ in range(2):
+        _train_step(acc, model, opt, sched, counter)
+        acc.save_state(os.path.join(root, "fixed"))
     acc.wait_for_everyone()
     acc.end_training()
 
 
+# ---------------------------------------------------------------- directory-level atomicity
+# save_state writes a hidden staging directory and makes it visible in one step (rename, or
+# RENAME_EXCHANGE for an existing output_dir): a SIGKILL, an error or a refused exchange part-way
+# leaves the previous checkpoint exactly as it was.
+
+
+def _staging_leftovers(directory) -> list:
+    return sorted(n for n in os.listdir(directory) if n.startswith(".fastpersist-"))
+
+
+def _hashes(directory) -> dict:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _run_killed_child(mode: str, root) -> None:
+    """Run _kill_child in a subprocess: it saves step A, then blocks inside the next
+    save_state (model.safetensors and optimizer.bin of step B written, scheduler.bin
+    being written); SIGKILL it there."""
+    blocked = os.path.join(root, "blocked")
+    with open(os.path.join(root, "child.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, HERE, "--kill-child", mode, str(root)], env=_clean_env(),
+                                stdout=log, stderr=subprocess.STDOUT, cwd=root)
+        try:
+            deadline = time.monotonic() + 300
+            while not os.path.exists(blocked):
+                assert proc.poll() is None, open(os.path.join(root, "child.log")).read()[-6000:]
+                assert time.monotonic() < deadline, "the child never reached the blocking write"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=60) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _kill_child(mode: str, root: str) -> None:
+    from fastpersist.integrations import accelerate as fpa
+
+    auto = mode == "auto"
+    acc, model, opt, sched, counter = _build(os.path.join(root, "proj"), total_limit=None, auto=auto)
+    extra = Counter()  # step A has a second custom object (custom_checkpoint_1.pkl); step B will not
+    acc.register_for_checkpointing(extra)
+    fpa.enable(acc)
+    target = None if auto else os.path.join(root, "fixed")
+    _train_step(acc, model, opt, sched, counter)
+    extra.value = 7
+    where = acc.save_state(target)
+    snap = _snapshot(acc, model, opt, sched, counter)
+    snap["extra"] = extra.value
+    torch.save(snap, os.path.join(root, "expected_a.pt"))
+    with open(os.path.join(root, "a.json"), "w") as f:
+        json.dump({"where": os.fspath(where), "hashes": _hashes(where)}, f)
+    _train_step(acc, model, opt, sched, counter)
+    real = fastpersist.save
+
+    def save(obj, path, **kw):
+        if os.path.basename(os.fspath(path)) == "scheduler.bin":
+            open(os.path.join(root, "blocked"), "w").close()
+            time.sleep(600)  # the parent SIGKILLs us here
+        return real(obj, path, **kw)
+
+    fastpersist.save = save
+    acc.save_state(target)
+    sys.exit(3)  # not reached
+
+
+def _expected_a(root) -> dict:
+    return torch.load(os.path.join(root, "expected_a.pt"), weights_only=False)
+
+
+def test_sigkill_during_automatic_save_state(fresh_accelerate, tmp_path):
+    """Automatic naming: a process killed while writing checkpoint_1 leaves no checkpoint_1;
+    load_state() (no path) in another process resumes exactly from checkpoint_0, and the next
+    save_state writes checkpoint_1 and removes the killed save's staging directory."""
+    fpa = fresh_accelerate
+    _run_killed_child("auto", tmp_path)
+    ckpts = tmp_path / "proj" / "checkpoints"
+    assert sorted(os.listdir(ckpts)) == ["checkpoint_0"]
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert _hashes(ckpts / "checkpoint_0") == a["hashes"]
+    staged = _staging_leftovers(tmp_path / "proj")  # the killed save's half-written directory, hidden
+    assert len(staged) == 1 and staged[0].startswith(".fastpersist-staging-checkpoint_1-"), staged
+
+    expected = _expected_a(tmp_path)
+    acc, model, opt, sched, counter = _build(str(tmp_path / "proj"), total_limit=None)
+    extra = Counter()
+    acc.register_for_checkpointing(extra)
+    fpa.enable(acc)
+    _train_step(acc, model, opt, sched, counter)  # move away from step A
+    acc.load_state()
+    assert extra.value == expected.pop("extra") == 7
+    _same(expected, _snapshot(acc, model, opt, sched, counter))
+
+    # A new process counts saves from 0: a resuming user sets the next number (Accelerate's advice).
+    acc.project_configuration.iteration = 1
+    _train_step(acc, model, opt, sched, counter)
+    where = acc.save_state()
+    assert os.path.basename(where) == "checkpoint_1"
+    assert sorted(os.listdir(ckpts)) == ["checkpoint_0", "checkpoint_1"]
+    assert set(os.listdir(where)) == EXPECTED_FILES | {"custom_checkpoint_1.pkl"}
+    _all_verified(str(where))
+    assert _staging_leftovers(tmp_path / "proj") == []
+    assert acc.save_iteration == 2
+
+
+def test_sigkill_during_save_state_into_existing_directory(fresh_accelerate, tmp_path):
+    """A fixed output_dir holding step A: a process killed while saving step B into it
+    leaves exactly step A (every file, byte for byte, and the values); a complete save of
+    step B then leaves exactly step B (A's custom_checkpoint_1.pkl, which B does not
+    write, is gone) and no staging directory."""
+    fpa = fresh_accelerate
+    _run_killed_child("fixed", tmp_path)
+    fixed = tmp_path / "fixed"
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert "custom_checkpoint_1.pkl" in a["hashes"]
+    assert _hashes(fixed) == a["hashes"]
+
+    expected = _expected_a(tmp_path)
+    acc, model, opt, sched, counter = _build(str(tmp_path / "proj"), total_limit=None, auto=False)
+    extra = Counter()
+    acc.register_for_checkpointing(extra)
+    fpa.enable(acc)
+    _train_step(acc, model, opt, sched, counter)
+    acc.load_state(str(fixed))
+    assert extra.value == expected.pop("extra") == 7
+    _same(expected, _snapshot(acc, model, opt, sched, counter))
+
+    # Step B, from an Accelerator with one custom object only.
+    acc, model, opt, sched, counter = _build(str(tmp_path / "proj"), total_limit=None, auto=False)
+    fpa.enable(acc)
+    for _ in range(2):
+        _train_step(acc, model, opt, sched, counter)
+    where = acc.save_state(str(fixed))
+    assert os.fspath(where) == str(fixed)
+    want_b = _snapshot(acc, model, opt, sched, counter)
+    assert set(os.listdir(fixed)) == EXPECTED_FILES
+    _all_verified(str(fixed))
+    assert _staging_leftovers(tmp_path) == []
+    _train_step(acc, model, opt, sched, counter)
+    acc.load_state(str(fixed))
+    _same(want_b, _snapshot(acc, model, opt, sched, counter))
+
+
+def _raise_at(monkeypatch, name: str) -> None:
+    """Make the save of the file ``name`` raise (the files before it are written)."""
+    real = fastpersist.save
+
+    def save(obj, path, **kw):
+        if os.path.basename(os.fspath(path)) == name:
+            raise OSError(errno.ENOSPC, "injected", os.fspath(path))
+        return real(obj, path, **kw)
+
+    monkeypatch.setattr(fastpersist, "save", save)
+
+
+def test_error_during_save_state_into_existing_directory(fresh_accelerate, monkeypatch, tmp_path):
+    """An error part-way through a save into a directory holding step A: the directory is
+    unchanged, nothing is left beside it, and iteration is not counted."""
+    fpa = fresh_accelerate
+    acc, model, opt, sched, counter = _build(str(tmp_path / "proj"), total_limit=None, auto=False)
+    fpa.enable(acc)
+    fixed = str(tmp_path / "fixed")
+    _train_step(acc, model, opt, sched, counter)
+    acc.save_state(fixed)
+    before = _hashes(fixed)
+    iteration = acc.save_iteration
+    _train_step(acc, model, opt, sched, counter)
+    with monkeypatch.context() as m:
+        _raise_at(m, "scheduler.bin")
+        with pytest.raises(OSError, match="injected"):
+            acc.save_state(fixed)
+    assert _hashes(fixed) == before
+    assert _staging_leftovers(tmp_path) == []
+    assert acc.save_iteration == iteration
+
+
+def test_existing_directory_without_rename_exchange(fresh_accelerate, monkeypatch, tmp_path):
+    """Where the filesystem refuses RENAME_EXCHANGE (EINVAL), the old directory is moved
+    aside, the new one renamed in, the old one removed. A save killed between those two
+    renames (simulated: only the moved-aside copy exists) is recovered by the next save,
+    before it writes: here that save fails, and the directory holds step A again."""
+    fpa = fresh_accelerate
+    acc, model, opt, sched, counter = _build(str(tmp_path / "proj"), total_limit=None, auto=False)
+    fpa.enable(acc)
+    fixed = str(tmp_path / "fixed")
+    _train_step(acc, model, opt, sched, counter)
+    acc.save_state(fixed)
+    with open(os.path.join(fixed, "custom_checkpoint_5.pkl"), "wb") as f:  # a stale checkpoint file
+        f.write(b"stale")
+    with open(os.path.join(fixed, "notes.txt"), "w") as f:  # not Accelerate's: kept
+        f.write("user notes")
+
+    calls = []
+
+    def refuse(a, b):
+        calls.append((a, b))
+        raise OSError(errno.EINVAL, "Invalid argument", a, None, b)
+
+    monkeypatch.setattr(fpa, "_exchange", refuse)
+    _train_step(acc, model, opt, sched, counter)
+    acc.save_state(fixed)
+    assert len(calls) == 1
+    want_b = _snapshot(acc, model, opt, sched, counter)
+    assert set(os.listdir(fixed)) == EXPECTED_FILES | {"notes.txt"}
+    assert open(os.path.join(fixed, "notes.txt")).read() == "user notes"
+    assert _staging_leftovers(tmp_path) == []
+    before = _hashes(fixed)
+
+    # Killed between the two renames: no fixed/, its previous copy moved aside.
+    os.rename(fixed, str(tmp_path / ".fastpersist-old-fixed-0123456789abcdef"))
+    _train_step(acc, model, opt, sched, counter)
+    with monkeypatch.context() as m:
+        _raise_at(m, "optimizer.bin")
+        with pytest.raises(OSError, match="injected"):
+            acc.save_state(fixed)
+    assert _hashes(fixed) == before
+    assert _staging_leftovers(tmp_path) == []
+    acc.load_state(fixed)
+    _same(want_b, _snapshot(acc, model, opt, sched, counter))
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker(sys.argv[sys.argv.index("--worker") + 1])
+elif __name__ == "__main__" and "--kill-child" in sys.argv:
+    i = sys.argv.index("--kill-child")
+    _kill_child(sys.argv[i + 1], sys.argv[i + 2])
