@@ -47,3 +47,13 @@ def test_ci_runs_the_readme_test_command() -> None:
     commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert readme_test in commands
     assert 'pip install -e ".[test]"' in commands
+
+
+def test_ci_runs_the_readme_bench_command() -> None:
+    """CI runs README's first command as written, only its placeholder directory replaced."""
+    first = _blocks("bash")[0].strip()
+    placeholder = "/path/on/your/disk"
+    assert placeholder in first
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    commands = [line.strip() for line in ci.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert first.replace(placeholder, '"$BENCH_DIR"') in commands

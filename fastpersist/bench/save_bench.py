@@ -466,10 +466,15 @@ class FreshProcessLoads:
 
 SKELETON_NAME = "skeleton.pt"
 _CHILD_MARK = "fastpersist-bench-load-result: "
+# ``python -c`` puts the working directory first on sys.path: run from a checkout of
+# fastpersist after a non-editable install (README's first command), the child would
+# import the source tree, which has no built ``_native``. So the child puts the
+# directory of the fastpersist this process runs (argv[1]) before everything else.
 _CHILD_CODE = (
     "import sys\n"
+    "sys.path.insert(0, sys.argv[1])\n"
     "from fastpersist.bench.save_bench import load_child_main\n"
-    "sys.exit(load_child_main(sys.argv[1:]))\n"
+    "sys.exit(load_child_main(sys.argv[2:]))\n"
 )
 
 
@@ -519,7 +524,7 @@ def load_in_fresh_process(
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # the fastpersist this process runs
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", _CHILD_CODE, json.dumps(request)], env=env,
+    proc = subprocess.run([sys.executable, "-c", _CHILD_CODE, root, json.dumps(request)], env=env,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_CHILD_MARK)]
     if proc.returncode != 0 or not lines:
