@@ -844,11 +844,11 @@ def test_accelerate_failed_save_state_keeps_previous_checkpoint_loadable(tmp_pat
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["checkpoint_1"]
 
 
-def test_accelerate_failed_save_state_into_the_same_directory_keeps_files_whole(tmp_path):
+def test_accelerate_failed_save_state_into_the_same_directory_leaves_it_unchanged(tmp_path):
     """save_state into an existing directory (no automatic naming) that fails mid-way: the
-    adapter promises per-file atomicity only. Every file stays whole and loadable (the one
-    already rewritten holds the new state, the failed one and those after it the old state);
-    the directory as a whole is then a mix of two steps."""
+    adapter stages the new checkpoint beside it and swaps it in only once complete, so the
+    directory still holds exactly the previous step, file for file, and nothing of the
+    failed save is left beside it."""
     pytest.importorskip("accelerate")
     out = str(tmp_path / "ckpt")
     acc, model, opt = _accelerator(str(tmp_path), auto=False)
@@ -856,14 +856,12 @@ def test_accelerate_failed_save_state_into_the_same_directory_keeps_files_whole(
     acc.save_state(out)
     old_model, old_opt = _acc_snapshot(acc, model, opt)
     old = {n: _digest(tmp_path / "ckpt" / n) for n in os.listdir(out)}
+    before = sorted(os.listdir(tmp_path))
     _acc_step(acc, model, opt)
-    new_model, _ = _acc_snapshot(acc, model, opt)
     _fail_midway_save_state(acc, out)
     now = {n: _digest(tmp_path / "ckpt" / n) for n in os.listdir(out)}
-    assert sorted(now) == sorted(old) and _leftovers(tmp_path / "ckpt") == []
-    assert now["model.safetensors"] != old["model.safetensors"]  # already replaced by the new state
-    assert {k: v for k, v in now.items() if k != "model.safetensors"} == {
-        k: v for k, v in old.items() if k != "model.safetensors"}
-    _equal(fastpersist.load(os.path.join(out, "model.safetensors")), new_model)
+    assert now == old and _leftovers(tmp_path / "ckpt") == []
+    assert sorted(os.listdir(tmp_path)) == before  # no staging directory left beside it
+    _equal(fastpersist.load(os.path.join(out, "model.safetensors")), old_model)
     got_opt = torch.load(os.path.join(out, "optimizer.bin"), weights_only=True)
     assert torch.equal(got_opt["state"][0]["exp_avg"], old_opt["state"][0]["exp_avg"])
