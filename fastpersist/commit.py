@@ -26,12 +26,15 @@ name ``torch.save`` accepts can be saved to.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
 import os
+import platform
 import re
 import secrets
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar, Union
@@ -459,3 +462,68 @@ def fsync_dir_after_rename(final: str) -> None:
             e.errno, f"{e.strerror or e}: the new file is in place at {final!r} (the previous one was replaced), "
             f"but fsync of its directory {directory!r} failed, so the rename may not survive a crash or power "
             "loss; check the filesystem, then save again to make the checkpoint durable", final) from e
+
+
+# ---- swapping two directories in one step ---------------------------------------------
+
+#: errnos with which :func:`exchange_paths` says "no atomic exchange here" (kernel < 3.15,
+#: a filesystem without ``RENAME_EXCHANGE`` such as some network and FUSE filesystems, or
+#: no ``renameat2`` at all): callers fall back to two renames.
+EXCHANGE_REFUSED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+# renameat2's syscall number, for a libc without the renameat2 wrapper (glibc < 2.28)
+_SYS_RENAMEAT2 = {"x86_64": 316, "amd64": 316, "i386": 353, "i686": 353, "aarch64": 276, "arm64": 276,
+                  "riscv64": 276, "loongarch64": 276, "armv7l": 382, "armv6l": 382, "ppc64le": 357,
+                  "ppc64": 357, "s390x": 347}
+
+
+@functools.lru_cache(maxsize=None)
+def _renameat2() -> Optional[Callable[[bytes, bytes, int], int]]:
+    """``renameat2(AT_FDCWD, a, AT_FDCWD, b, flags)`` through ctypes (Python's ``os`` has no
+    renameat2 up to 3.13 at least): libc's wrapper, else the raw syscall; None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover - no libc handle
+        return None
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        return lambda a, b, flags: fn(_AT_FDCWD, a, _AT_FDCWD, b, flags)
+    nr = _SYS_RENAMEAT2.get(platform.machine())  # pragma: no cover - glibc < 2.28
+    syscall = getattr(libc, "syscall", None)  # pragma: no cover
+    if nr is None or syscall is None:  # pragma: no cover
+        return None
+    syscall.restype = ctypes.c_long  # pragma: no cover
+    return lambda a, b, flags: syscall(ctypes.c_long(nr), ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(a),  # pragma: no cover
+                                       ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(b), ctypes.c_uint(flags))
+
+
+def exchange_paths(a: str, b: str) -> None:
+    """Swap the two existing paths ``a`` and ``b`` atomically: ``renameat2(RENAME_EXCHANGE)``
+    (Linux >= 3.15, both on one filesystem). After it, ``a`` names what ``b`` named and the
+    other way round; a crash leaves either the old or the new state, never neither. Used to
+    replace a checkpoint *directory* in one step (write the new one beside it, swap, remove
+    the old one), which ``os.rename`` cannot do over a non-empty directory. Nothing is
+    fsynced: fsync the parent(s) afterwards to make the swap durable.
+
+    Raises:
+        OSError: with ``errno`` in :data:`EXCHANGE_REFUSED` where there is no atomic
+            exchange (``ENOSYS``: renameat2 cannot be called here; ``EINVAL``/``EOPNOTSUPP``:
+            the kernel or filesystem refuses ``RENAME_EXCHANGE``); any other errno
+            (``ENOENT``, ``EXDEV``, ``EACCES``...) as ``rename`` would raise it.
+            ``filename``/``filename2`` are ``a``/``b``.
+    """
+    import ctypes
+
+    fn = _renameat2()
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available on this system", a, None, b)
+    if fn(os.fsencode(a), os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), a, None, b)

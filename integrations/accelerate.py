@@ -108,22 +108,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import errno
 import functools
 import logging
 import os
 import pathlib
-import platform
 import re
 import secrets
 import shutil
-import sys
 import types
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
 
 import fastpersist
+from fastpersist.commit import EXCHANGE_REFUSED as _NO_EXCHANGE
 from fastpersist.commit import TMP_MARKER, fsync_dir, fsync_path
+from fastpersist.commit import exchange_paths as _exchange
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
 
@@ -327,55 +326,6 @@ _CHECKPOINT_ENTRY_RE = re.compile(
     r"(pytorch_model|model)(_fsdp)?(_[0-9]+)?(\.(safetensors|bin)(\.index\.json)?)?"
     r"|(optimizer|scheduler|sampler|dl_state_dict)(_[0-9]+)?(\.bin)?"
     r"|scaler\.pt|random_states_[0-9]+\.pkl|custom_checkpoint_[0-9]+\.pkl")
-# errnos with which renameat2 says "not here" (kernel < 3.15, a filesystem without RENAME_EXCHANGE)
-_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
-_RENAME_EXCHANGE = 2  # linux/fs.h
-_AT_FDCWD = -100
-# renameat2's syscall number, for a libc without the renameat2 wrapper (glibc < 2.28)
-_SYS_RENAMEAT2 = {"x86_64": 316, "amd64": 316, "i386": 353, "i686": 353, "aarch64": 276, "arm64": 276,
-                  "riscv64": 276, "loongarch64": 276, "armv7l": 382, "armv6l": 382, "ppc64le": 357,
-                  "ppc64": 357, "s390x": 347}
-
-
-@functools.lru_cache(maxsize=None)
-def _renameat2() -> Optional[Callable[[bytes, bytes, int], int]]:
-    """``renameat2(AT_FDCWD, a, AT_FDCWD, b, flags)`` through ctypes (Python's ``os`` has no
-    renameat2 up to 3.13 at least): libc's wrapper, else the raw syscall; None off Linux."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:  # pragma: no cover - no libc handle
-        return None
-    fn = getattr(libc, "renameat2", None)
-    if fn is not None:
-        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        return lambda a, b, flags: fn(_AT_FDCWD, a, _AT_FDCWD, b, flags)
-    nr = _SYS_RENAMEAT2.get(platform.machine())  # pragma: no cover - glibc < 2.28
-    syscall = getattr(libc, "syscall", None)  # pragma: no cover
-    if nr is None or syscall is None:  # pragma: no cover
-        return None
-    syscall.restype = ctypes.c_long  # pragma: no cover
-    return lambda a, b, flags: syscall(ctypes.c_long(nr), ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(a),  # pragma: no cover
-                                       ctypes.c_int(_AT_FDCWD), ctypes.c_char_p(b), ctypes.c_uint(flags))
-
-
-def _exchange(a: str, b: str) -> None:
-    """Swap the directories ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``);
-    OSError(ENOSYS) where renameat2 cannot be called, EINVAL where the filesystem refuses."""
-    import ctypes
-
-    fn = _renameat2()
-    if fn is None:
-        raise OSError(errno.ENOSYS, "renameat2 is not available on this system", a, None, b)
-    if fn(os.fsencode(a), os.fsencode(b), _RENAME_EXCHANGE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), a, None, b)
-
-
 class _Layout:
     """Where one save_state stages and commits.
 
