@@ -21,7 +21,7 @@ checkpoint engine: the model-states files, the ZeRO optimizer partitions
 (same names, torch's zip format), so ``engine.load_checkpoint`` of stock DeepSpeed
 and ``zero_to_fp32.py`` read them unchanged. Not through fastpersist: the
 ``latest`` file and the copied ``zero_to_fp32.py`` script (small, written by the
-engine itself), NVMe-offload swap files.
+engine itself into ``save_dir``, beside the tag directories), NVMe-offload swap files.
 
 The ``CheckpointEngine`` contract, as DeepSpeed's ``save_checkpoint`` drives it:
 ``create(info)`` at the start, ``save(state_dict, path)`` per file on the ranks that
@@ -30,17 +30,55 @@ own it, ``commit(info)`` on every rank, then rank 0 writes ``latest``.
 (temporary file, fsync, rename, directory fsync) and ``commit`` is where the
 checkpoint as a whole becomes durable: every rank finishes its pending writes,
 fsyncs the tag directory, and the ranks exchange their outcome; if any rank
-failed, every rank raises and ``latest`` is not touched. Rank 0 then writes
-``latest`` itself, atomically and durably, before DeepSpeed rewrites it in place
-with the same tag (stock DeepSpeed writes ``latest`` right after rank 0's own
-commit, while other ranks may still be writing their partitions). So ``latest``
-never names a checkpoint that is not complete on every rank.
+failed, every rank raises and ``latest`` is not touched. A failed ``save`` is
+reported there too, not at the ``save`` call (so no rank is left waiting in the
+exchange for a rank that raised). Rank 0 then writes ``latest`` itself, atomically
+and durably, before DeepSpeed rewrites it in place with the same tag (stock
+DeepSpeed writes ``latest`` right after rank 0's own commit, while other ranks may
+still be writing their partitions). So ``latest`` never names a checkpoint that is
+not complete on every rank.
+
+Saving again under a tag whose directory exists (a fixed ``tag="last"``; Lightning's
+``DeepSpeedStrategy``, whose tag is always ``checkpoint``, so ``last.ckpt/checkpoint``
+is rewritten by every save) replaces the directory in one step, since ``latest``
+already names it: ``create`` (every rank) sees the directory, and the save's files
+go to the same relative paths in a hidden sibling, ``.fastpersist-staging-TAG-TOKEN``
+(TOKEN: 16 hex digits drawn by rank 0 and gathered by every rank; DeepSpeed reads
+only the tag ``latest`` or the caller names). After every rank reported success,
+``commit`` swaps it in: files of the previous directory that are no part of a
+DeepSpeed checkpoint (not ``*model_states.pt``/``*optim_states.pt``/
+``offloaded_tensors``) are carried over as hard links, everything is fsynced, the
+two directories are exchanged with ``renameat2(RENAME_EXCHANGE)``
+(:func:`fastpersist.commit.exchange_paths`), the parent fsynced and the previous copy
+removed. So a save that raises on any rank, or a process killed part-way (SIGKILL,
+power loss), leaves the previous checkpoint exactly as it was, and
+``load_checkpoint`` resumes from it; stale files of the previous save (another
+world size's partitions) are gone after a successful one. Where the filesystem
+refuses RENAME_EXCHANGE (EINVAL/ENOSYS/EOPNOTSUPP: some network and FUSE
+filesystems, kernels before 3.15) the previous directory is renamed to
+``.fastpersist-old-TAG-TOKEN`` and the new one renamed in: a process killed between
+the two leaves no tag directory (``load_checkpoint`` finds nothing to resume until
+then), its previous copy under that name, which the next save into that tag renames
+back (or rename it back by hand). Staging directories of killed saves are removed
+by the next save into the same tag, before it writes (names of that pattern only).
+A tag directory that does not exist yet is written directly, as before (a killed
+save leaves a partial directory that ``latest`` does not name, and that the next
+save into that tag replaces as above). Not staged (files replaced in place, each
+atomic, the directory not; logged as a warning): a tag directory that is a mount
+point or contains the working directory, and ZeRO NVMe optimizer offload, whose
+swap files DeepSpeed copies into ``TAG/offloaded_tensors`` itself, past the checkpoint
+engine. ``save_16bit_model`` writes outside any tag directory: never staged. With
+``checkpoint.use_node_local_storage`` each node's local rank 0 stages and swaps its
+node's copy (global rank 0 first; on a shared filesystem the others find the staging
+directory gone); this case is not tested here (one machine).
 
 With ``decoupled=True`` (and a fastpersist with ``save_async``) the engine is a
 decoupled one in DeepSpeed's sense: ``save`` snapshots the state and returns, the
 writes overlap the following forward/backward, and DeepSpeed calls ``commit``
 (then writes ``latest``) at the next optimizer step boundary or at
-``engine.destroy()``.
+``engine.destroy()``. A save into an existing tag directory stays staged until that
+commit (the tag directory holds the previous checkpoint meanwhile); a second
+``save_checkpoint`` before it first commits the pending one.
 
 Which rank writes what: ZeRO partitions and stage-3 model-states files are unique
 to their rank and written by it alone. The model-states file of stages 0-2, which
@@ -54,14 +92,18 @@ model/pipeline parallelism, no MoE).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import logging
 import os
 import re
+import secrets
+import shutil
 from typing import Any, Optional
 
 import fastpersist
-from fastpersist.commit import atomic_write, fsync_dir
+from fastpersist.commit import EXCHANGE_REFUSED, TMP_MARKER, atomic_write, exchange_paths, fsync_dir, fsync_path
 
 __all__ = ["ENV_VAR", "FastPersistCheckpointEngine", "disable", "enable", "install_from_env"]
 
@@ -72,6 +114,16 @@ _SWITCH = "FASTPERSIST_PATCH_TORCH_SAVE"
 ENGINE_NAME = "FastPersistCheckpointEngine"
 _MARK = "_fastpersist_original"
 _REPLICATED = re.compile(r"mp_rank_\d+_model_states\.pt")
+_STAGING = ".fastpersist-staging-"
+_OLD = ".fastpersist-old-"
+# .fastpersist-staging-TAG-TOKEN (a save into an existing tag directory while it is written) and
+# .fastpersist-old-TAG-TOKEN (the previous tag directory, moved aside where RENAME_EXCHANGE is refused)
+_LEFTOVER_RE = re.compile(r"\.fastpersist-(?P<kind>staging|old)-(?P<name>.+)-(?P<token>[0-9a-f]{16})", re.DOTALL)
+# Entries of a tag directory that belong to a DeepSpeed checkpoint (model states, ZeRO/expert
+# optimizer files, expert and pipeline-layer files, the NVMe-offload copy): in a tag directory
+# being replaced, those the new save does not write again are stale and go with the old copy.
+_DS_ENTRY_RE = re.compile(r".*(model|optim)_states\.pt|offloaded_tensors", re.DOTALL)
+_NAME_ROOM = 200  # bytes of the tag's name kept in a staging name (NAME_MAX is 255 on common filesystems)
 
 _default_settings: Optional[dict] = None  # enable() with no engine: settings for new engines
 
@@ -108,24 +160,83 @@ def _make_engine_class() -> type:
             self._pending: list[Any] = []
             self._dirs: set[str] = set()
             self._commit_info: Any = None
+            self._stage: Optional[_Stage] = None  # this save's staging directory, if it is staged
+            self._save_error: Optional[BaseException] = None  # first failed save() of this checkpoint
+            # Set by enable() from the engine: each node's local rank 0 commits with node-local
+            # storage; DeepSpeed copies NVMe-offload files into the tag directory itself.
+            self.node_local = bool(getattr(config_params, "use_node_local_storage", False))
+            self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+            self.nvme_offload = False
             self.saved: list[str] = []  #: paths this rank wrote or took part in, this checkpoint
 
         # -- the contract
         def create(self, info: Any) -> None:
+            if self.decoupled and self._commit_info is not None:
+                # The previous decoupled checkpoint was not committed yet (no step since): first
+                # commit it (a new save waits for the previous one).
+                self.commit(self._commit_info)
             self._commit_info = info
             self._dirs = set()
             self.saved = []
+            self._save_error = None
+            self._stage = None
+            self._stage = self._plan_stage(info)
+
+        def _committer(self) -> bool:
+            """Whether this rank swaps the staging directory in: global rank 0, or with
+            node-local storage each node's local rank 0."""
+            return self.local_rank == 0 if self.node_local else _global_rank() == 0
+
+        def _plan_stage(self, info: Any) -> Optional[_Stage]:
+            """Every rank: whether this save is staged (the tag directory exists on some rank,
+            and no rank sees a reason not to), and the staging directory's token (rank 0's)."""
+            stage = _Stage(info, "0" * 16, self._committer())
+            if stage.committer:
+                stage.clean_leftovers()
+            exists = os.path.lexists(stage.target)
+            veto = stage.why_not_staged(self.nvme_offload) if exists else None
+            token = secrets.token_hex(8) if _global_rank() == 0 else None
+            votes = _gather((exists, veto, token))
+            if not any(v[0] for v in votes):
+                return None  # a new tag directory: files go straight into it; 'latest' is the commit
+            why = next((v[1] for v in votes if v[1] is not None), None)
+            if why is not None:
+                if stage.committer:
+                    log.warning("fastpersist: cannot stage checkpoint %r beside %s (%s): replacing its files in "
+                                "place, each atomic, the directory not", info.tag, stage.target, why)
+                return None
+            return _Stage(info, votes[0][2], stage.committer)
 
         def makedirs(self, path: str, exist_ok: bool = False) -> None:
-            os.makedirs(path, exist_ok=exist_ok)
-            self._dirs.add(os.path.abspath(path))
+            staged = self._stage.redirect(path) if self._stage is not None else None
+            if staged is not None:
+                os.makedirs(staged, exist_ok=True)  # every rank makes the same staging directory
+            else:
+                os.makedirs(path, exist_ok=exist_ok)
+            self._dirs.add(os.path.abspath(staged or path))
 
         def is_data_parallel_writer(self, dp_rank: int) -> bool:
             return self.replica_group is not None or dp_rank == 0
 
         def save(self, state_dict: Any, path: str) -> None:
-            self._dirs.add(os.path.dirname(os.path.abspath(path)))
             self.saved.append(os.fspath(path))
+            staged = self._stage.redirect(path) if self._stage is not None else None
+            if staged is not None:
+                # The same relative path in the staging directory (its folders exist in the tag
+                # directory being replaced, where DeepSpeed may not have made them again).
+                os.makedirs(os.path.dirname(staged), exist_ok=True)
+                path = staged
+            self._dirs.add(os.path.dirname(os.path.abspath(path)))
+            try:
+                self._save(state_dict, path)
+            except Exception as e:  # noqa: BLE001 - raised by commit, on every rank
+                # Reported at commit, where every rank learns of it: raising here would leave the
+                # other ranks waiting in commit's exchange for this one.
+                log.error("fastpersist DeepSpeed engine: saving %s failed: %s", path, e)
+                if self._save_error is None:
+                    self._save_error = e
+
+        def _save(self, state_dict: Any, path: str) -> None:
             if self.replica_group is not None and _REPLICATED.fullmatch(os.path.basename(path)):
                 import torch.distributed as dist
 
@@ -144,11 +255,13 @@ def _make_engine_class() -> type:
 
         def commit(self, info: Any) -> bool:
             error: Optional[BaseException] = None
+            stage = self._stage if self._stage is not None and self._stage.matches(info) else None
             try:
                 pending, self._pending = self._pending, []
                 # Every pending save settles before commit returns (none may still rename files
                 # of this tag afterwards); the first error is raised, the others are logged.
-                errors = []
+                errors = [] if self._save_error is None else [self._save_error]
+                self._save_error = None
                 for fut in pending:
                     try:
                         fut.wait()
@@ -166,16 +279,58 @@ def _make_engine_class() -> type:
                 fsync_dir(os.path.abspath(info.save_dir))
             except BaseException as e:  # reported to every rank below
                 error = e
-            failed = _gather_failures(error)
+            outcomes = _gather((None if error is None else repr(error), stage is not None and stage.used))
+            failed = [r for r, (o, _) in enumerate(outcomes) if o is not None]
             self._commit_info = None
+            self._stage = None
             if failed:
+                if stage is not None and stage.committer:
+                    stage.discard()  # the tag directory was never touched
                 if error is not None:
                     raise error
                 raise RuntimeError(f"checkpoint {info.tag!r} in {info.save_dir!r} failed on rank(s) {failed}; "
                                    "'latest' was not updated")
+            if stage is not None:
+                if any(used for _, used in outcomes):
+                    self._commit_staged(stage, info)
+                elif stage.committer:
+                    stage.discard()  # nothing of this save went into the tag directory (save_16bit_model)
             if getattr(info, "save_latest", False) and _global_rank() == 0:
                 _write_latest(info.save_dir, str(info.tag))
             return True
+
+        def _commit_staged(self, stage: _Stage, info: Any) -> None:
+            """Swap the staging directory in for the tag directory: global rank 0 first, then
+            (node-local storage) every other node's local rank 0, each phase's outcome reaching
+            every rank. On a shared filesystem the first swap takes the staging directory
+            away and the others find nothing to do."""
+            rank = _global_rank()
+            phases = (True, False) if self.node_local and _world_size() > 1 else (True,)
+            for first in phases:
+                error: Optional[BaseException] = None
+                if stage.committer and (rank == 0) == first:
+                    try:
+                        stage.swap_in()
+                    except BaseException as e:  # noqa: BLE001 - reported to every rank below
+                        error = e
+                failed = [r for r, o in enumerate(_gather(None if error is None else repr(error))) if o is not None]
+                if failed:
+                    if stage.committer and error is None:
+                        stage.discard()
+                    if error is not None:
+                        raise error
+                    raise RuntimeError(f"checkpoint {info.tag!r} in {info.save_dir!r}: replacing the tag directory "
+                                       f"failed on rank(s) {failed}; 'latest' was not updated")
+
+        def _abandon(self, error: BaseException) -> None:
+            """``save_checkpoint`` raised (before or in commit): this checkpoint is never committed.
+            Decoupled: the commit DeepSpeed still makes at the next step fails on every rank."""
+            if self.decoupled:
+                if self._commit_info is not None and self._save_error is None:
+                    self._save_error = error
+            else:
+                self._commit_info = None
+                self._stage = None  # its staging directory goes with the next save into this tag
 
         def is_decoupled(self) -> bool:
             return self.decoupled
@@ -200,15 +355,207 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _gather_failures(error: Optional[BaseException]) -> list[int]:
-    """Every rank's outcome of commit, on every rank: the ranks that failed."""
+def _world_size() -> int:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [0] if error is not None else []
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, None if error is None else repr(error))
-    return [r for r, o in enumerate(outcomes) if o is not None]
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), on every rank, in rank order."""
+    import torch.distributed as dist
+
+    if _world_size() == 1:
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _short(name: str) -> str:
+    """``name`` as it appears in staging names: itself, or (too long for NAME_MAX with our
+    prefix and token) a prefix and a digest of it."""
+    raw = os.fsencode(name)
+    if len(raw) <= _NAME_ROOM:
+        return name
+    return os.fsdecode(raw[:_NAME_ROOM - 17]).rstrip("\udcff") + "~" + hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _fsync_tree(directory: str) -> None:
+    """fsync every file and directory under ``directory`` (bottom-up). Files fastpersist wrote
+    are clean already; this covers files carried over from the previous copy."""
+    for root, _dirs, files in os.walk(directory, topdown=False):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                fsync_path(path)
+        fsync_dir(root)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old_dir: str, new_dir: str) -> None:
+    """Entries of the tag directory being replaced that are no part of a DeepSpeed checkpoint
+    (a user's notes), which stock DeepSpeed leaves in place, move into the new one as hard
+    links (copies where there are none), so the old directory stays whole until the swap.
+    DeepSpeed's files that the new save did not write again (another world size's
+    partitions) and fastpersist's temporary files are dropped."""
+    for name in os.listdir(old_dir):
+        dst = os.path.join(new_dir, name)
+        if os.path.lexists(dst) or _DS_ENTRY_RE.fullmatch(name) or (name.startswith(".") and TMP_MARKER in name):
+            continue
+        src = os.path.join(old_dir, name)
+        log.info("fastpersist: keeping %s (not part of a DeepSpeed checkpoint) in the new checkpoint", src)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
+
+
+class _Stage:
+    """One save into an existing tag directory, staged beside it.
+
+    ``tag_dir``: the tag directory as DeepSpeed spells it (``save_dir/tag``, absolute): every
+    path DeepSpeed hands to ``save``/``makedirs`` under it is redirected to the same relative
+    path under ``staging``. ``target``: the tag directory with symbolic links resolved (what
+    is swapped; a symlinked tag keeps its link); the staging directory is its sibling
+    ``.fastpersist-staging-TAG-TOKEN`` (same filesystem, so the commit is a rename).
+    """
+
+    def __init__(self, info: Any, token: str, committer: bool) -> None:
+        self.save_dir = os.fspath(info.save_dir)
+        self.tag = str(info.tag)
+        self.tag_dir = os.path.abspath(os.path.join(self.save_dir, self.tag))
+        self.target = os.path.realpath(self.tag_dir)
+        self.parent, self.name = os.path.split(self.target)
+        self.staging = os.path.join(self.parent, f"{_STAGING}{_short(self.name)}-{token}")
+        self.old = os.path.join(self.parent, f"{_OLD}{_short(self.name)}-{token}")
+        self.committer = committer
+        self.used = False  #: whether this rank redirected a path (the checkpoint's files are staged)
+
+    def matches(self, info: Any) -> bool:
+        return os.fspath(info.save_dir) == self.save_dir and str(info.tag) == self.tag
+
+    def redirect(self, path: Any) -> Optional[str]:
+        """The staging path for a path in the tag directory; None for any other path."""
+        p = os.path.abspath(os.fspath(path))
+        if p == self.tag_dir:
+            rel = ""
+        elif p.startswith(self.tag_dir.rstrip(os.sep) + os.sep):
+            rel = p[len(self.tag_dir.rstrip(os.sep)) + 1:]
+        else:
+            return None
+        self.used = True
+        return os.path.join(self.staging, rel) if rel else self.staging
+
+    def why_not_staged(self, nvme_offload: bool) -> Optional[str]:
+        """None where this save can be staged and swapped in; else the reason."""
+        if nvme_offload:
+            return "DeepSpeed copies the NVMe-offload files into the tag directory itself"
+        try:
+            if not os.path.isdir(self.target):
+                return f"{self.target} exists and is not a directory"
+            if os.stat(self.target).st_dev != os.stat(self.parent).st_dev:
+                return f"{self.target} is a mount point"
+            cwd = os.path.realpath(os.getcwd())
+            if cwd == self.target or cwd.startswith(self.target.rstrip(os.sep) + os.sep):
+                return f"the working directory is inside {self.target}"
+        except OSError as e:
+            return str(e)
+        return None
+
+    def clean_leftovers(self) -> None:
+        """Remove the staging directories of killed saves into this tag; give back a previous
+        tag directory that a killed fallback commit had moved aside and not replaced."""
+        try:
+            entries = os.listdir(self.parent)
+        except OSError:
+            return
+        changed = False
+        for entry in entries:
+            m = _LEFTOVER_RE.fullmatch(entry)
+            if m is None or m["name"] != _short(self.name):
+                continue
+            path = os.path.join(self.parent, entry)
+            if os.path.islink(path) or not os.path.isdir(path):
+                continue
+            try:
+                if m["kind"] == "old" and not os.path.lexists(self.target):
+                    log.warning("fastpersist: a save_checkpoint was killed while replacing %s: restoring the "
+                                "previous copy from %s", self.target, path)
+                    os.rename(path, self.target)
+                else:
+                    log.info("fastpersist: removing %s, left by a save_checkpoint that did not finish", path)
+                    shutil.rmtree(path)
+                changed = True
+            except OSError as e:
+                log.warning("fastpersist: could not clean up %s: %s", path, e)
+        if changed:
+            with contextlib.suppress(OSError):
+                fsync_dir(self.parent)
+
+    def discard(self) -> None:
+        """Remove the staging directory (a failed or empty save); the tag directory is untouched."""
+        if os.path.isdir(self.staging) and not os.path.islink(self.staging):
+            log.info("fastpersist: removing the staging directory %s (%s is untouched)", self.staging, self.target)
+            shutil.rmtree(self.staging, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                fsync_dir(self.parent)
+
+    def swap_in(self) -> None:
+        """Make the staging directory the tag directory in one step (RENAME_EXCHANGE, then the
+        previous copy is removed; two renames where the exchange is refused). Raises with the
+        tag directory untouched (and the staging directory removed), or after the swap."""
+        if not os.path.isdir(self.staging):
+            return  # another node's commit took it (node-local storage on a shared filesystem)
+        done = False
+        try:
+            if not os.path.lexists(self.target):  # removed since create()
+                _fsync_tree(self.staging)
+                os.rename(self.staging, self.target)
+                done = True
+                fsync_dir(self.parent)
+                return
+            _carry_over(self.target, self.staging)
+            _fsync_tree(self.staging)
+            try:
+                exchange_paths(self.staging, self.target)
+            except OSError as e:
+                if e.errno not in EXCHANGE_REFUSED:
+                    raise
+                # No RENAME_EXCHANGE here: move the previous directory aside, then rename the new one
+                # in. Killed between the two, the tag directory is missing and the previous copy waits
+                # under .fastpersist-old-TAG-TOKEN; the next save into this tag renames it back.
+                log.info("fastpersist: RENAME_EXCHANGE refused (%s); replacing %s with two renames", e, self.target)
+                os.rename(self.target, self.old)
+                try:
+                    os.rename(self.staging, self.target)
+                except BaseException:
+                    os.rename(self.old, self.target)
+                    raise
+                done = True
+                fsync_dir(self.parent)
+                leftover = self.old
+            else:
+                done = True  # the staging name holds the previous checkpoint now
+                fsync_dir(self.parent)
+                leftover = self.staging
+        except BaseException:
+            if not done:
+                self.discard()
+            raise
+        try:
+            shutil.rmtree(leftover)
+            fsync_dir(self.parent)
+        except OSError as e:  # the new checkpoint is in place; the next save removes the old copy
+            log.warning("fastpersist: could not remove the previous copy of %s (%s): %s", self.target, leftover, e)
 
 
 def _write_latest(save_dir: str, tag: str) -> None:
@@ -261,6 +608,10 @@ def _attach(engine: Any, *, config: Any = None, decoupled: bool = False, split_r
         old.cleanup()
     group = _replica_group_for(engine) if split_replicated else None
     ce = cls(getattr(engine, "_config", None), config=config, decoupled=decoupled, replica_group=group)
+    ce.node_local = bool(engine.use_node_local_storage())
+    ce.local_rank = int(getattr(engine, "local_rank", ce.local_rank) or 0)
+    with contextlib.suppress(Exception):
+        ce.nvme_offload = bool(engine.zero_nvme_offload_optimizer())
     engine.checkpoint_engine = ce
     if group is not None:
         engine.save_non_zero_checkpoint = True  # every data-parallel rank takes part in the model-states file
@@ -274,7 +625,13 @@ def _with_durable_latest(engine: Any, original: Any) -> Any:
 
     @functools.wraps(original)
     def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
-        result = original(save_dir, *args, **kwargs)
+        try:
+            result = original(save_dir, *args, **kwargs)
+        except BaseException as e:
+            abandon = getattr(engine.checkpoint_engine, "_abandon", None)
+            if abandon is not None:
+                abandon(e)
+            raise
         latest = os.path.join(save_dir, "latest")
         if engine.global_rank == 0 and os.path.isfile(latest) and not engine.checkpoint_engine.is_decoupled():
             fd = os.open(latest, os.O_RDONLY | os.O_CLOEXEC)

@@ -351,7 +351,6 @@ from fastpersist.integrations.deepspeed import FastPersistCheckpointEngine
 
 root = sys.argv[1]
 tag_dir = os.path.join(root, "step1")
-os.makedirs(tag_dir)
 real = asyncsave._finish
 def finish(job):
     if job.future.path.endswith("bad.pt"):
@@ -363,6 +362,7 @@ asyncsave._finish = finish
 eng = FastPersistCheckpointEngine(None, decoupled=True)
 info = types.SimpleNamespace(save_dir=root, tag="step1", save_latest=True)
 eng.create(info)
+eng.makedirs(tag_dir, exist_ok=True)  # as DeepSpeed does (a new tag: written in place)
 eng.save({"w": torch.zeros(4)}, os.path.join(tag_dir, "bad.pt"))
 eng.save({"w": torch.ones(4)}, os.path.join(tag_dir, "good.pt"))
 try:
@@ -381,3 +381,420 @@ def test_decoupled_commit_waits_for_every_save_before_raising(tmp_path):
     assert "RAISED FileNotFoundError True" in out.stdout, out.stdout + out.stderr[-3000:]
     assert "GOOD-SETTLED True True" in out.stdout, out.stdout
     assert "LATEST False" in out.stdout, out.stdout
+
+
+# ------------------------------------------------------------------ saving again into an existing tag
+# A save under a tag whose directory exists (a fixed tag; Lightning's DeepSpeedStrategy, whose tag is
+# always "checkpoint") is staged beside it and swapped in at commit: a SIGKILL or an error part-way
+# leaves the previous checkpoint exactly as it was, and a complete save leaves exactly its own files.
+
+STALE = "zero_pp_rank_7_mp_rank_00_optim_states.pt"  # a partition of another world size: stale in B
+
+
+def _tree_hashes(directory) -> dict:
+    import hashlib
+
+    out = {}
+    for base, _dirs, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(base, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _leftovers(directory) -> list:
+    return sorted(n for n in os.listdir(directory) if n.startswith(".fastpersist-"))
+
+
+def _run_killed(root: str, route: str) -> None:
+    """Run the 'kill' child: it saves A, then blocks inside the next save into the same tag (the
+    model-states file of B written, the ZeRO partition about to be); SIGKILL it there."""
+    import signal
+    import time
+
+    blocked = os.path.join(root, "blocked")
+    with open(os.path.join(root, "child.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, HERE, "--overwrite", "kill", route, root, str(_free_port())],
+                                env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=root)
+        try:
+            deadline = time.monotonic() + 400
+            while not os.path.exists(blocked):
+                assert proc.poll() is None, open(os.path.join(root, "child.log")).read()[-6000:]
+                assert time.monotonic() < deadline, "the child never reached the blocking write"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(timeout=60) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _ckpt_of(root: str, route: str) -> tuple:
+    """(save_dir, tag) of the route: engine.save_checkpoint(tag='last'), or Lightning's strategy."""
+    return (os.path.join(root, "last.ckpt"), "checkpoint") if route == "lightning" else (os.path.join(root, "ck"), "last")
+
+
+@pytest.mark.parametrize("route", ["engine", "lightning"])
+def test_sigkill_during_save_into_existing_tag(route, tmp_path):
+    """Two saves under one tag (a fixed tag; or Lightning's DeepSpeedStrategy.save_checkpoint, tag
+    'checkpoint'), the second SIGKILLed part-way: the tag directory holds exactly the first save's
+    files, byte for byte; load_checkpoint restores the first save's values; the next save under the
+    tag succeeds, leaves no staging directory and loads back."""
+    if route == "lightning":
+        pytest.importorskip("lightning", reason="lightning is not installed")
+    root = str(tmp_path)
+    _run_killed(root, route)
+    save_dir, tag = _ckpt_of(root, route)
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert _tree_hashes(os.path.join(save_dir, tag)) == a["hashes"]
+    assert open(os.path.join(save_dir, "latest")).read() == tag
+    staged = _leftovers(save_dir)  # the killed save's files, hidden; the next save removes them
+    assert len(staged) == 1 and staged[0].startswith(f".fastpersist-staging-{tag}-"), staged
+    _run([sys.executable, HERE, "--overwrite", "resume", route, root, str(_free_port())], _env(), root)
+    res = json.loads((tmp_path / "resume.json").read_text())
+    assert res == {"loaded_a": True, "leftovers_after": [], "files": a["files"], "loaded_c": True,
+                   "hashes_changed": True}, res
+
+
+def test_error_during_save_into_existing_tag(tmp_path):
+    """An ENOSPC on one file of the second save under a tag: save_checkpoint raises it, the tag
+    directory holds exactly the first save's files, no staging directory is left, load_checkpoint
+    restores the first save; the next save succeeds."""
+    root = str(tmp_path)
+    _run([sys.executable, HERE, "--overwrite", "error", "engine", root, str(_free_port())], _env(), root)
+    res = json.loads((tmp_path / "error.json").read_text())
+    assert res == {"raised": "ENOSPC", "unchanged": True, "leftovers": [], "latest": "last", "loaded_a": True,
+                   "after_c": {"leftovers": [], "loaded_c": True}}, res
+
+
+def test_overwrite_leaves_exactly_the_new_save(tmp_path):
+    """A complete second save under a tag: the directory holds exactly its files (a stale partition
+    of the first is gone; a user's file is kept), no staging directory; load_checkpoint restores it.
+    Decoupled: until the commit at the next step the tag directory is still the first save."""
+    root = str(tmp_path)
+    _run([sys.executable, HERE, "--overwrite", "overwrite", "engine", root, str(_free_port())], _env(), root)
+    res = json.loads((tmp_path / "overwrite.json").read_text())
+    assert res["files_b"] == ["mp_rank_00_model_states.pt", "notes.txt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert res["notes"] == "user notes" and res["leftovers_b"] == [] and res["loaded_b"], res
+    assert res["16bit"] == {"tag_dir_kept": True, "leftovers": [], "model": True}, res["16bit"]
+    assert res["decoupled"] == {"before_commit_is_a": True, "staged": True, "after_commit_changed": True,
+                                "leftovers": [], "loaded": True}, res["decoupled"]
+
+
+def test_two_processes_error_then_overwrite(tmp_path):
+    """2 ranks (gloo), ZeRO-1, fixed tag: an ENOSPC on rank 1's partition of the second save makes
+    both ranks raise, the tag directory stays the first save; a third save replaces it (a stale
+    partition of another world size is gone) and both ranks load it back."""
+    root = str(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), HERE, "--overwrite", "multi", "engine", root, "0"]
+    _run(cmd, _env(), root, timeout=400)
+    for rank in range(2):
+        res = json.loads((tmp_path / f"multi{rank}.json").read_text())
+        assert res == {"raised": "OSError ENOSPC" if rank == 1 else "RuntimeError [1]", "unchanged": True,
+                       "leftovers": [], "loaded_a": True, "files_c": ["mp_rank_00_model_states.pt",
+                                                                       "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                                       "zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+                       "leftovers_c": [], "loaded_c": True}, (rank, res)
+
+
+def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
+    import datetime
+    import errno
+
+    import deepspeed
+    import deepspeed.comm as dist
+
+    import fastpersist
+    from fastpersist.integrations import deepspeed as fpd
+
+    if mode != "multi":
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=90))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    save_dir, tag = _ckpt_of(root, route)
+    tag_dir = os.path.join(save_dir, tag)
+
+    def engine(stage=1, decoupled=False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+               "zero_optimization": {"stage": stage}}
+        eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        fpd.enable(eng, decoupled=decoupled)
+        return eng
+
+    def train(eng, steps=1, seed=0):
+        torch.manual_seed(100 + 10 * seed + rank)
+        for _ in range(steps):
+            loss = eng(torch.randn(4 // world, 8)).pow(2).mean()
+            eng.backward(loss)
+            eng.step()
+
+    def state(eng):
+        def clone(x):
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone()
+            if isinstance(x, dict):
+                return {k: clone(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(clone(v) for v in x)
+            return x
+        return clone({"weights": eng.module.state_dict(), "optim": eng.optimizer.state_dict()})
+
+    def save(eng, marker, where=None):
+        sd, tg = (save_dir, tag) if where is None else where
+        if route == "lightning":
+            from lightning.pytorch.strategies import DeepSpeedStrategy
+
+            class Strategy:  # what DeepSpeedStrategy.save_checkpoint reads of itself (it needs CUDA to run whole)
+                deepspeed_engine = eng
+                zero_stage_3 = False
+                _multi_device = False
+                is_global_zero = True
+                exclude_frozen_parameters = False
+
+                @staticmethod
+                def broadcast(obj, src=0):
+                    return obj
+
+            ckpt = {"epoch": 0, "global_step": eng.global_steps, "state_dict": {}, "optimizer_states": [],
+                    "marker": marker}
+            DeepSpeedStrategy.save_checkpoint(Strategy(), ckpt, sd)
+        else:
+            eng.save_checkpoint(sd, tag=tg, client_state={"marker": marker})
+
+    def loads(want, marker, stage=1, where=None):
+        sd, tg = (save_dir, tag) if where is None else where
+        fresh = engine(stage)
+        train(fresh, seed=9)  # move away from the saved state
+        path, client = fresh.load_checkpoint(sd, tag=None if where is None else tg)
+        ok = path is not None and client.get("marker") == marker and _same(want, state(fresh))
+        fresh.destroy()
+        return ok
+
+    def fail_at(name, on_rank=0):
+        real = fastpersist.save
+
+        def failing(obj, path, **kw):
+            if os.path.basename(os.fspath(path)) == name and rank == on_rank:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", os.fspath(path))
+            return real(obj, path, **kw)
+
+        fastpersist.save = failing
+        return lambda: setattr(fastpersist, "save", real)
+
+    out: dict = {}
+    zero_file = f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+    if mode == "kill":
+        eng = engine()
+        train(eng, 2)
+        save(eng, "A")
+        torch.save(state(eng), os.path.join(root, "expected_a.pt"))
+        hashes = _tree_hashes(tag_dir)
+        with open(os.path.join(root, "a.json"), "w") as f:
+            json.dump({"hashes": hashes, "files": sorted(hashes)}, f)
+        train(eng, seed=1)
+        real = fastpersist.save
+
+        def blocking(obj, path, **kw):
+            if os.path.basename(os.fspath(path)) == zero_file:
+                open(os.path.join(root, "blocked"), "w").close()
+                import time
+                time.sleep(600)  # the parent SIGKILLs us here
+            return real(obj, path, **kw)
+
+        fastpersist.save = blocking
+        save(eng, "B")
+        sys.exit(3)  # not reached
+    elif mode == "resume":
+        want_a = torch.load(os.path.join(root, "expected_a.pt"), weights_only=False)
+        out["loaded_a"] = loads(want_a, "A")
+        before = _tree_hashes(tag_dir)
+        eng = engine()
+        eng.load_checkpoint(save_dir)
+        train(eng, seed=2)
+        save(eng, "C")
+        want_c = state(eng)
+        out["leftovers_after"] = _leftovers(save_dir)
+        out["files"] = sorted(_tree_hashes(tag_dir))
+        out["hashes_changed"] = all(before[k] != v for k, v in _tree_hashes(tag_dir).items())
+        out["loaded_c"] = loads(want_c, "C")
+    elif mode == "error":
+        eng = engine()
+        train(eng, 2)
+        save(eng, "A")
+        want_a, before = state(eng), _tree_hashes(tag_dir)
+        train(eng, seed=1)
+        undo = fail_at(zero_file)
+        try:
+            save(eng, "B")
+            out["raised"] = None
+        except OSError as e:
+            out["raised"] = errno.errorcode.get(e.errno)
+        undo()
+        out["unchanged"] = _tree_hashes(tag_dir) == before
+        out["leftovers"] = _leftovers(save_dir)
+        out["latest"] = open(os.path.join(save_dir, "latest")).read()
+        out["loaded_a"] = loads(want_a, "A")
+        train(eng, seed=2)
+        save(eng, "C")
+        want_c = state(eng)
+        out["after_c"] = {"leftovers": _leftovers(save_dir), "loaded_c": loads(want_c, "C")}
+    elif mode == "overwrite":
+        eng = engine(stage=1)
+        train(eng, 2)
+        save(eng, "A")
+        with open(os.path.join(tag_dir, "notes.txt"), "w") as f:
+            f.write("user notes")
+        with open(os.path.join(tag_dir, STALE), "wb") as f:  # as if a 8-rank run had saved here before
+            f.write(b"stale partition")
+        eng.destroy()
+        eng = engine(stage=1)
+        train(eng, 3, seed=1)
+        save(eng, "B")
+        want_b = state(eng)
+        out["files_b"] = sorted(os.listdir(tag_dir))
+        out["notes"] = open(os.path.join(tag_dir, "notes.txt")).read()
+        out["leftovers_b"] = _leftovers(save_dir)
+        out["loaded_b"] = loads(want_b, "B")
+        # save_16bit_model writes beside the tag directories (its tag, global_stepN, names none of
+        # its files): an existing global_stepN directory there is left alone.
+        s16 = os.path.join(root, "s16")
+        eng.save_checkpoint(s16)
+        step_dir = os.path.join(s16, f"global_step{eng.global_steps}")
+        before = _tree_hashes(step_dir)
+        eng.save_16bit_model(s16)
+        out["16bit"] = {"tag_dir_kept": _tree_hashes(step_dir) == before, "leftovers": _leftovers(s16),
+                        "model": os.path.isfile(os.path.join(s16, "pytorch_model.bin"))}
+        eng.destroy()
+        # Decoupled: background writes, commit (and the swap) at the next step boundary.
+        dec_dir = os.path.join(root, "dec")
+        dec = engine(stage=1, decoupled=True)
+        train(dec, 2)
+        dec.save_checkpoint(dec_dir, tag="last", client_state={"marker": "A"})
+        train(dec, seed=1)  # commits A
+        a_hashes = _tree_hashes(os.path.join(dec_dir, "last"))
+        train(dec, seed=2)
+        dec.save_checkpoint(dec_dir, tag="last", client_state={"marker": "B"})
+        want = state(dec)
+        for fut in list(dec.checkpoint_engine._pending):
+            fut.wait()  # the files are written; not committed yet
+        d = {"before_commit_is_a": _tree_hashes(os.path.join(dec_dir, "last")) == a_hashes,
+             "staged": any(n.startswith(".fastpersist-staging-last-") for n in os.listdir(dec_dir))}
+        train(dec, seed=3)  # DeepSpeed commits the decoupled checkpoint before this step's update
+        after = _tree_hashes(os.path.join(dec_dir, "last"))
+        d["after_commit_changed"] = sorted(after) == sorted(a_hashes) and all(a_hashes[k] != after[k] for k in after)
+        d["leftovers"] = _leftovers(dec_dir)
+        dec.destroy()
+        d["loaded"] = loads(want, "B", where=(dec_dir, None))
+        out["decoupled"] = d
+    elif mode == "multi":
+        eng = engine()
+        train(eng, 2)
+        save(eng, "A")
+        dist.barrier()
+        if rank == 0:
+            with open(os.path.join(tag_dir, STALE), "wb") as f:
+                f.write(b"stale partition")
+        dist.barrier()
+        want_a, before = state(eng), _tree_hashes(tag_dir)
+        train(eng, seed=1)
+        undo = fail_at(zero_file, on_rank=1)
+        try:
+            save(eng, "B")
+            out["raised"] = None
+        except OSError as e:
+            out["raised"] = f"OSError {errno.errorcode.get(e.errno)}"
+        except RuntimeError as e:
+            out["raised"] = "RuntimeError [1]" if "rank(s) [1]" in str(e) else repr(e)
+        undo()
+        dist.barrier()
+        out["unchanged"] = _tree_hashes(tag_dir) == before
+        out["leftovers"] = _leftovers(save_dir)
+        out["loaded_a"] = loads(want_a, "A")
+        train(eng, seed=2)
+        save(eng, "C")
+        want_c = state(eng)
+        dist.barrier()
+        out["files_c"] = sorted(os.listdir(tag_dir))
+        out["leftovers_c"] = _leftovers(save_dir)
+        out["loaded_c"] = loads(want_c, "C")
+    name = f"{mode}{rank}.json" if mode == "multi" else f"{mode}.json"
+    with open(os.path.join(root, name), "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__" and "--overwrite" in sys.argv:
+    i = sys.argv.index("--overwrite")
+    _overwrite_worker(*sys.argv[i + 1:i + 5])
+
+
+NO_EXCHANGE = r"""
+import errno, json, os, sys, types
+import torch
+import fastpersist
+from fastpersist.integrations import deepspeed as fpd
+
+root = sys.argv[1]
+tag_dir = os.path.join(root, "last")
+calls = []
+A, B = "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+def refuse(a, b):
+    calls.append((a, b))
+    raise OSError(errno.EINVAL, "Invalid argument", a, None, b)
+
+fpd.exchange_paths = refuse
+eng = fpd.FastPersistCheckpointEngine(None)
+
+def save(value, names):
+    # what DeepSpeed's save_checkpoint does with its checkpoint engine (one rank)
+    info = types.SimpleNamespace(save_dir=root, tag="last", save_latest=True)
+    eng.create(info)
+    eng.makedirs(tag_dir, exist_ok=True)
+    for name in names:
+        eng.save({"w": torch.full((4,), value)}, os.path.join(tag_dir, name))
+    eng.commit(info)
+
+def state():
+    return {n: fastpersist.load(os.path.join(tag_dir, n))["w"][0].item() for n in sorted(os.listdir(tag_dir))}
+
+def leftovers():
+    return sorted(n for n in os.listdir(root) if n.startswith(".fastpersist-"))
+
+out = {}
+save(1.0, [A, B])
+save(2.0, [A])  # B (a partition the new save does not write) goes with the old copy
+out["fallback"] = {"calls": len(calls), "state": state(), "leftovers": leftovers()}
+# Killed between the two renames: no tag directory, its previous copy moved aside.
+os.rename(tag_dir, os.path.join(root, ".fastpersist-old-last-0123456789abcdef"))
+real = fastpersist.save
+def failing(obj, path, **kw):
+    raise OSError(errno.ENOSPC, "injected", os.fspath(path))
+fastpersist.save = failing
+try:
+    save(3.0, [A])
+    out["raised"] = False
+except OSError as e:
+    out["raised"] = e.errno == errno.ENOSPC
+fastpersist.save = real
+out["recovered"] = {"state": state(), "leftovers": leftovers(), "latest": open(os.path.join(root, "latest")).read()}
+print("RESULT", json.dumps(out, sort_keys=True))
+"""
+
+
+def test_existing_tag_without_rename_exchange(tmp_path):
+    """Where the filesystem refuses RENAME_EXCHANGE (EINVAL), the previous tag directory is moved
+    aside, the new one renamed in, the old one removed. A save killed between the two renames
+    (simulated: only the moved-aside copy exists) is recovered by the next save into the tag, before
+    it writes: here that save fails, and the tag directory holds the previous checkpoint again."""
+    out = _run([sys.executable, "-c", NO_EXCHANGE, str(tmp_path)], _env(), str(tmp_path))
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, out.stdout + out.stderr[-3000:]
+    res = json.loads(line[-1][len("RESULT "):])
+    assert res == {"fallback": {"calls": 1, "state": {"mp_rank_00_model_states.pt": 2.0}, "leftovers": []},
+                   "raised": True, "recovered": {"state": {"mp_rank_00_model_states.pt": 2.0}, "leftovers": [],
+                                                 "latest": "last"}}, res
