@@ -12,6 +12,7 @@
 #include <exception>
 #include <new>
 
+#include "fastpersist/copy.hpp"
 #include "fastpersist/crc32.hpp"
 #include "fastpersist/engine.hpp"
 #include "fastpersist/error.hpp"
@@ -28,19 +29,6 @@ char* alloc_aligned(size_t n) {
   void* p = nullptr;
   if (::posix_memalign(&p, 4096, n ? align_up(n, 4096) : 4096) != 0) throw std::bad_alloc();
   return static_cast<char*>(p);
-}
-
-// Copy n bytes and return the CRC of the copy, in L2-sized steps so the CRC
-// reads bytes the copy just brought into cache instead of memory again.
-uint32_t copy_crc(char* dst, const char* src, size_t n, bool want_crc) {
-  constexpr size_t kStep = 256u << 10;
-  uint32_t c = 0;
-  for (size_t o = 0; o < n; o += kStep) {
-    size_t k = std::min(kStep, n - o);
-    std::memcpy(dst + o, src + o, k);
-    if (want_crc) c = crc32(c, dst + o, k);
-  }
-  return c;
 }
 
 struct Piece {
@@ -474,7 +462,6 @@ struct RChunk {
 };
 
 constexpr uint64_t kMaxGap = 1u << 20;  // read through gaps up to this size
-constexpr uint64_t kCopyStep = 256u << 10;  // staged reads: copy + CRC step (fits in L2)
 
 // Whether [lo, hi) is covered, without gaps, by extents starting at index k
 // whose memory is one contiguous range (ptr - off constant): then the file
@@ -561,16 +548,9 @@ ExecResult execute_read(const File& f, const std::vector<Extent>& extents, int n
       const char* src = c.zero_copy ? reinterpret_cast<const char*>(e.ptr) + (lo - e.off)
                                     : c.ring + (lo - c.off);
       if (!c.zero_copy && e.ptr) {
-        // Copy out and checksum in cache-sized steps, so the CRC reads what the copy
-        // just brought into cache instead of making a second pass over memory.
+        // Copy out and checksum in one pass over memory (copy.hpp).
         char* dst = reinterpret_cast<char*>(e.ptr) + (lo - e.off);
-        uint32_t crc = 0;
-        for (uint64_t done = 0; done < hi - lo;) {
-          const size_t step = static_cast<size_t>(std::min<uint64_t>(kCopyStep, hi - lo - done));
-          std::memcpy(dst + done, src + done, step);
-          if (e.slot >= 0) crc = crc32(crc, src + done, step);
-          done += step;
-        }
+        uint32_t crc = copy_crc(dst, src, static_cast<size_t>(hi - lo), e.slot >= 0);
         if (e.slot >= 0) local.push_back({lo, hi - lo, crc, e.slot});
         continue;
       }

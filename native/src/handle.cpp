@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "fastpersist/copy.hpp"
 #include "fastpersist/crc32.hpp"
 #include "fastpersist/cuda_rt.hpp"
 #include "fastpersist/error.hpp"
@@ -273,8 +274,8 @@ std::vector<uint32_t> Handle::wait_op(uint64_t id, double timeout_s) {
 bool Handle::done(uint64_t id) { return find_pending(state(), id)->done.load(); }
 
 std::vector<uint32_t> Handle::copy_ranges(const std::vector<std::array<uint64_t, 3>>& ranges, bool want_crc) {
-  // Pieces of at most 4 MiB, in L2-sized steps so the CRC reads what the copy just cached.
-  constexpr uint64_t kPiece = 4u << 20, kStep = 256u << 10;
+  // Pieces of at most 4 MiB, each copied with its CRC in one pass (copy.hpp).
+  constexpr uint64_t kPiece = 4u << 20;
   struct Piece {
     size_t range;
     uint64_t off, len;
@@ -297,13 +298,7 @@ std::vector<uint32_t> Handle::copy_ranges(const std::vector<std::array<uint64_t,
         Piece& p = pieces[k];
         char* dst = reinterpret_cast<char*>(ranges[p.range][0]) + p.off;
         const char* src = reinterpret_cast<const char*>(ranges[p.range][1]) + p.off;
-        uint32_t c = 0;
-        for (uint64_t o = 0; o < p.len; o += kStep) {
-          size_t n = static_cast<size_t>(std::min(kStep, p.len - o));
-          std::memcpy(dst + o, src + o, n);
-          if (want_crc) c = crc32(c, dst + o, n);
-        }
-        p.crc = c;
+        p.crc = copy_crc(dst, src, static_cast<size_t>(p.len), want_crc);
       }
       tasks.done();
     });
