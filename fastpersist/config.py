@@ -391,6 +391,14 @@ def _parse_fault(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def _parse_copy(name: str, raw: str) -> str:
+    """``stream`` or ``plain``; the native module reads the variable itself."""
+    value = raw.strip().lower()
+    if value not in ("stream", "plain"):
+        raise ValueError(f"{name}={raw!r}: use stream or plain")
+    return value
+
+
 # ---------------------------------------------------------------------------
 # The one table of environment variables.
 
@@ -553,6 +561,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "`write:2:short`, `read:1:eintr:5`, `fsync:1:ENOSPC`. Read once, when the native "
         "module is imported.",
         default="unset",
+    ),
+    EnvVar(
+        "FASTPERSIST_COPY", None, _parse_copy, "stream or plain",
+        "Diagnostics: how the native code copies bulk bytes (into staging buffers for saves and "
+        "async snapshots, out of them for staged loads). `stream` (default): the CRC-32 of each "
+        "256 KiB step of the source first, then the copy with non-temporal stores on x86-64 "
+        "(copies of 256 KiB or more), which skip reading the destination's cache lines and leave "
+        "the caches to the training; `plain`: memcpy, then the CRC-32 of the copy. On the reference "
+        "VM `stream` took 20% less CPU per 1 GiB save and made the async snapshot call 1.4-1.9x "
+        "shorter (docs/benchmarks.md, \"Session 11\"). Read once, when the native module is imported.",
+        default="stream",
     ),
     # -- asynchronous saves (fastpersist.asyncsave) --
     EnvVar(

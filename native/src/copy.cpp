@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <strings.h>
 
 #include "fastpersist/crc32.hpp"
 
@@ -26,7 +27,7 @@ constexpr size_t kStep = 256u << 10;  // fits in L2 with room to spare
 bool plain_requested() {
   static const bool plain = [] {
     const char* v = std::getenv("FASTPERSIST_COPY");
-    return v != nullptr && std::strcmp(v, "plain") == 0;
+    return v != nullptr && ::strcasecmp(v, "plain") == 0;
   }();
   return plain;
 }
