@@ -120,9 +120,8 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
 
 import fastpersist
-from fastpersist.commit import EXCHANGE_REFUSED as _NO_EXCHANGE
-from fastpersist.commit import TMP_MARKER, fsync_dir, fsync_path
-from fastpersist.commit import exchange_paths as _exchange
+from fastpersist import dircommit
+from fastpersist.commit import fsync_dir
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
 
@@ -301,22 +300,14 @@ def _fsync_tree(directory: str) -> None:
     """fsync every file and directory under ``directory`` (bottom-up), then its parent.
     Files fastpersist wrote are clean already; this also covers files written by
     other paths (FSDP/DeepSpeed engines, user hooks)."""
-    for root, _dirs, files in os.walk(directory, topdown=False):
-        for name in files:
-            path = os.path.join(root, name)
-            if os.path.isfile(path) and not os.path.islink(path):
-                fsync_path(path)
-        fsync_dir(root)
+    dircommit.fsync_tree(directory)
     fsync_dir(os.path.dirname(os.path.abspath(directory)))
 
 
 # ---------------------------------------------------------------- directory-level commit
+# The staging/swap mechanics are fastpersist.dircommit's; what is Accelerate's is where the
+# staging directory goes (_Layout) and which entries belong to a checkpoint.
 
-_STAGING = ".fastpersist-staging-"
-_OLD = ".fastpersist-old-"
-# .fastpersist-staging-NAME-TOKEN (a save's directory while it is written) and
-# .fastpersist-old-NAME-TOKEN (the previous NAME, moved aside where RENAME_EXCHANGE is refused)
-_LEFTOVER_RE = re.compile(r"\.fastpersist-(?P<kind>staging|old)-(?P<name>.+)-(?P<token>[0-9a-f]{16})", re.DOTALL)
 _AUTO_NAME_RE = re.compile(r"checkpoint_[0-9]+")
 # Entries of a directory save_state writes (Accelerate's names: weights, optimizer, scheduler,
 # sampler, dataloader, GradScaler, RNG, custom objects; FSDP/DeepSpeed directories) and
@@ -326,6 +317,8 @@ _CHECKPOINT_ENTRY_RE = re.compile(
     r"(pytorch_model|model)(_fsdp)?(_[0-9]+)?(\.(safetensors|bin)(\.index\.json)?)?"
     r"|(optimizer|scheduler|sampler|dl_state_dict)(_[0-9]+)?(\.bin)?"
     r"|scaler\.pt|random_states_[0-9]+\.pkl|custom_checkpoint_[0-9]+\.pkl")
+
+
 class _Layout:
     """Where one save_state stages and commits.
 
@@ -350,128 +343,39 @@ class _Layout:
         self.stage_parent = os.path.dirname(self.parent) if auto or self.parent == ckpts else self.parent
 
     def staging(self, token: str) -> str:
-        return os.path.join(self.stage_parent, f"{_STAGING}{self.name}-{token}")
+        return os.path.join(self.stage_parent, dircommit.staging_name(self.name, token))
 
     def old(self, token: str) -> str:
-        return os.path.join(self.stage_parent, f"{_OLD}{self.name}-{token}")
+        return os.path.join(self.stage_parent, dircommit.old_name(self.name, token))
 
     def why_not_staged(self) -> Optional[str]:
         """None where the save can be staged and committed by rename; else the reason."""
-        try:
-            dev = os.stat(self.parent).st_dev
-            if os.stat(self.stage_parent).st_dev != dev:
-                return f"{self.parent} and {self.stage_parent} are on different filesystems"
-            if os.path.lexists(self.target):
-                if not os.path.isdir(self.target):
-                    return f"{self.target} exists and is not a directory"
-                if os.stat(self.target).st_dev != dev:
-                    return f"{self.target} is a mount point"
-                cwd = os.path.realpath(os.getcwd())
-                if cwd == self.target or cwd.startswith(self.target.rstrip(os.sep) + os.sep):
-                    return f"the working directory is inside {self.target}"
-        except OSError as e:
-            return str(e)
-        return None
+        return dircommit.why_not_staged(self.target, self.stage_parent)
 
     def clean_leftovers(self) -> None:
         """Remove the staging directories of killed saves of this name (any
         ``checkpoint_N`` with automatic naming); give back a previous directory that a
         killed fallback commit had moved aside and not replaced."""
-        try:
-            entries = os.listdir(self.stage_parent)
-        except OSError:
-            return
-        changed = False
-        for entry in entries:
-            m = _LEFTOVER_RE.fullmatch(entry)
-            if m is None:
-                continue
-            if not (m["name"] == self.name or (self.auto and _AUTO_NAME_RE.fullmatch(m["name"]))):
-                continue
-            path = os.path.join(self.stage_parent, entry)
-            if os.path.islink(path) or not os.path.isdir(path):
-                continue
-            try:
-                dest = os.path.join(self.parent, m["name"])
-                if m["kind"] == "old" and not os.path.lexists(dest):
-                    log.warning("fastpersist: a save_state was killed while replacing %s: restoring the previous "
-                                "copy from %s", dest, path)
-                    os.rename(path, dest)
-                    fsync_dir(self.parent)
-                else:
-                    log.info("fastpersist: removing %s, left by a save_state that did not finish", path)
-                    shutil.rmtree(path)
-                changed = True
-            except OSError as e:
-                log.warning("fastpersist: could not clean up %s: %s", path, e)
-        if changed:
-            with contextlib.suppress(OSError):
-                fsync_dir(self.stage_parent)
+
+        def restore_to(name: str) -> Optional[str]:
+            if name == self.name or (self.auto and _AUTO_NAME_RE.fullmatch(name)):
+                return os.path.join(self.parent, name)
+            return None
+
+        dircommit.clean_leftovers(self.stage_parent, restore_to, operation="save_state", logger=log,
+                                  fsync_after_restore=True)
 
     def commit(self, staging: str, token: str, done: list) -> None:
-        """Make ``staging`` visible as ``target`` in one step; ``done`` gets True once it is."""
-        parents = [self.parent] if self.parent == self.stage_parent else [self.parent, self.stage_parent]
-        if not os.path.lexists(self.target):
-            _fsync_tree(staging)
-            os.rename(staging, self.target)
-            done.append(True)
-            for d in parents:
-                fsync_dir(d)
-            return
-        _carry_over(self.target, staging)
-        _fsync_tree(staging)
-        try:
-            _exchange(staging, self.target)
-        except OSError as e:
-            if e.errno not in _NO_EXCHANGE:
-                raise
-            # No RENAME_EXCHANGE here: move the previous directory aside, then rename the new
-            # one in. Killed between the two, target is missing and the previous copy waits
-            # under .fastpersist-old-NAME-TOKEN; the next save_state (or the user) renames it back.
-            old = self.old(token)
-            log.info("fastpersist: RENAME_EXCHANGE refused (%s); replacing %s with two renames", e, self.target)
-            os.rename(self.target, old)
-            try:
-                os.rename(staging, self.target)
-            except BaseException:
-                os.rename(old, self.target)
-                raise
-            done.append(True)
-            for d in parents:
-                fsync_dir(d)
-            shutil.rmtree(old)
-        else:
-            done.append(True)  # staging now holds the previous checkpoint
-            for d in parents:
-                fsync_dir(d)
-            shutil.rmtree(staging)
-        fsync_dir(self.stage_parent)
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _carry_over(old_dir: str, new_dir: str) -> None:
-    """Entries of the directory being replaced that are no part of an Accelerate checkpoint
-    (a user's config.json, logs) move into the new one, as stock save_state leaves them in
-    place: hard links (copies where the filesystem has none), so the old directory stays
-    whole until the swap. Stale checkpoint files the new save did not write are dropped."""
-    for name in os.listdir(old_dir):
-        dst = os.path.join(new_dir, name)
-        if os.path.lexists(dst) or _CHECKPOINT_ENTRY_RE.fullmatch(name) or (name.startswith(".") and TMP_MARKER in name):
-            continue
-        src = os.path.join(old_dir, name)
-        log.info("fastpersist: keeping %s (not part of an Accelerate checkpoint) in the new checkpoint", src)
-        if os.path.islink(src):
-            os.symlink(os.readlink(src), dst)
-        elif os.path.isdir(src):
-            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(src, dst)
+        """Make ``staging`` visible as ``target`` in one step; ``done`` gets True once it is.
+        Entries of the previous directory that are no part of an Accelerate checkpoint (a
+        user's config.json, logs) are carried over, as stock save_state leaves them in place;
+        stale checkpoint files the new save did not write go with the previous copy."""
+        previous = dircommit.swap_in(staging, self.target, self.old(token), _CHECKPOINT_ENTRY_RE.fullmatch,
+                                     what="an Accelerate checkpoint", logger=log,
+                                     on_visible=lambda: done.append(True), sync_tree=_fsync_tree)
+        if previous is not None:
+            shutil.rmtree(previous)
+            fsync_dir(self.stage_parent)
 
 
 def _final_location(location: Any, staging: str, final: str) -> Any:

@@ -94,7 +94,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import re
@@ -103,7 +102,8 @@ import shutil
 from typing import Any, Optional
 
 import fastpersist
-from fastpersist.commit import EXCHANGE_REFUSED, TMP_MARKER, atomic_write, exchange_paths, fsync_dir, fsync_path
+from fastpersist import dircommit
+from fastpersist.commit import atomic_write, fsync_dir
 
 __all__ = ["ENV_VAR", "FastPersistCheckpointEngine", "disable", "enable", "install_from_env"]
 
@@ -114,16 +114,10 @@ _SWITCH = "FASTPERSIST_PATCH_TORCH_SAVE"
 ENGINE_NAME = "FastPersistCheckpointEngine"
 _MARK = "_fastpersist_original"
 _REPLICATED = re.compile(r"mp_rank_\d+_model_states\.pt")
-_STAGING = ".fastpersist-staging-"
-_OLD = ".fastpersist-old-"
-# .fastpersist-staging-TAG-TOKEN (a save into an existing tag directory while it is written) and
-# .fastpersist-old-TAG-TOKEN (the previous tag directory, moved aside where RENAME_EXCHANGE is refused)
-_LEFTOVER_RE = re.compile(r"\.fastpersist-(?P<kind>staging|old)-(?P<name>.+)-(?P<token>[0-9a-f]{16})", re.DOTALL)
 # Entries of a tag directory that belong to a DeepSpeed checkpoint (model states, ZeRO/expert
 # optimizer files, expert and pipeline-layer files, the NVMe-offload copy): in a tag directory
 # being replaced, those the new save does not write again are stale and go with the old copy.
 _DS_ENTRY_RE = re.compile(r".*(model|optim)_states\.pt|offloaded_tensors", re.DOTALL)
-_NAME_ROOM = 200  # bytes of the tag's name kept in a staging name (NAME_MAX is 255 on common filesystems)
 
 _default_settings: Optional[dict] = None  # enable() with no engine: settings for new engines
 
@@ -372,53 +366,6 @@ def _gather(value: Any) -> list[Any]:
     return out
 
 
-def _short(name: str) -> str:
-    """``name`` as it appears in staging names: itself, or (too long for NAME_MAX with our
-    prefix and token) a prefix and a digest of it."""
-    raw = os.fsencode(name)
-    if len(raw) <= _NAME_ROOM:
-        return name
-    return os.fsdecode(raw[:_NAME_ROOM - 17]).rstrip("\udcff") + "~" + hashlib.sha256(raw).hexdigest()[:16]
-
-
-def _fsync_tree(directory: str) -> None:
-    """fsync every file and directory under ``directory`` (bottom-up). Files fastpersist wrote
-    are clean already; this covers files carried over from the previous copy."""
-    for root, _dirs, files in os.walk(directory, topdown=False):
-        for name in files:
-            path = os.path.join(root, name)
-            if os.path.isfile(path) and not os.path.islink(path):
-                fsync_path(path)
-        fsync_dir(root)
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-
-
-def _carry_over(old_dir: str, new_dir: str) -> None:
-    """Entries of the tag directory being replaced that are no part of a DeepSpeed checkpoint
-    (a user's notes), which stock DeepSpeed leaves in place, move into the new one as hard
-    links (copies where there are none), so the old directory stays whole until the swap.
-    DeepSpeed's files that the new save did not write again (another world size's
-    partitions) and fastpersist's temporary files are dropped."""
-    for name in os.listdir(old_dir):
-        dst = os.path.join(new_dir, name)
-        if os.path.lexists(dst) or _DS_ENTRY_RE.fullmatch(name) or (name.startswith(".") and TMP_MARKER in name):
-            continue
-        src = os.path.join(old_dir, name)
-        log.info("fastpersist: keeping %s (not part of a DeepSpeed checkpoint) in the new checkpoint", src)
-        if os.path.islink(src):
-            os.symlink(os.readlink(src), dst)
-        elif os.path.isdir(src):
-            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
-        else:
-            _link_or_copy(src, dst)
-
-
 class _Stage:
     """One save into an existing tag directory, staged beside it.
 
@@ -435,8 +382,10 @@ class _Stage:
         self.tag_dir = os.path.abspath(os.path.join(self.save_dir, self.tag))
         self.target = os.path.realpath(self.tag_dir)
         self.parent, self.name = os.path.split(self.target)
-        self.staging = os.path.join(self.parent, f"{_STAGING}{_short(self.name)}-{token}")
-        self.old = os.path.join(self.parent, f"{_OLD}{_short(self.name)}-{token}")
+        # long tags are shortened in the staging names (NAME_MAX), with a digest of the whole tag
+        self.short = dircommit.short_name(self.name)
+        self.staging = os.path.join(self.parent, dircommit.staging_name(self.short, token))
+        self.old = os.path.join(self.parent, dircommit.old_name(self.short, token))
         self.committer = committer
         self.used = False  #: whether this rank redirected a path (the checkpoint's files are staged)
 
@@ -459,47 +408,13 @@ class _Stage:
         """None where this save can be staged and swapped in; else the reason."""
         if nvme_offload:
             return "DeepSpeed copies the NVMe-offload files into the tag directory itself"
-        try:
-            if not os.path.isdir(self.target):
-                return f"{self.target} exists and is not a directory"
-            if os.stat(self.target).st_dev != os.stat(self.parent).st_dev:
-                return f"{self.target} is a mount point"
-            cwd = os.path.realpath(os.getcwd())
-            if cwd == self.target or cwd.startswith(self.target.rstrip(os.sep) + os.sep):
-                return f"the working directory is inside {self.target}"
-        except OSError as e:
-            return str(e)
-        return None
+        return dircommit.why_not_staged(self.target)
 
     def clean_leftovers(self) -> None:
         """Remove the staging directories of killed saves into this tag; give back a previous
         tag directory that a killed fallback commit had moved aside and not replaced."""
-        try:
-            entries = os.listdir(self.parent)
-        except OSError:
-            return
-        changed = False
-        for entry in entries:
-            m = _LEFTOVER_RE.fullmatch(entry)
-            if m is None or m["name"] != _short(self.name):
-                continue
-            path = os.path.join(self.parent, entry)
-            if os.path.islink(path) or not os.path.isdir(path):
-                continue
-            try:
-                if m["kind"] == "old" and not os.path.lexists(self.target):
-                    log.warning("fastpersist: a save_checkpoint was killed while replacing %s: restoring the "
-                                "previous copy from %s", self.target, path)
-                    os.rename(path, self.target)
-                else:
-                    log.info("fastpersist: removing %s, left by a save_checkpoint that did not finish", path)
-                    shutil.rmtree(path)
-                changed = True
-            except OSError as e:
-                log.warning("fastpersist: could not clean up %s: %s", path, e)
-        if changed:
-            with contextlib.suppress(OSError):
-                fsync_dir(self.parent)
+        dircommit.clean_leftovers(self.parent, lambda name: self.target if name == self.short else None,
+                                  operation="save_checkpoint", logger=log, fsync_after_restore=False)
 
     def discard(self) -> None:
         """Remove the staging directory (a failed or empty save); the tag directory is untouched."""
@@ -512,45 +427,24 @@ class _Stage:
     def swap_in(self) -> None:
         """Make the staging directory the tag directory in one step (RENAME_EXCHANGE, then the
         previous copy is removed; two renames where the exchange is refused). Raises with the
-        tag directory untouched (and the staging directory removed), or after the swap."""
+        tag directory untouched (and the staging directory removed), or after the swap. Files
+        of the previous directory that are no part of a DeepSpeed checkpoint (a user's notes),
+        which stock DeepSpeed leaves in place, are carried over; DeepSpeed's files the new save
+        did not write again (another world size's partitions) go with the previous copy."""
         if not os.path.isdir(self.staging):
             return  # another node's commit took it (node-local storage on a shared filesystem)
-        done = False
+        done: list[bool] = []
         try:
-            if not os.path.lexists(self.target):  # removed since create()
-                _fsync_tree(self.staging)
-                os.rename(self.staging, self.target)
-                done = True
-                fsync_dir(self.parent)
-                return
-            _carry_over(self.target, self.staging)
-            _fsync_tree(self.staging)
-            try:
-                exchange_paths(self.staging, self.target)
-            except OSError as e:
-                if e.errno not in EXCHANGE_REFUSED:
-                    raise
-                # No RENAME_EXCHANGE here: move the previous directory aside, then rename the new one
-                # in. Killed between the two, the tag directory is missing and the previous copy waits
-                # under .fastpersist-old-TAG-TOKEN; the next save into this tag renames it back.
-                log.info("fastpersist: RENAME_EXCHANGE refused (%s); replacing %s with two renames", e, self.target)
-                os.rename(self.target, self.old)
-                try:
-                    os.rename(self.staging, self.target)
-                except BaseException:
-                    os.rename(self.old, self.target)
-                    raise
-                done = True
-                fsync_dir(self.parent)
-                leftover = self.old
-            else:
-                done = True  # the staging name holds the previous checkpoint now
-                fsync_dir(self.parent)
-                leftover = self.staging
+            # the tag directory may have been removed since create(): then a plain rename
+            leftover = dircommit.swap_in(self.staging, self.target, self.old, _DS_ENTRY_RE.fullmatch,
+                                         what="a DeepSpeed checkpoint", logger=log,
+                                         on_visible=lambda: done.append(True))
         except BaseException:
             if not done:
                 self.discard()
             raise
+        if leftover is None:
+            return
         try:
             shutil.rmtree(leftover)
             fsync_dir(self.parent)

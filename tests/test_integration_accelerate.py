@@ -604,7 +604,7 @@ def test_existing_directory_without_rename_exchange(fresh_accelerate, monkeypatc
         calls.append((a, b))
         raise OSError(errno.EINVAL, "Invalid argument", a, None, b)
 
-    monkeypatch.setattr(fpa, "_exchange", refuse)
+    monkeypatch.setattr("fastpersist.dircommit.exchange_paths", refuse)
     _train_step(acc, model, opt, sched, counter)
     acc.save_state(fixed)
     assert len(calls) == 1

@@ -747,7 +747,7 @@ def refuse(a, b):
     calls.append((a, b))
     raise OSError(errno.EINVAL, "Invalid argument", a, None, b)
 
-fpd.exchange_paths = refuse
+fastpersist.dircommit.exchange_paths = refuse
 eng = fpd.FastPersistCheckpointEngine(None)
 
 def save(value, names):

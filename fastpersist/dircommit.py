@@ -1,0 +1,221 @@
+"""Atomic replacement of a checkpoint *directory*, shared by the Accelerate and DeepSpeed adapters.
+
+A save into a directory that exists writes a hidden sibling, the staging directory
+``.fastpersist-staging-NAME-TOKEN`` (TOKEN: 16 hex digits), and :func:`swap_in`
+makes it the directory in one step: entries of the previous directory that are no
+part of a checkpoint are carried over (:func:`carry_over`), everything is fsynced,
+the two directories are exchanged with ``renameat2(RENAME_EXCHANGE)``
+(:func:`fastpersist.commit.exchange_paths`), the parents are fsynced, and the
+previous copy, now under the staging name, is left for the caller to remove. Where
+the filesystem refuses RENAME_EXCHANGE the previous directory is renamed to
+``.fastpersist-old-NAME-TOKEN`` and the new one renamed in; a process killed between
+the two renames leaves no directory, its previous copy under that name, which
+:func:`clean_leftovers` (run by the next save) renames back.
+
+What counts as a checkpoint entry, where the staging directory goes, who commits
+(ranks) and what a failure before the swap removes stay with each adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+from typing import Callable, Optional
+
+from fastpersist.commit import EXCHANGE_REFUSED, TMP_MARKER, exchange_paths, fsync_dir, fsync_path
+
+__all__ = ["LEFTOVER_RE", "carry_over", "clean_leftovers", "fsync_tree", "old_name", "short_name",
+           "staging_name", "swap_in", "why_not_staged"]
+
+STAGING_PREFIX = ".fastpersist-staging-"
+OLD_PREFIX = ".fastpersist-old-"
+#: ``.fastpersist-staging-NAME-TOKEN`` (a save's directory while it is written) and
+#: ``.fastpersist-old-NAME-TOKEN`` (the previous directory, moved aside where RENAME_EXCHANGE is refused)
+LEFTOVER_RE = re.compile(r"\.fastpersist-(?P<kind>staging|old)-(?P<name>.+)-(?P<token>[0-9a-f]{16})", re.DOTALL)
+NAME_ROOM = 200  #: bytes of a name kept by :func:`short_name` (NAME_MAX is 255 on common filesystems)
+
+
+def short_name(name: str) -> str:
+    """``name`` as it may appear in a staging name: itself, or (too long for NAME_MAX with the
+    prefix and token) a prefix of it, ``~`` and 16 hex digits of its SHA-256."""
+    raw = os.fsencode(name)
+    if len(raw) <= NAME_ROOM:
+        return name
+    return os.fsdecode(raw[:NAME_ROOM - 17]).rstrip("\udcff") + "~" + hashlib.sha256(raw).hexdigest()[:16]
+
+
+def staging_name(name: str, token: str) -> str:
+    """``.fastpersist-staging-NAME-TOKEN`` (``name`` as given: shorten it first if needed)."""
+    return f"{STAGING_PREFIX}{name}-{token}"
+
+
+def old_name(name: str, token: str) -> str:
+    """``.fastpersist-old-NAME-TOKEN`` (``name`` as given: shorten it first if needed)."""
+    return f"{OLD_PREFIX}{name}-{token}"
+
+
+def why_not_staged(target: str, stage_parent: Optional[str] = None) -> Optional[str]:
+    """None where a directory staged in ``stage_parent`` (default: beside ``target``) can
+    replace ``target`` by rename; else the reason, in words: the two parents are on
+    different filesystems, or ``target`` exists and is not a directory, is a mount
+    point, or holds the working directory (swapping it would leave the process in a
+    deleted directory). ``target`` has its symbolic links resolved."""
+    parent = os.path.dirname(target)
+    try:
+        if stage_parent is not None and os.stat(parent).st_dev != os.stat(stage_parent).st_dev:
+            return f"{parent} and {stage_parent} are on different filesystems"
+        if os.path.lexists(target):
+            if not os.path.isdir(target):
+                return f"{target} exists and is not a directory"
+            if os.stat(target).st_dev != os.stat(parent).st_dev:
+                return f"{target} is a mount point"
+            cwd = os.path.realpath(os.getcwd())
+            if cwd == target or cwd.startswith(target.rstrip(os.sep) + os.sep):
+                return f"the working directory is inside {target}"
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def fsync_tree(directory: str) -> None:
+    """fsync every file and directory under ``directory`` (bottom-up), ``directory`` last;
+    not its parent. Files fastpersist wrote are clean already; this covers the others
+    (carried over, written by other code paths)."""
+    for root, _dirs, files in os.walk(directory, topdown=False):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                fsync_path(path)
+        fsync_dir(root)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def carry_over(old_dir: str, new_dir: str, is_checkpoint_entry: Callable[[str], object], *,
+               what: str, logger: logging.Logger) -> None:
+    """Entries of ``old_dir`` (the directory being replaced) that ``new_dir`` lacks and that
+    are no checkpoint entries (``is_checkpoint_entry(name)`` false: a user's notes,
+    ``config.json``, logs) go into ``new_dir`` as hard links (copies where the filesystem
+    has none; symbolic links as links), so ``old_dir`` stays whole until the swap.
+    Checkpoint entries the new save did not write again are stale and dropped, as are
+    fastpersist's temporary files. ``what`` names the checkpoint in the log
+    (``"an Accelerate checkpoint"``)."""
+    for name in os.listdir(old_dir):
+        dst = os.path.join(new_dir, name)
+        if os.path.lexists(dst) or is_checkpoint_entry(name) or (name.startswith(".") and TMP_MARKER in name):
+            continue
+        src = os.path.join(old_dir, name)
+        logger.info("fastpersist: keeping %s (not part of %s) in the new checkpoint", src, what)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
+
+
+def swap_in(staging: str, target: str, old: str, is_checkpoint_entry: Callable[[str], object], *, what: str,
+            logger: logging.Logger, on_visible: Callable[[], object],
+            sync_tree: Callable[[str], None] = fsync_tree) -> Optional[str]:
+    """Make the directory ``staging`` visible as ``target`` in one step.
+
+    ``target`` missing: ``staging`` is fsynced (``sync_tree``) and renamed to it. Else
+    entries of ``target`` that are no checkpoint entries are carried into ``staging``
+    (:func:`carry_over`), ``staging`` is fsynced and the two are exchanged
+    (RENAME_EXCHANGE), or, where that is refused, ``target`` is renamed to ``old`` (a
+    sibling of ``staging``) and ``staging`` to ``target`` (the first rename is undone if
+    the second fails). ``on_visible()`` is called as soon as ``target`` names the new
+    directory; then the parents of ``target`` and ``staging`` are fsynced.
+
+    Returns the path that holds the previous directory now (``staging`` or ``old``), for
+    the caller to remove, or None where ``target`` did not exist. An exception before
+    ``on_visible()`` leaves ``target`` as it was (``staging`` stays: the caller removes it);
+    one after it (an fsync) leaves the new directory in place.
+    """
+    parents = [os.path.dirname(target)]
+    if os.path.dirname(staging) != parents[0]:
+        parents.append(os.path.dirname(staging))
+    if not os.path.lexists(target):
+        sync_tree(staging)
+        os.rename(staging, target)
+        on_visible()
+        for d in parents:
+            fsync_dir(d)
+        return None
+    carry_over(target, staging, is_checkpoint_entry, what=what, logger=logger)
+    sync_tree(staging)
+    try:
+        exchange_paths(staging, target)
+    except OSError as e:
+        if e.errno not in EXCHANGE_REFUSED:
+            raise
+        # No RENAME_EXCHANGE here: move the previous directory aside, then rename the new one
+        # in. Killed between the two, target is missing and the previous copy waits under
+        # .fastpersist-old-NAME-TOKEN; the next save (clean_leftovers) or the user renames it back.
+        logger.info("fastpersist: RENAME_EXCHANGE refused (%s); replacing %s with two renames", e, target)
+        os.rename(target, old)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
+        leftover = old
+    else:
+        leftover = staging  # the staging name holds the previous directory now
+    on_visible()
+    for d in parents:
+        fsync_dir(d)
+    return leftover
+
+
+def clean_leftovers(directory: str, restore_to: Callable[[str], Optional[str]], *, operation: str,
+                    logger: logging.Logger, fsync_after_restore: bool) -> None:
+    """Remove the staging directories of killed saves in ``directory`` and give back
+    previous directories that a killed fallback commit had moved aside.
+
+    Only directories (never symbolic links) whose names match :data:`LEFTOVER_RE` and
+    whose NAME is ours are touched: ``restore_to(NAME)`` is the path the directory NAME
+    belongs at, or None for a name that is not ours. An ``old`` copy is renamed back
+    there when nothing is there (then, with ``fsync_after_restore``, that path's parent
+    is fsynced at once); every other match is removed. ``directory`` is fsynced at the
+    end if anything changed. Never raises: problems are logged as warnings.
+    ``operation`` names the saving call in the log (``"save_state"``).
+    """
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    changed = False
+    for entry in entries:
+        m = LEFTOVER_RE.fullmatch(entry)
+        dest = None if m is None else restore_to(m["name"])
+        if m is None or dest is None:
+            continue
+        path = os.path.join(directory, entry)
+        if os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            if m["kind"] == "old" and not os.path.lexists(dest):
+                logger.warning("fastpersist: a %s was killed while replacing %s: restoring the previous copy "
+                               "from %s", operation, dest, path)
+                os.rename(path, dest)
+                if fsync_after_restore:
+                    fsync_dir(os.path.dirname(dest))
+            else:
+                logger.info("fastpersist: removing %s, left by a %s that did not finish", path, operation)
+                shutil.rmtree(path)
+            changed = True
+        except OSError as e:
+            logger.warning("fastpersist: could not clean up %s: %s", path, e)
+    if changed:
+        with contextlib.suppress(OSError):
+            fsync_dir(directory)
