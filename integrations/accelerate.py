@@ -343,10 +343,11 @@ class _Layout:
         self.stage_parent = os.path.dirname(self.parent) if auto or self.parent == ckpts else self.parent
 
     def staging(self, token: str) -> str:
-        return os.path.join(self.stage_parent, dircommit.staging_name(self.name, token))
+        # the name shortened, so that a long output_dir name still fits NAME_MAX with our prefix
+        return os.path.join(self.stage_parent, dircommit.staging_name(dircommit.short_name(self.name), token))
 
     def old(self, token: str) -> str:
-        return os.path.join(self.stage_parent, dircommit.old_name(self.name, token))
+        return os.path.join(self.stage_parent, dircommit.old_name(dircommit.short_name(self.name), token))
 
     def why_not_staged(self) -> Optional[str]:
         """None where the save can be staged and committed by rename; else the reason."""
@@ -358,7 +359,9 @@ class _Layout:
         killed fallback commit had moved aside and not replaced."""
 
         def restore_to(name: str) -> Optional[str]:
-            if name == self.name or (self.auto and _AUTO_NAME_RE.fullmatch(name)):
+            if name == dircommit.short_name(self.name):
+                return self.target
+            if self.auto and _AUTO_NAME_RE.fullmatch(name):
                 return os.path.join(self.parent, name)
             return None
 
@@ -374,8 +377,15 @@ class _Layout:
                                      what="an Accelerate checkpoint", logger=log,
                                      on_visible=lambda: done.append(True), sync_tree=_fsync_tree)
         if previous is not None:
-            shutil.rmtree(previous)
-            fsync_dir(self.stage_parent)
+            # The new checkpoint is in place: failing to remove the previous copy (an NFS
+            # .nfsXXXX file, a read-only subdirectory) must not fail the save. It keeps our
+            # staging name, so the next save_state removes it.
+            try:
+                shutil.rmtree(previous)
+                fsync_dir(self.stage_parent)
+            except OSError as e:
+                log.warning("fastpersist: %s is in place; could not remove the previous copy %s (%s); the next "
+                            "save_state removes it", self.target, previous, e)
 
 
 def _final_location(location: Any, staging: str, final: str) -> Any:

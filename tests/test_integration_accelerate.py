@@ -627,6 +627,61 @@ def test_existing_directory_without_rename_exchange(fresh_accelerate, monkeypatc
     _same(want_b, _snapshot(acc, model, opt, sched, counter))
 
 
+def test_long_output_dir_name(fresh_accelerate, tmp_path):
+    """An output_dir whose last component is 240 bytes (NAME_MAX is 255): the staging and
+    old-copy names are shortened to fit, the save and an overwrite succeed, nothing is left."""
+    fpa = fresh_accelerate
+    acc, model, opt, sched, counter = _build(str(tmp_path / "proj"), total_limit=None, auto=False)
+    fpa.enable(acc)
+    fixed = str(tmp_path / ("d" * 240))
+    _train_step(acc, model, opt, sched, counter)
+    acc.save_state(fixed)
+    _train_step(acc, model, opt, sched, counter)
+    acc.save_state(fixed)
+    want = _snapshot(acc, model, opt, sched, counter)
+    assert set(os.listdir(fixed)) == EXPECTED_FILES
+    assert _staging_leftovers(tmp_path) == []
+    _train_step(acc, model, opt, sched, counter)
+    acc.load_state(fixed)
+    _same(want, _snapshot(acc, model, opt, sched, counter))
+
+
+def test_previous_copy_that_cannot_be_removed_does_not_fail_the_save(fresh_accelerate, monkeypatch, tmp_path):
+    """After the swap the new checkpoint is in place: a failure to remove the previous copy
+    (an NFS .nfsXXXX file, a read-only subdirectory) is logged, save_state returns the new
+    directory and counts it, and the next save_state removes the leftover."""
+    import shutil
+
+    fpa = fresh_accelerate
+    acc, model, opt, sched, counter = _build(str(tmp_path / "proj"), total_limit=None, auto=False)
+    fpa.enable(acc)
+    fixed = str(tmp_path / "fixed")
+    _train_step(acc, model, opt, sched, counter)
+    acc.save_state(fixed)
+    _train_step(acc, model, opt, sched, counter)
+    real = shutil.rmtree
+
+    def rmtree(path, *a, **kw):
+        if ".fastpersist-" in os.path.basename(os.fspath(path)) and not kw.get("ignore_errors"):
+            raise OSError(errno.EBUSY, "Device or resource busy (injected)", os.fspath(path))
+        return real(path, *a, **kw)
+
+    iteration = acc.save_iteration
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "rmtree", rmtree)
+        location = acc.save_state(fixed)
+    assert os.path.abspath(os.fspath(location)) == os.path.abspath(fixed)
+    assert acc.save_iteration == iteration + 1
+    want = _snapshot(acc, model, opt, sched, counter)
+    assert len(_staging_leftovers(tmp_path)) == 1  # the previous copy, under our name
+    _train_step(acc, model, opt, sched, counter)
+    acc.load_state(fixed)  # the new checkpoint is the one in place
+    _same(want, _snapshot(acc, model, opt, sched, counter))
+    _train_step(acc, model, opt, sched, counter)
+    acc.save_state(fixed)
+    assert _staging_leftovers(tmp_path) == []
+
+
 if __name__ == "__main__" and "--worker" in sys.argv:
     _worker(sys.argv[sys.argv.index("--worker") + 1])
 elif __name__ == "__main__" and "--kill-child" in sys.argv:
