@@ -186,3 +186,89 @@ def test_lying_end_record_fields(original, tmp_path, field, width, value):
     p = tmp_path / "f.pt"
     p.write_bytes(bad)
     check(p, saved())
+
+
+@pytest.mark.parametrize("lie", ["encrypted", "deflated"])
+def test_local_header_at_odds_with_the_directory(original, tmp_path, lie):
+    """A local header that says encrypted (flag bit 0) or compressed (method 8) where the
+    central directory says stored: a file at odds with itself, a ZipFormatError. It used
+    to be taken for a layout this reader does not handle and handed to torch.load, which
+    believes the directory and checks no CRC-32: a flipped payload byte came back as
+    values (checksum on), and a record the directory also marks as a directory
+    (external attribute 0x10) as memory torch never filled (fuzz: load, seed 1)."""
+    writer, data = original
+    src = tmp_path / "src.pt"
+    src.write_bytes(data)
+    idx = read_zip_index(src)
+    by_short = {e.name.split("/", 1)[1]: e for e in idx.entries}
+    bad = bytearray(data)
+    e = by_short["byteorder"]
+    if lie == "encrypted":
+        bad[e.header_offset + 6] |= 0x01
+    else:
+        bad[e.header_offset + 8:e.header_offset + 10] = struct.pack("<H", 8)
+    w = by_short["data/0"]  # "w": flip a payload byte (its CRC no longer matches)
+    bad[w.data_offset] ^= 0x10
+    h = by_short["data/2"]  # "h": marked a directory in the central directory (miniz will not extract it)
+    bad[h.cd_offset + 38] |= 0x10
+    p = tmp_path / "f.pt"
+    p.write_bytes(bad)
+    for weights_only in (False, True):
+        with pytest.raises(CheckpointFormatError, match="local header"):
+            fastpersist.load(p, weights_only=weights_only)
+        with pytest.raises(CheckpointFormatError):
+            fastpersist.load(p, weights_only=weights_only, mmap=True)
+    with pytest.raises(CheckpointFormatError, match="local header"):
+        fastpersist.load(p, config=fastpersist.Config(checksum=False))
+    with pytest.raises(CheckpointFormatError, match="local header"):
+        fastpersist.open(p)
+
+
+_RSS_SCRIPT = r"""
+import resource, sys, warnings
+warnings.filterwarnings("ignore")
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # never the machine's OOM killer, whatever happens
+import torch, fastpersist
+path, want = sys.argv[1], torch.load(sys.argv[1], weights_only=True)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+got = [fastpersist.load(path, weights_only=True, map_location=lambda s, _loc: s),  # not the fast unpickler
+       fastpersist.load(path, weights_only=True, mmap=True)]
+res = fastpersist.verify(path)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+for g in got:
+    assert list(g) == list(want) and all(torch.equal(g[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))
+assert not res.ok and "beyond its size" in " ".join(res.problems), res.problems  # no Python pickler writes it
+"""
+
+
+def test_huge_memo_index_is_not_an_allocation(tmp_path):
+    """A ``LONG_BINPUT`` to memo index 30,000,000 in an otherwise valid pickle (torch's
+    writer, CRCs right): torch.load(weights_only=True) keeps its memo in a dict and loads
+    the file; the dry run of the pickle (picklescan, C pickle) grew its memo array to
+    2 * index slots and zeroed them: 480 MB here, 20 GB for the fuzz's index of
+    1,263,614,577 (the load fuzz was OOM-killed). Now refused before C pickle runs it
+    (the scan is "not understood"), so load and load(mmap=True) answer as torch does, in
+    the memory of the file; verify reports the file as corrupt (no pickler writes it,
+    and a weights_only=False load of it makes that allocation in torch's own unpickler)."""
+    import subprocess
+    import sys
+
+    p = tmp_path / "c.pt"
+    torch.save(saved(), p)
+    with zipfile.ZipFile(p) as z:
+        prefix = z.namelist()[0].split("/")[0]
+        records = [(n.split("/", 1)[1], z.read(n)) for n in z.namelist()]
+    pkl = dict(records)["data.pkl"]
+    assert pkl.startswith(b"\x80\x02}q\x00")  # PROTO 2, EMPTY_DICT, BINPUT 0
+    pkl = pkl[:5] + b"r" + struct.pack("<I", 30_000_000) + pkl[5:]  # memoize the dict again, far away
+    w = torch._C.PyTorchFileWriter(str(p), True, 64)
+    for name, data in records:
+        data = pkl if name == "data.pkl" else data
+        w.write_record(name, data, len(data))
+    w.write_end_of_file()
+    del w
+    assert prefix and same(torch.load(p, weights_only=True), saved())
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(p)], capture_output=True, text=True, timeout=300)
+    grew_mb = int(out.stdout.split()[-1])
+    assert grew_mb < 200, f"loading and verifying a 1 KB pickle grew the process by {grew_mb} MB"
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import pickletools
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -84,16 +86,99 @@ class _StandIn:
 _ONE = object.__new__(_StandIn)
 
 
+def _argument_widths() -> list[Optional[int]]:
+    """Per opcode byte: the width of its fixed argument (>= 0), or how its argument is
+    delimited (-1: up to a newline, -2: two lines, -3/-4/-5: a length of 1/4/8 bytes
+    first); None for bytes that are no opcode."""
+    out: list[Optional[int]] = [None] * 256
+    counted = {pickletools.TAKEN_FROM_ARGUMENT1: -3, pickletools.TAKEN_FROM_ARGUMENT4: -4,
+               pickletools.TAKEN_FROM_ARGUMENT4U: -4, pickletools.TAKEN_FROM_ARGUMENT8U: -5}
+    for op in pickletools.opcodes:
+        a = op.arg
+        out[ord(op.code)] = 0 if a is None else a.n if a.n >= 0 else counted.get(a.n, -1)
+    out[ord("c")] = out[ord("i")] = -2  # GLOBAL, INST: module and name lines
+    return out
+
+
+_WIDTHS = _argument_widths()
+_LONG_BINPUT, _PUT, _STOP = ord("r"), ord("p"), ord(".")
+
+
+def unbounded_allocation(data: bytes) -> Optional[str]:
+    """Why C pickle's ``Unpickler`` would allocate far more than ``data`` holds, or None.
+
+    Its memo is an array: a ``LONG_BINPUT``/``PUT`` to index ``i`` grows it to ``2 * i``
+    slots and zeroes them (a 4-byte index of 1,263,614,577: 20 GB written, the process
+    OOM-killed), where torch's weights-only unpickler (a dict memo) answers at once.
+    A counted argument (bytes, string, bytearray) longer than the rest of the pickle is
+    allocated before the read that fails. Python's pickler never writes either: memo
+    indices count up from 0, one per ``PUT``. A walk over the opcodes (no object
+    built); malformed input past that is left to the unpickler's own error."""
+    n = len(data)
+    i = 0
+    widths = _WIDTHS
+    unpack = struct.unpack_from
+    find = data.find
+    while i < n:
+        c = data[i]
+        i += 1
+        w = widths[c]
+        if w is None:
+            return None
+        if w >= 0:
+            if c == _LONG_BINPUT and i + 4 <= n and unpack("<I", data, i)[0] > n:
+                return f"memo index {unpack('<I', data, i)[0]} at byte {i - 1} of a {n}-byte pickle"
+            if c == _STOP:
+                return None
+            i += w
+        elif w == -1 or w == -2:
+            j = find(b"\n", i)
+            if w == -2 and j >= 0:
+                j = find(b"\n", j + 1)
+            if j < 0:
+                return None
+            if c == _PUT:
+                try:
+                    if int(data[i:j]) > n:
+                        return f"memo index {int(data[i:j])} at byte {i - 1} of a {n}-byte pickle"
+                except ValueError:
+                    return None
+            i = j + 1
+        else:
+            size = {-3: 1, -4: 4, -5: 8}[w]
+            if i + size > n:
+                return None
+            length = data[i] if size == 1 else unpack("<i" if c in (ord("T"), ord("\x8b")) else "<I" if size == 4 else "<Q",
+                                                       data, i)[0]
+            if length > n - i - size:
+                return f"an argument of {length} bytes at byte {i - 1} of a {n}-byte pickle"
+            i += size + max(length, 0)
+    return None
+
+
 class _DryUnpickler(pickle.Unpickler):
     """Runs a pickle with every global replaced by a :class:`_StandIn` subclass that
     carries the global's name (``ref``), recording each global and each persistent
-    id. Nothing is imported and no checkpoint code runs."""
+    id. Nothing is imported and no checkpoint code runs.
 
-    def __init__(self, data: bytes) -> None:
+    ``bound_memo``: refuse (ValueError from :meth:`load`) a pickle that would make C
+    pickle allocate far beyond its size (:func:`unbounded_allocation`). Only a load whose
+    next step is C pickle anyway (``weights_only=False``: torch's unpickler makes the same
+    allocation) may skip that walk over the opcodes."""
+
+    def __init__(self, data: bytes, *, bound_memo: bool = True) -> None:
         super().__init__(io.BytesIO(data), encoding="latin1")
+        self._data = data if bound_memo else None
         self.globals: dict[tuple[str, str], type] = {}
         self.storages: dict[str, Any] = {}
         self.pids: list[Any] = []
+
+    def load(self) -> Any:
+        if self._data is not None:
+            why = unbounded_allocation(self._data)
+            if why is not None:
+                raise ValueError(f"the pickle would make the unpickler allocate beyond its size ({why})")
+        return super().load()
 
     def find_class(self, module: str, name: str) -> Any:
         ref = (str(module), str(name))
@@ -128,9 +213,10 @@ class PickleScan:
         return None if self.storages is None else set(self.storages)
 
 
-def scan_pickle(data: bytes) -> PickleScan:
-    """Run the pickle ``data`` with inert stand-ins for every global (see the module docstring)."""
-    dry = _DryUnpickler(data)
+def scan_pickle(data: bytes, *, bound_memo: bool = True) -> PickleScan:
+    """Run the pickle ``data`` with inert stand-ins for every global (see the module docstring);
+    ``bound_memo`` as for :class:`_DryUnpickler` (a pickle refused there is "not understood")."""
+    dry = _DryUnpickler(data, bound_memo=bound_memo)
     try:
         dry.load()
     except Exception as e:  # noqa: BLE001 - any failure means "not understood"

@@ -328,7 +328,12 @@ class _Load:
         nlen = int.from_bytes(header[26:28], "little")
         xlen = int.from_bytes(header[28:30], "little")
         if method != 0 or flags & _FLAG_ENCRYPTED:
-            raise UnsupportedLayoutError(f"record {e.name!r} is compressed or encrypted in its local header")
+            # The central directory (checked in index()) says stored and not encrypted: a
+            # local header saying otherwise is a file at odds with itself, not a layout to
+            # hand to torch.load (which reads the directory's word, skips the CRC-32 check
+            # and, with other damage, returns memory it never filled as values).
+            raise _bad(self.path, e.header_offset + 6, f"the local header of {e.name!r} says flags {flags:#06x} "
+                       f"method {method}, the central directory flags {e.flags:#06x} method {e.method}")
         if _LOCAL_HEADER + nlen + xlen != len(header):
             raise _HeaderMismatch(e.name)
         if bytes(header[_LOCAL_HEADER : _LOCAL_HEADER + nlen]) != e.name.encode("utf-8") and \
@@ -575,7 +580,7 @@ def _load_fd(
     if fast_unpickle and not (map_location is None and b"cuda" in pkl):
         return _load_fast(load, pkl, handle, map_location, pickle_module, private_load, weights_only=weights_only,
                           **pickle_load_args)
-    scan = scan_pickle(pkl)
+    scan = scan_pickle(pkl, bound_memo=weights_only)  # weights_only=False: torch's C unpickler runs it anyway
     wanted = scan.keys
     overlap = _overlap_allowed(scan, native_order, map_location)
     # The GPU path: storages that torch would put on a CUDA device are read through a
