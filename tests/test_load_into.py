@@ -598,3 +598,17 @@ def test_optimizer_group_mismatch_raises_before_reading(tmp_path):
     assert all(torch.equal(after[k], v) for k, v in before.items())
     with pytest.raises(RuntimeError, match="not an optimizer state dict"):
         fastpersist.load_state_dict(other, p, key="state")
+
+
+def test_tensor_beyond_its_record_refused_even_if_overwritten(tmp_path):
+    """The file of tests/test_open.py's test of the same name (torch.load refuses it: a dict
+    key set twice, the first tensor reaching past its record): load_state_dict raised
+    nothing and wrote the second tensor; now a clear error, the target untouched."""
+    from test_open import _dead_tensor_beyond_its_record
+
+    p = _dead_tensor_beyond_its_record(tmp_path)
+    for strict in (True, False):
+        target = {"x": torch.zeros(4, dtype=torch.int32)}
+        with pytest.raises(fastpersist.errors.CheckpointFormatError, match="reaches beyond its record"):
+            fastpersist.load_state_dict(target, p, strict=strict)
+        assert torch.equal(target["x"], torch.zeros(4, dtype=torch.int32))

@@ -389,3 +389,31 @@ def test_pickle_lying_about_a_view_offset(tmp_path):
     with pytest.raises((CheckpointFormatError, RuntimeError)):
         fastpersist.load_state_dict(target, p)
     assert torch.equal(target["w"], torch.zeros(4, dtype=torch.int32))
+
+
+def _dead_tensor_beyond_its_record(tmp_path):
+    """A file whose pickle builds a tensor reaching past its record and then sets the same
+    dict key again to a sound tensor: the out-of-bounds one is in no result, but torch.load
+    builds it and refuses the file (fuzz: partial and into readers, seed 1)."""
+    src = tmp_path / "src.pt"
+    torch.save({"x": torch.arange(7, dtype=torch.float32), "y": torch.arange(4, dtype=torch.int32)}, src)
+    p = tmp_path / "dead.pt"
+
+    def edit(pkl: bytes) -> bytes:
+        assert pkl.count(b"K\x07\x85") == 1 and pkl.count(b"X\x01\x00\x00\x00y") == 1
+        pkl = pkl.replace(b"K\x07\x85", b"K\x09\x85")  # x: shape (9,) over a 7-element record
+        return pkl.replace(b"X\x01\x00\x00\x00y", b"X\x01\x00\x00\x00x")  # then "x" again: the int32 tensor
+
+    _rewrite_pickle(src, p, edit)
+    with pytest.raises(RuntimeError, match="not resizable"):
+        torch.load(p, weights_only=True, map_location="cpu")
+    return p
+
+
+def test_tensor_beyond_its_record_refused_even_if_overwritten(tmp_path):
+    """open() indexed only the surviving tensors and returned the second "x" where torch
+    refuses the file; the index now notices the storage the dead tensor grew."""
+    p = _dead_tensor_beyond_its_record(tmp_path)
+    with pytest.raises(CheckpointFormatError, match="reaches beyond its record"):
+        with fastpersist.open(p) as f:
+            f.get("x")

@@ -674,6 +674,17 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
     finally:
         if gc_was_on:
             gc.enable()
+    # A tensor of the pickle that reaches beyond its record grows the meta storage it was
+    # set on, where torch.load raises "Trying to resize storage that is not resizable"
+    # for the whole file, also when the tensor is not in the result (a dict key set
+    # twice: the later value wins, the earlier tensor was still built). The index would
+    # otherwise describe the surviving tensors of a file torch refuses.
+    for record, t in reader.storages.values():
+        grown = t.untyped_storage().nbytes()
+        if grown != t.numel():
+            r = load.record(record)
+            raise _bad(f.path, r.data_offset, f"a tensor of the pickle reaches beyond its record {r.entry.name!r} of "
+                       f"{t.numel()} bytes (to byte {grown}); torch.load refuses the file")
     f.obj = obj
     for r in load.records:
         if r.short.startswith("data/"):
