@@ -150,6 +150,8 @@ def _same(a: Any, b: Any) -> bool:
         return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.serialization.StorageType):  # no __eq__: two loads give two equal objects
+        return a.dtype == b.dtype
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001
@@ -220,6 +222,44 @@ def rebuild(records: list[tuple[str, bytes]], alignment: int, workdir: str) -> b
     del w
     with open(p, "rb") as f:
         return f.read()
+
+
+def as_read(path: str, workdir: str) -> Optional[str]:
+    """The records of the torch file at ``path`` as fastpersist's reader takes them (names
+    and sizes from the central directory, data after each local header's name and extra
+    field, only the records in data.pkl's folder), written again by torch's own writer:
+    the file whose torch.load answer a ``checksum=False`` load must give. None when the
+    directory cannot be read or torch's writer refuses the records (duplicate names)."""
+    from fastpersist.formats.zipindex import fd_reader, read_central_directory
+
+    with open(path, "rb") as fh:
+        data = fh.read()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _cd, entries = read_central_directory(fd_reader(fd, path), len(data), path)
+    except Exception:  # noqa: BLE001 - no directory: nothing to compare with
+        return None
+    finally:
+        os.close(fd)
+    pkl = [e.name for e in entries if e.name.endswith("data.pkl")]
+    if not pkl:
+        return None
+    prefix = pkl[0][: -len("data.pkl")]
+    records = []
+    for e in entries:
+        if not e.name.startswith(prefix) or e.header_offset + 30 > len(data):
+            continue
+        nlen, xlen = struct.unpack_from("<HH", data, e.header_offset + 26)
+        at = e.header_offset + 30 + nlen + xlen
+        records.append((e.name[len(prefix):], data[at:at + e.compressed_size]))
+    try:
+        rebuilt = rebuild(records, 64, workdir)
+    except RuntimeError:
+        return None
+    out = os.path.join(workdir, "as-read.pt")
+    with open(out, "wb") as fh:
+        fh.write(rebuilt)
+    return out
 
 
 def zip_records(data: bytes) -> tuple[list[tuple[str, bytes]], str]:
@@ -620,6 +660,7 @@ class Fuzzer:
         self.stats: dict[str, Stats] = collections.defaultdict(Stats)
         self._originals: dict[str, Any] = {}
         self._nbug = 0
+        self._current: tuple[str, Any, str] = ("?", b"", ".bin")  # (label, payload, ext) of the case running
 
     # -- originals ---------------------------------------------------------------
     def torch_original(self, writer: str) -> tuple[bytes, str, int]:
@@ -666,10 +707,16 @@ class Fuzzer:
     def run_case(self, reader: str, rng: random.Random) -> None:
         signal.signal(signal.SIGALRM, _alarm)
         signal.alarm(self.case_limit_s)
+        self._current = ("?", b"", ".bin")
         try:
             getattr(self, "case_" + reader)(rng)
         except Hang:
-            self.record(reader, "BUG hang", "?", b"", ".bin", "timed out")
+            # the file being read when the limit struck (a hang or an allocation gone wild)
+            label, payload, ext = self._current
+            self.record(reader, "BUG hang", label, payload, ext, "timed out")
+        except MemoryError as exc:  # --mem-limit-gb: a reader (or the oracle) asked for more than the limit
+            label, payload, ext = self._current
+            self.record(reader, "BUG memory", label, payload, ext, "".join(traceback.format_exception(exc))[-3000:])
         finally:
             signal.alarm(0)
         self.stats[reader].cases += 1
@@ -682,6 +729,7 @@ class Fuzzer:
         p = os.path.join(self.work, "case.pt")
         with open(p, "wb") as f:
             f.write(bad)
+        self._current = (f"{writer}: {label}", bad, ".pt")
         return p, bad, f"{writer}: {label}", consistent
 
     def judge_torch_load(self, path: str, kw: dict, ours: Callable[[], Any], want: Any) -> tuple[str, str]:
@@ -721,17 +769,27 @@ class Fuzzer:
                 verdict = self.nocrc(verdict, detail, p, cfg, kw, want)
             self.record("mmap" if mmap else "load", verdict, f"{label} {kw} checksum={checksum}", bad, ".pt", detail)
 
-    @staticmethod
-    def nocrc(verdict: str, detail: str, p: str, cfg: Any, kw: dict, want: Any) -> str:
+    def nocrc(self, verdict: str, detail: str, p: str, cfg: Any, kw: dict, want: Any) -> str:
         """With ``Config(checksum=False)`` nothing vouches for the bytes: a flipped payload
         byte is returned as it is (same dtype/shape/stride as saved, other bytes) and a
         flipped pickle byte gets torch's own unpickler error, also where torch.load
-        refuses the file earlier for a structural flip the fast reader tolerates. Those
-        are "nocrc" notes; anything else stays a BUG."""
+        refuses the file earlier for a structural flip the fast reader tolerates (a
+        record name outside the archive folder, a local header's extra field). The
+        reference for those: torch.load of the records *as the fast reader reads them*
+        (central directory, local header lengths), rewritten by torch's own writer
+        (:func:`as_read`); the same values or the same error type are "nocrc" notes;
+        anything else stays a BUG."""
+        ok, got = call(lambda: fastpersist.load(p, config=cfg, **kw))
+        ref = as_read(p, self.work)
+        if ref is not None:
+            rok, theirs = call(lambda: torch.load(ref, **kw))
+            if ok and rok and same(got, theirs):
+                return "nocrc-as-read"
+            if not ok and not rok and type(got) is type(theirs):
+                return "nocrc-as-read-error"
         if "raw-" in verdict and ("_weights_only_unpickler.py" in detail or "pickle" in detail.split("\n")[-3]):
             return "nocrc-unpickler-error"
         if verdict == "BUG wrong-values":
-            ok, got = call(lambda: fastpersist.load(p, config=cfg, **kw))
             if ok and isinstance(got, dict) and list(got) == list(want) and all(
                     type(got[k]) is type(want[k]) and (not isinstance(want[k], torch.Tensor) or (
                         got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
@@ -753,6 +811,7 @@ class Fuzzer:
         p = os.path.join(self.work, "case.safetensors")
         with open(p, "wb") as f:
             f.write(bad)
+        self._current = (label, bad, ".safetensors")
         want = saved_st()
         tok, theirs = call(lambda: load_file(p))
         for mmap in (False, True):
@@ -782,6 +841,7 @@ class Fuzzer:
             p = os.path.join(self.work, "case.safetensors")
             with open(p, "wb") as f:
                 f.write(bad)
+            self._current = ("st " + label, bad, ".safetensors")
             return p, bad, "st " + label, ".safetensors", saved_st()
         p, bad, label, _c = self._zip_case(rng)
         return p, bad, label, ".pt", None
@@ -820,7 +880,8 @@ class Fuzzer:
             from safetensors.torch import load_file
             tok, theirs = call(lambda: load_file(p))
         else:
-            tok, theirs = call(lambda: torch.load(p, weights_only=True))
+            # into CPU targets: storage location tags play no part, as with map_location="cpu"
+            tok, theirs = call(lambda: torch.load(p, weights_only=True, map_location="cpu"))
         if tok and isinstance(theirs, dict):
             fine = True
             for k in want:
@@ -870,7 +931,12 @@ class Fuzzer:
             from safetensors.torch import load_file
             tok, theirs = call(lambda: load_file(p))
         else:
-            tok, theirs = call(lambda: torch.load(p, weights_only=True))
+            # open().get returns CPU tensors whatever location a storage was tagged with (the
+            # index unpickles with map_location="cpu"): the reference is torch.load with the
+            # same map_location, for which a broken location tag is no error either. Like
+            # safetensors.safe_open, which validates the whole header at open, the whole
+            # pickle must be sound: torch's refusal for any tensor is the answer for all.
+            tok, theirs = call(lambda: torch.load(p, weights_only=True, map_location="cpu"))
         if tok and isinstance(theirs, dict):
             from fastpersist.formats.torchindex import tensor_leaves, tensor_name
             flat = {tensor_name(k): t for k, t in tensor_leaves(theirs)} if not use_st else theirs
@@ -1167,7 +1233,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "fastpersist-fuzz"),
                     help="where reproducers of bugs are saved")
     ap.add_argument("--cases", type=int, default=0, help="stop each reader after this many cases (0: time only)")
+    ap.add_argument("--mem-limit-gb", type=float, default=0.0,
+                    help="address-space limit (RLIMIT_AS) of the process: an allocation past it is a MemoryError, "
+                         "recorded as 'BUG memory' with the file, instead of the machine's OOM killer (0: none)")
     args = ap.parse_args(argv)
+    if args.mem_limit_gb:
+        import resource
+
+        lim = int(args.mem_limit_gb * (1 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (lim, lim))
     readers = READERS if args.reader == "all" else tuple(args.reader.split(","))
     torch.set_num_threads(1)
     work = tempfile.mkdtemp(prefix="fuzzwork-")
