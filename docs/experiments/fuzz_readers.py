@@ -152,6 +152,10 @@ def _same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.serialization.StorageType):  # no __eq__: two loads give two equal objects
         return a.dtype == b.dtype
+    if isinstance(a, torch.storage.TypedStorage):  # a storage in the result (pickle edits): same dtype and bytes
+        return a.dtype == b.dtype and a.device == b.device and _same(a._untyped_storage, b._untyped_storage)
+    if isinstance(a, torch.UntypedStorage):
+        return a.device == b.device and a.nbytes() == b.nbytes() and bytes(a.cpu()) == bytes(b.cpu())
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001
