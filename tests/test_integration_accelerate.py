@@ -18,7 +18,6 @@ import errno
 import hashlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -423,22 +422,9 @@ def _run_killed_child(mode: str, root) -> None:
     """Run _kill_child in a subprocess: it saves step A, then blocks inside the next
     save_state (model.safetensors and optimizer.bin of step B written, scheduler.bin
     being written); SIGKILL it there."""
-    blocked = os.path.join(root, "blocked")
-    with open(os.path.join(root, "child.log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, HERE, "--kill-child", mode, str(root)], env=_clean_env(),
-                                stdout=log, stderr=subprocess.STDOUT, cwd=root)
-        try:
-            deadline = time.monotonic() + 300
-            while not os.path.exists(blocked):
-                assert proc.poll() is None, open(os.path.join(root, "child.log")).read()[-6000:]
-                assert time.monotonic() < deadline, "the child never reached the blocking write"
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGKILL)
-            assert proc.wait(timeout=60) == -signal.SIGKILL
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    from subprocess_kill import sigkill_when_blocked  # tests/ is on sys.path (rootdir conftest)
+
+    sigkill_when_blocked([sys.executable, HERE, "--kill-child", mode, str(root)], str(root), _clean_env(), 300)
 
 
 def _kill_child(mode: str, root: str) -> None:
@@ -549,8 +535,10 @@ def test_sigkill_during_save_state_into_existing_directory(fresh_accelerate, tmp
     _same(want_b, _snapshot(acc, model, opt, sched, counter))
 
 
-def _raise_at(monkeypatch, name: str) -> None:
-    """Make the save of the file ``name`` raise (the files before it are written)."""
+def _failing_save_leaves(monkeypatch, acc, fixed: str, name: str, before: dict) -> None:
+    """save_state(fixed) with the save of the file ``name`` raising ENOSPC (the files
+    before it written): the error reaches the caller, ``fixed`` holds ``before``
+    (:func:`_hashes`) and no staging directory is left beside it."""
     real = fastpersist.save
 
     def save(obj, path, **kw):
@@ -558,7 +546,12 @@ def _raise_at(monkeypatch, name: str) -> None:
             raise OSError(errno.ENOSPC, "injected", os.fspath(path))
         return real(obj, path, **kw)
 
-    monkeypatch.setattr(fastpersist, "save", save)
+    with monkeypatch.context() as m:
+        m.setattr(fastpersist, "save", save)
+        with pytest.raises(OSError, match="injected"):
+            acc.save_state(fixed)
+    assert _hashes(fixed) == before
+    assert _staging_leftovers(os.path.dirname(fixed)) == []
 
 
 def test_error_during_save_state_into_existing_directory(fresh_accelerate, monkeypatch, tmp_path):
@@ -573,12 +566,7 @@ def test_error_during_save_state_into_existing_directory(fresh_accelerate, monke
     before = _hashes(fixed)
     iteration = acc.save_iteration
     _train_step(acc, model, opt, sched, counter)
-    with monkeypatch.context() as m:
-        _raise_at(m, "scheduler.bin")
-        with pytest.raises(OSError, match="injected"):
-            acc.save_state(fixed)
-    assert _hashes(fixed) == before
-    assert _staging_leftovers(tmp_path) == []
+    _failing_save_leaves(monkeypatch, acc, fixed, "scheduler.bin", before)
     assert acc.save_iteration == iteration
 
 
@@ -617,12 +605,7 @@ def test_existing_directory_without_rename_exchange(fresh_accelerate, monkeypatc
     # Killed between the two renames: no fixed/, its previous copy moved aside.
     os.rename(fixed, str(tmp_path / ".fastpersist-old-fixed-0123456789abcdef"))
     _train_step(acc, model, opt, sched, counter)
-    with monkeypatch.context() as m:
-        _raise_at(m, "optimizer.bin")
-        with pytest.raises(OSError, match="injected"):
-            acc.save_state(fixed)
-    assert _hashes(fixed) == before
-    assert _staging_leftovers(tmp_path) == []
+    _failing_save_leaves(monkeypatch, acc, fixed, "optimizer.bin", before)
     acc.load_state(fixed)
     _same(want_b, _snapshot(acc, model, opt, sched, counter))
 

@@ -190,6 +190,17 @@ def _same(a, b) -> bool:
     return type(a) is type(b)  # DeepSpeed config objects and the like: same kind
 
 
+def _clone(x):
+    """A deep copy of the tensors in nested dicts/lists/tuples (other leaves as they are)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    return x
+
+
 def _written_by_fastpersist(path: str) -> bool:
     import zipfile
 
@@ -246,17 +257,8 @@ def _worker(mode: str, stage: int, root: str, port: str) -> None:
                 return {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
         return {k: v.detach().clone() for k, v in eng.module.state_dict().items()}
 
-    def clone(x):
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone()
-        if isinstance(x, dict):
-            return {k: clone(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(clone(v) for v in x)
-        return x
-
     def optim_state(eng):
-        return clone(eng.optimizer.state_dict())
+        return _clone(eng.optimizer.state_dict())
 
     dirs = {k: os.path.join(root, k) for k in ("stock", "fp", "dec")}
     # Stock DeepSpeed engine.
@@ -410,25 +412,10 @@ def _leftovers(directory) -> list:
 def _run_killed(root: str, route: str) -> None:
     """Run the 'kill' child: it saves A, then blocks inside the next save into the same tag (the
     model-states file of B written, the ZeRO partition about to be); SIGKILL it there."""
-    import signal
-    import time
+    from subprocess_kill import sigkill_when_blocked  # tests/ is on sys.path (rootdir conftest)
 
-    blocked = os.path.join(root, "blocked")
-    with open(os.path.join(root, "child.log"), "w") as log:
-        proc = subprocess.Popen([sys.executable, HERE, "--overwrite", "kill", route, root, str(_free_port())],
-                                env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=root)
-        try:
-            deadline = time.monotonic() + 400
-            while not os.path.exists(blocked):
-                assert proc.poll() is None, open(os.path.join(root, "child.log")).read()[-6000:]
-                assert time.monotonic() < deadline, "the child never reached the blocking write"
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGKILL)
-            assert proc.wait(timeout=60) == -signal.SIGKILL
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    sigkill_when_blocked([sys.executable, HERE, "--overwrite", "kill", route, root, str(_free_port())], root,
+                         _env(), 400)
 
 
 def _ckpt_of(root: str, route: str) -> tuple:
@@ -534,15 +521,7 @@ def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
             eng.step()
 
     def state(eng):
-        def clone(x):
-            if isinstance(x, torch.Tensor):
-                return x.detach().clone()
-            if isinstance(x, dict):
-                return {k: clone(v) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return type(x)(clone(v) for v in x)
-            return x
-        return clone({"weights": eng.module.state_dict(), "optim": eng.optimizer.state_dict()})
+        return _clone({"weights": eng.module.state_dict(), "optim": eng.optimizer.state_dict()})
 
     def save(eng, marker, where=None):
         sd, tg = (save_dir, tag) if where is None else where
