@@ -16,6 +16,12 @@ Lightning or fastpersist itself. It puts one import watcher at the front of
   ``FASTPERSIST_ACCELERATE`` / ``FASTPERSIST_DEEPSPEED`` or the torch.save switch is
   set: the adapter's ``install_from_env()`` runs (it reads its own variable first,
   so ``FASTPERSIST_ACCELERATE=0`` keeps Accelerate stock under the switch).
+* ``deepspeed.runtime.engine``, always: ``DeepSpeedEngine._configure_checkpointing`` is
+  wrapped so that an engine whose DeepSpeed config (JSON file or dict) has a top-level
+  ``"fastpersist"`` key gets fastpersist's checkpoint engine
+  (``fastpersist.integrations.deepspeed.apply_config``). fastpersist is imported only
+  for an engine whose config has that key; the key wins over ``FASTPERSIST_DEEPSPEED``
+  (``"fastpersist": false`` keeps DeepSpeed's own engine for that engine).
 * ``lightning.pytorch.strategies`` / ``pytorch_lightning.strategies``, always:
   the strategy names of :data:`STRATEGIES` are registered in Lightning's
   ``StrategyRegistry`` as small factories; fastpersist is imported only when a
@@ -67,7 +73,8 @@ STRATEGIES = {
 }
 
 #: What the hook did in this process (``fastpersist info`` prints it).
-state = {"torch_patched": False, "lightning_registered": [], "adapters": [], "errors": []}
+state = {"torch_patched": False, "lightning_registered": [], "adapters": [], "errors": [],
+         "deepspeed_config_hook": False}
 
 
 def _flag(name):  # -> Optional[bool]; no typing import at start-up
@@ -110,6 +117,48 @@ def _adapter_installer(name: str):
                 state["adapters"].append(name)
         except BaseException as e:  # never break the framework's import
             _warn(f"could not switch on the fastpersist {name} adapter", e)
+
+    return run
+
+
+DEEPSPEED_CONFIG_KEY = "fastpersist"  # fastpersist.integrations.deepspeed.CONFIG_KEY
+
+
+def wrap_deepspeed_engine(module: object) -> None:
+    """Wrap ``module.DeepSpeedEngine._configure_checkpointing``: after DeepSpeed chose its
+    checkpoint engine, an engine whose config has the ``"fastpersist"`` key gets
+    fastpersist's (errors in that section, such as an unknown key, raise: the user asked)."""
+    try:
+        cls = getattr(module, "DeepSpeedEngine")
+        original = cls._configure_checkpointing
+        if getattr(original, "_fastpersist_config_hook", False):
+            return
+
+        def _configure_checkpointing(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            params = getattr(getattr(self, "_config", None), "_param_dict", None)
+            if isinstance(params, dict) and DEEPSPEED_CONFIG_KEY in params:
+                from fastpersist.integrations import deepspeed
+
+                deepspeed.apply_config(self)
+            return result
+
+        _configure_checkpointing.__name__ = original.__name__
+        _configure_checkpointing.__qualname__ = original.__qualname__
+        _configure_checkpointing.__doc__ = original.__doc__
+        _configure_checkpointing.__wrapped__ = original
+        _configure_checkpointing._fastpersist_config_hook = True
+        cls._configure_checkpointing = _configure_checkpointing
+        state["deepspeed_config_hook"] = True
+    except BaseException as e:  # never break "import deepspeed"
+        _warn('could not install the DeepSpeed config hook (the "fastpersist" key)', e)
+
+
+def _deepspeed_hooks(env_installer):
+    def run(module: object) -> None:
+        wrap_deepspeed_engine(module)
+        if env_installer is not None:
+            env_installer(module)
 
     return run
 
@@ -210,6 +259,8 @@ def install() -> None:
     for name, (trigger, variable) in ADAPTERS.items():
         if _flag(variable) or (_flag(ENV_SWITCH) and _flag(variable) is not False):
             watches[trigger] = _adapter_installer(name)
+    trigger = ADAPTERS["deepspeed"][0]
+    watches[trigger] = _deepspeed_hooks(watches.get(trigger))
     _watcher = _Watcher()
     for name, callback in watches.items():
         module = sys.modules.get(name)

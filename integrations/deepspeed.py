@@ -105,11 +105,15 @@ import fastpersist
 from fastpersist import dircommit
 from fastpersist.commit import atomic_write, fsync_dir
 
-__all__ = ["ENV_VAR", "FastPersistCheckpointEngine", "disable", "enable", "install_from_env"]
+__all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
+           "enable", "install_from_env"]
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "FASTPERSIST_DEEPSPEED"
+#: Top-level key of the DeepSpeed config (JSON file or dict) read by :func:`apply_config`.
+CONFIG_KEY = "fastpersist"
+_CONFIG_FIELDS = ("enabled", "decoupled", "split_replicated", "config")
 _SWITCH = "FASTPERSIST_PATCH_TORCH_SAVE"
 ENGINE_NAME = "FastPersistCheckpointEngine"
 _MARK = "_fastpersist_original"
@@ -568,7 +572,9 @@ def enable(engine: Any = None, *, config: Any = None, decoupled: bool = False, s
         @functools.wraps(original)
         def _configure_checkpointing(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
-            if _default_settings is not None:
+            if config_settings(self) is not None:  # the engine's own config decides
+                apply_config(self)
+            elif _default_settings is not None:
                 _attach(self, **_default_settings)
             return result
 
@@ -601,3 +607,60 @@ def install_from_env() -> bool:
     if _default_settings is None:
         enable()
     return True
+
+
+def config_settings(engine_or_config: Any) -> Optional[dict]:
+    """The ``"fastpersist"`` section of a DeepSpeed config, checked: None when the config has
+    none, else ``{"enabled": bool, "decoupled": bool, "split_replicated": bool, "config":
+    fastpersist.Config or None}``. Takes a ``DeepSpeedEngine``, a ``DeepSpeedConfig`` or the
+    config dict. The section is ``true``/``false`` or an object with the keys ``enabled``
+    (default true), ``decoupled`` (default false), ``split_replicated`` (default true) and
+    ``config`` (keyword arguments of :class:`fastpersist.Config`). Anything else raises
+    ValueError naming the key (DeepSpeed itself ignores unknown keys without a word)."""
+    params = getattr(engine_or_config, "_config", engine_or_config)
+    params = getattr(params, "_param_dict", params)
+    if not isinstance(params, dict) or CONFIG_KEY not in params:
+        return None
+    section = params[CONFIG_KEY]
+    if isinstance(section, bool):
+        section = {"enabled": section}
+    if not isinstance(section, dict):
+        raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}" must be true, false or an object with the keys '
+                         f"{', '.join(_CONFIG_FIELDS)}; got {section!r}")
+    unknown = sorted(set(section) - set(_CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(f'DeepSpeed config: unknown key(s) {unknown} in "{CONFIG_KEY}" '
+                         f"(known: {', '.join(_CONFIG_FIELDS)})")
+    out: dict = {}
+    for key, default in (("enabled", True), ("decoupled", False), ("split_replicated", True)):
+        value = section.get(key, default)
+        if not isinstance(value, bool):
+            raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}.{key}" must be true or false, got {value!r}')
+        out[key] = value
+    cfg = section.get("config")
+    if cfg is not None and not isinstance(cfg, dict):
+        raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}.config" must be an object of fastpersist.Config '
+                         f"fields, got {cfg!r}")
+    try:
+        out["config"] = None if cfg is None else fastpersist.Config(**cfg)
+    except TypeError as e:
+        raise ValueError(f'DeepSpeed config: "{CONFIG_KEY}.config": {e}') from None
+    return out
+
+
+def apply_config(engine: Any) -> Optional[Any]:
+    """Give ``engine`` fastpersist's checkpoint engine if its DeepSpeed config says so (the
+    ``"fastpersist"`` section, see :func:`config_settings`); returns the engine attached, or
+    None (no section, or ``"enabled": false``: DeepSpeed's own engine stays, whatever
+    ``FASTPERSIST_DEEPSPEED`` says). Idempotent. fastpersist's start-up hook calls it at the
+    end of every ``DeepSpeedEngine._configure_checkpointing`` whose config has the section."""
+    settings = config_settings(engine)
+    if settings is None or not settings.pop("enabled"):
+        return None
+    current = getattr(engine, "checkpoint_engine", None)
+    if getattr(current, "_fastpersist_from_config", False):
+        return current
+    ce = _attach(engine, **settings)
+    ce._fastpersist_from_config = True
+    log.info("fastpersist: DeepSpeed checkpoints through %s (DeepSpeed config key %r)", ENGINE_NAME, CONFIG_KEY)
+    return ce
