@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command: ``info``, ``verify``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``.
+"""The ``fastpersist`` command: ``info [DIR]``, ``verify PATH...``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``.
 
 Exit status: 0 success; 1 the command ran and found a problem (a checkpoint
 that fails verification, data read back that differs from what was written,
@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", parents=[debug],
                        help="version, engines, O_DIRECT and storage of a directory, leftover temporary files")
-    p.add_argument("--dir", default=".", help="directory whose filesystem to describe and whose leftover "
+    p.add_argument("dir_arg", nargs="?", metavar="DIR", help="same as --dir DIR")
+    p.add_argument("--dir", default=None, help="directory whose filesystem to describe and whose leftover "
                    "temporary files (.NAME.fp-tmp-*) to list (default: .)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--clean", action="store_true",
@@ -108,10 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the checksum recorded when it was written.",
         epilog="exit status: 0 OK (loadable, every checksum matches); 1 FAILED (corrupt, malformed, or not a "
         "checkpoint); 3 UNCHECKED (valid structure but no checksums to compare: a safetensors file not written by "
-        "fastpersist, a legacy torch file); 2 usage or I/O error (missing file, unreadable).",
+        "fastpersist, a legacy torch file); 2 usage or I/O error (missing file, unreadable, a directory without "
+        "checkpoints). Several files: 0 only if every one is OK, else the first that applies of 1, 2, 3.",
     )
-    p.add_argument("path", help="checkpoint file (.pt/.pth/.ckpt/.bin or .safetensors)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("paths", nargs="+", metavar="PATH",
+                   help="checkpoint files (.pt/.pth/.ckpt/.bin/.pkl, .safetensors), DCP checkpoint directories, or "
+                   "directories to search for them (Lightning, Accelerate, DeepSpeed checkpoint folders): every "
+                   "checkpoint file found is verified, a line each; fastpersist's temporary files and staging "
+                   "directories and files that are not checkpoints are listed as SKIPPED")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (one file: its result; "
+                   "otherwise an object with status, exit_status, files, errors, skipped)")
     p.set_defaults(func=cmd_verify)
 
     bench = sub.add_parser("bench", parents=[debug], help="benchmarks on your disk")
@@ -233,6 +240,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     """``fastpersist info``: what this installation and the storage of ``--dir`` can do."""
     from fastpersist.bench.machine import collect_machine_info
 
+    if args.dir_arg is not None and args.dir is not None and args.dir_arg != args.dir:
+        raise UsageError(f"two directories given: {args.dir_arg!r} and --dir {args.dir!r} (give one)")
+    args.dir = args.dir_arg or args.dir or "."
     info = collect_machine_info(args.dir)
     temps, temps_error = _temp_files(args.dir)
     removed: list[str] = []
@@ -331,33 +341,25 @@ def _temp_lines(temps: Optional[list], error: Optional[str], removed: list[str],
     return lines
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
-    """``fastpersist verify PATH``: 0 OK, 1 FAILED (corrupt or malformed), 3 UNCHECKED
-    (no checksums in the file), 2 cannot read it."""
+def _verify_one(path: str) -> dict:
+    """:func:`fastpersist.verify` of one file or DCP directory as a JSON-ready dict with
+    ``status``; content that escapes verify as an exception is still ``corrupt``."""
     import fastpersist
     from fastpersist.errors import FastPersistError
 
-    path = args.path
-    if not os.path.exists(path):
-        raise FileNotFoundError(2, "No such file", path)
-    if os.path.isdir(path):
-        from fastpersist.formats.dcpverify import looks_like_dcp
-
-        if not looks_like_dcp(path):  # a DCP checkpoint directory is verified like a file
-            raise IsADirectoryError(21, "Is a directory (verify takes a checkpoint file or a DCP checkpoint "
-                                        "directory)", path)
     try:
         result = fastpersist.verify(path)
     except (FastPersistError, UnicodeError) as exc:  # bad content that escaped verify: still FAILED, never 2
-        data = {"ok": False, "path": path, "format": "unknown", "records": 0, "bytes": 0, "problems": [str(exc)],
+        return {"ok": False, "path": path, "format": "unknown", "records": 0, "bytes": 0, "problems": [str(exc)],
                 "status": "corrupt", "notes": []}
-    else:
-        data = dataclasses.asdict(result)
-        data["status"] = result.status
-    status = data["status"]
-    if args.json:
-        print(json.dumps(data, indent=2))
-    elif status == "ok":
+    data = dataclasses.asdict(result)
+    data["status"] = result.status
+    return data
+
+
+def _print_verify(data: dict) -> None:
+    path, status = data["path"], data["status"]
+    if status == "ok":
         print(f"OK: {path}: {data.get('records', 0)} records, {data.get('bytes', 0)} payload bytes checked "
               f"({data.get('format', '?')} format)")
     elif status == "unchecked":
@@ -369,10 +371,82 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"FAILED: {path}: {len(data['problems'])} problem(s)")
         for problem in data["problems"]:
             print(f"  - {problem}")
-    if not args.json:
-        for note in data.get("notes", []):
-            print(f"  note: {note}")
-    return {"ok": 0, "unchecked": 3}.get(status, 1)
+    for note in data.get("notes", []):
+        print(f"  note: {note}")
+
+
+#: Exit status of ``verify`` for several results: the worst one wins.
+_VERIFY_RANK = {"corrupt": (4, 1), "error": (3, 2), "unchecked": (2, 3), "ok": (1, 0)}
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``fastpersist verify PATH...``: every checkpoint file and DCP directory named, and
+    those found in the directories named (:mod:`fastpersist.verifytree`), a line each.
+    One exit status: 1 if any FAILED, else 2 if any could not be read (or a directory held
+    no checkpoint), else 3 if any is UNCHECKED, else 0 (every one OK)."""
+    from fastpersist.formats.dcpverify import looks_like_dcp
+    from fastpersist.verifytree import collect
+
+    paths = list(args.paths)
+    single = len(paths) == 1 and not os.path.isdir(paths[0])
+    if single:  # one file: its errors are the command's (exit 2, one line), as before
+        path = paths[0]
+        if not os.path.exists(path):
+            raise FileNotFoundError(2, "No such file", path)
+        data = _verify_one(path)
+        if args.json:
+            print(json.dumps(data, indent=2))
+        else:
+            _print_verify(data)
+        return _VERIFY_RANK.get(data["status"], (4, 1))[1]
+    results: list[dict] = []
+    skipped: list[dict] = []
+    errors: list[dict] = []
+    debug = getattr(args, "debug", False)
+
+    def error(path: str, exc: BaseException) -> None:
+        if debug:
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
+        errors.append({"path": path, "error": _describe(exc)})
+        if not args.json:
+            print(f"ERROR: {path}: {_describe(exc)}")
+
+    for path in paths:
+        if not os.path.exists(path):
+            error(path, FileNotFoundError(2, "No such file or directory", path))
+            continue
+        if os.path.isdir(path) and not looks_like_dcp(path):
+            tree = collect(path)
+            targets = tree.targets
+            for p, reason in tree.skipped:
+                skipped.append({"path": p, "reason": reason})
+                if not args.json:
+                    print(f"SKIPPED: {p}: {reason}")
+            if not targets:
+                error(path, FileNotFoundError(2, "No checkpoint file or DCP checkpoint directory in this directory",
+                                              path))
+        else:
+            targets = [path]
+        for target in targets:
+            try:
+                data = _verify_one(target)
+            except (OSError, EOFError, ValueError) as exc:
+                error(target, exc)
+                continue
+            results.append(data)
+            if not args.json:
+                _print_verify(data)
+    statuses = [r["status"] for r in results] + ["error"] * len(errors)
+    worst = max(statuses, key=lambda st: _VERIFY_RANK.get(st, (4, 1))[0]) if statuses else "error"
+    code = _VERIFY_RANK.get(worst, (4, 1))[1]
+    counts = {st: sum(1 for r in results if r["status"] == st) for st in ("ok", "corrupt", "unchecked")}
+    if args.json:
+        print(json.dumps({"status": worst, "exit_status": code, "files": results, "errors": errors,
+                          "skipped": skipped}, indent=2))
+    else:
+        print(f"{len(results)} checked: {counts['ok']} OK, {counts['corrupt']} FAILED, {counts['unchecked']} "
+              f"UNCHECKED; {len(errors)} error(s), {len(skipped)} skipped")
+    return code
 
 
 def _json_to_stdout(args: argparse.Namespace) -> bool:

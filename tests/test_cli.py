@@ -146,6 +146,153 @@ def test_verify_directory_is_a_usage_error(tmp_path) -> None:
     assert main(["verify", str(tmp_path)]) == 2
 
 
+# ---- verify: several paths and whole checkpoint directories (issue 23 case 13) -------
+
+
+def _tree(root) -> dict:
+    """A directory holding what Lightning, Accelerate, DeepSpeed and DCP leave, plus
+    fastpersist's temporary files and staging directories; returns named paths."""
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+
+    from fastpersist.dcp import FastPersistWriter
+
+    lt = root / "lightning"
+    lt.mkdir()
+    _checkpoint(str(lt / "epoch=0-step=2.ckpt"))
+    (lt / ".epoch=1-step=4.ckpt.fp-tmp-123-0011223344556677-1a-0badcafe").write_bytes(b"half a checkpoint")
+    (lt / "hparams.yaml").write_text("lr: 0.1\n")
+    acc = root / "accelerate" / "checkpoint_0"
+    acc.mkdir(parents=True)
+    fastpersist.save({"w": torch.arange(64.0)}, str(acc / "model.safetensors"))
+    _checkpoint(str(acc / "optimizer.bin"))
+    torch.save({"rng": torch.get_rng_state()}, str(acc / "random_states_0.pkl"))
+    safetensors.torch.save_file({"x": torch.ones(3)}, str(root / "accelerate" / "plain.safetensors"))
+    staging = root / "accelerate" / ".fastpersist-staging-checkpoint_1-0123456789abcdef"
+    staging.mkdir()
+    (staging / "optimizer.bin").write_bytes(b"not finished")
+    ds = root / "deepspeed"
+    (ds / "global_step1").mkdir(parents=True)
+    _checkpoint(str(ds / "global_step1" / "mp_rank_00_model_states.pt"))
+    (ds / "latest").write_text("global_step1")
+    (ds / "zero_to_fp32.py").write_text("print('convert')\n")
+    dcp_dir = root / "dcp" / "step_3"
+    dcp.save({"w": torch.arange(32.0)}, storage_writer=FastPersistWriter(str(dcp_dir)), no_dist=True)
+    return {"ckpt": lt / "epoch=0-step=2.ckpt", "tmp": lt / ".epoch=1-step=4.ckpt.fp-tmp-123-0011223344556677-1a-0badcafe",
+            "yaml": lt / "hparams.yaml", "st": acc / "model.safetensors", "bin": acc / "optimizer.bin",
+            "pkl": acc / "random_states_0.pkl", "plain": root / "accelerate" / "plain.safetensors",
+            "staging": staging, "ds": ds / "global_step1" / "mp_rank_00_model_states.pt", "latest": ds / "latest",
+            "script": ds / "zero_to_fp32.py", "dcp": dcp_dir}
+
+
+def test_verify_several_files_one_exit_status(tmp_path, capsys) -> None:
+    a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    _checkpoint(a)
+    _checkpoint(b)
+    assert main(["verify", a, b]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"OK: {a}:") and out[1].startswith(f"OK: {b}:"), out
+    assert out[-1].startswith("2 checked: 2 OK, 0 FAILED"), out
+    _flip_payload_byte(b)
+    assert main(["verify", a, b]) == 1  # one FAILED: 1, whatever the others
+    out = capsys.readouterr().out
+    assert f"OK: {a}:" in out and f"FAILED: {b}:" in out
+    assert main(["verify", a, str(tmp_path / "missing.pt")]) == 2  # one unreadable, none FAILED: 2
+    out = capsys.readouterr().out
+    assert f"OK: {a}:" in out and "ERROR: " in out and "missing.pt" in out
+    assert main(["verify", str(tmp_path / "missing.pt"), b]) == 1  # FAILED beats the error
+    capsys.readouterr()
+
+
+def test_verify_checkpoint_directories(tmp_path, capsys) -> None:
+    paths = _tree(tmp_path)
+    assert main(["verify", str(tmp_path / "lightning"), str(tmp_path / "deepspeed"), str(tmp_path / "dcp")]) == 0
+    out = capsys.readouterr().out
+    for key in ("ckpt", "ds", "dcp"):
+        assert f"OK: {paths[key]}:" in out, (key, out)
+    for key in ("tmp", "yaml", "latest", "script"):
+        assert f"SKIPPED: {paths[key]}:" in out, (key, out)
+    assert "temporary file of a fastpersist save" in out
+    # Accelerate's folder holds a safetensors file without checksums: UNCHECKED (3), and the
+    # staging directory of an unfinished save is skipped whole, never verified.
+    assert main(["verify", "--json", str(tmp_path / "accelerate")]) == 3
+    data = json.loads(capsys.readouterr().out)
+    assert data["exit_status"] == 3 and data["status"] == "unchecked"
+    by_path = {f["path"]: f["status"] for f in data["files"]}
+    assert by_path == {str(paths["st"]): "ok", str(paths["bin"]): "ok", str(paths["pkl"]): "ok",
+                       str(paths["plain"]): "unchecked"}, by_path
+    skipped = {s["path"] for s in data["skipped"]}
+    assert skipped == {str(paths["staging"])}, skipped
+    # the whole tree: one corrupt file anywhere makes it 1, and the line names that file
+    _flip_payload_byte(str(paths["ds"]))
+    assert main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAILED: {paths['ds']}:" in out and f"OK: {paths['ckpt']}:" in out
+    assert str(paths["staging"] / "optimizer.bin") not in out
+
+
+def test_verify_directory_without_checkpoints(tmp_path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("no checkpoint here")
+    assert main(["verify", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert f"SKIPPED: {tmp_path / 'notes.txt'}:" in out and "No checkpoint file" in out
+
+
+def test_info_takes_the_directory_as_an_argument(tmp_path, capsys) -> None:
+    """``fastpersist info DIR``, as README writes it (was: only --dir)."""
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["directory"] == str(tmp_path)
+    assert main(["info", str(tmp_path), "--dir", str(tmp_path / "other")]) == 2
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """Every ``fastpersist info|verify|bench ...`` invocation README.md and docs/ show:
+    inline code spans and lines of code blocks (spans that are only a command's name,
+    such as `fastpersist bench save`, and synopses with [optional] parts are left out)."""
+    import glob
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = []
+    for path in [os.path.join(root, "README.md")] + sorted(glob.glob(os.path.join(root, "docs", "**", "*.md"),
+                                                                     recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        cmds = re.findall(r"`(fastpersist (?:info|verify|bench)[^`]*)`", text)
+        for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
+            for line in block.splitlines():
+                m = re.search(r"(?:^|\s)(fastpersist (?:info|verify|bench)\b.*)$", line.strip())
+                if m:
+                    cmds.append(m.group(1).split(" #")[0])
+        for cmd in cmds:
+            words = cmd.split()
+            if "[" in cmd or len(words) <= (3 if words[1] == "bench" else 2):
+                continue
+            found.append((os.path.relpath(path, root), cmd))
+    return found
+
+
+def test_documented_commands_parse() -> None:
+    """What README and docs tell users to type is accepted by the CLI."""
+    import contextlib
+    import io
+    import shlex
+
+    from fastpersist.cli import build_parser
+
+    cmds = _documented_commands()
+    assert any(cmd.startswith("fastpersist info ") for _, cmd in cmds)
+    bad = []
+    for where, cmd in cmds:
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                build_parser().parse_args(shlex.split(cmd)[1:])
+        except SystemExit:
+            bad.append(f"{where}: {cmd}: {err.getvalue().strip().splitlines()[-1:]}")
+    assert not bad, "\n".join(bad)
+
+
 # ---- usage errors -----------------------------------------------------------------
 
 
