@@ -670,3 +670,73 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 elif __name__ == "__main__" and "--kill-child" in sys.argv:
     i = sys.argv.index("--kill-child")
     _kill_child(sys.argv[i + 1], sys.argv[i + 2])
+
+
+# ---- issue 23 case 11: what an `accelerate launch --config_file x.yaml` user can write ----------
+
+LAUNCHED = """
+import os, sys, zipfile
+import torch
+from accelerate import Accelerator
+acc = Accelerator(cpu=True)
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+model, opt = acc.prepare(model, opt)
+out = sys.argv[1]
+acc.save_state(out)
+with zipfile.ZipFile(os.path.join(out, "optimizer.bin")) as z:
+    names = [n for n in z.namelist() if n.endswith("/.storage_alignment")]
+    print("ALIGNMENT", int(z.read(names[0])) if names else None)
+"""
+
+ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: 'NO'
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 1
+use_cpu: true
+"""
+
+
+def _accelerate_launch(tmp_path, yaml_text: str, **env_extra: str) -> subprocess.CompletedProcess:
+    # The `accelerate` console script is `python -m accelerate.commands.accelerate_cli` (this
+    # interpreter's: a venv layered on another one may have no script of its own).
+    (tmp_path / "cfg.yaml").write_text(yaml_text)
+    (tmp_path / "train.py").write_text(LAUNCHED)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FASTPERSIST_ACCELERATE", "FASTPERSIST_PATCH_TORCH_SAVE", "FASTPERSIST_DEEPSPEED")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", **env_extra)
+    return subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", str(tmp_path / "cfg.yaml"), str(tmp_path / "train.py"),
+                           str(tmp_path / "ckpt")], env=env, capture_output=True, text=True, timeout=400,
+                          cwd=str(tmp_path))
+
+
+def test_accelerate_launch_config_file_and_the_variable(tmp_path):
+    """The way README gives for ``accelerate launch --config_file``: the variable on the
+    command line reaches the launched process; the yaml stays Accelerate's own."""
+    import importlib.util
+
+    if importlib.util.find_spec("_fastpersist_startup") is None:
+        pytest.skip("the start-up hook (fastpersist-startup.pth) is not installed in this environment")
+    out = _accelerate_launch(tmp_path, ACCELERATE_YAML, FASTPERSIST_ACCELERATE="1")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "ALIGNMENT 4096" in out.stdout, out.stdout[-3000:]  # fastpersist wrote optimizer.bin
+    stock = _accelerate_launch(tmp_path, ACCELERATE_YAML)
+    assert stock.returncode == 0 and "ALIGNMENT 64" in stock.stdout, stock.stdout[-3000:] + stock.stderr[-3000:]
+
+
+def test_accelerate_config_has_no_environment_section_and_readme_does_not_claim_one(tmp_path):
+    """Accelerate 1.15 refuses unknown top-level keys of a config file (and has no key that
+    sets the launched processes' environment for a local launch: ``tpu_env`` is for TPU
+    pods), so README must not send users to an ``environment`` section."""
+    pytest.importorskip("yaml")
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    path = tmp_path / "env.yaml"
+    path.write_text(ACCELERATE_YAML + "environment:\n  FASTPERSIST_ACCELERATE: '1'\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        ClusterConfig.from_yaml_file(str(path))
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md"),
+                  encoding="utf-8").read()
+    assert "`environment` section of `accelerate config`" not in readme
+    assert "FASTPERSIST_ACCELERATE=1 accelerate launch --config_file" in readme
