@@ -10,9 +10,9 @@ checkpoint with ``load_state`` in a fresh model and checks the weights; then tim
   checkpoint (stock Accelerate fsyncs nothing: without it the time is not durable),
 - through fastpersist (durable on return; old checkpoints deleted only after that).
 
-Without code: ``FASTPERSIST_ACCELERATE=1 accelerate launch train.py`` (or the
-``environment`` section of ``accelerate config``) enables every Accelerator, once
-fastpersist's start-up hook is installed with the package.
+Without code: ``FASTPERSIST_ACCELERATE=1 accelerate launch train.py`` (Accelerate's
+config file cannot carry the variable) enables every Accelerator, once fastpersist's
+start-up hook is installed with the package.
 
     python examples/accelerate_fastpersist.py                 # tiny, seconds
     python examples/accelerate_fastpersist.py --hidden 2048   # bigger checkpoints

@@ -14,8 +14,9 @@ state in the same run:
 - fastpersist's engine with ``decoupled=True``: the time training is blocked (the
   writes finish in the background and DeepSpeed commits at the next step).
 
-Without code: ``FASTPERSIST_DEEPSPEED=1 deepspeed train.py`` enables every engine,
-once fastpersist's start-up hook is installed with the package.
+Without code: ``FASTPERSIST_DEEPSPEED=1 deepspeed train.py`` enables every engine, and
+a top-level ``"fastpersist": true`` in the DeepSpeed config enables the engines built
+from that config, once fastpersist's start-up hook is installed with the package.
 
     python examples/deepspeed_fastpersist.py                 # tiny, seconds
     python examples/deepspeed_fastpersist.py --hidden 2048   # bigger checkpoints

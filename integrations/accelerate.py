@@ -5,9 +5,10 @@ Turn it on with one line after creating the Accelerator::
     from fastpersist.integrations import accelerate as fp_accelerate
     fp_accelerate.enable(accelerator)
 
-or with no code: ``FASTPERSIST_ACCELERATE=1`` in the environment (for example in the
-``environment`` section ``accelerate config`` writes, or
-``FASTPERSIST_ACCELERATE=1 accelerate launch train.py``); the variable is read by
+or with no code: ``FASTPERSIST_ACCELERATE=1`` in the environment (for example
+``FASTPERSIST_ACCELERATE=1 accelerate launch --config_file x.yaml train.py``; Accelerate's
+config file itself cannot carry it: Accelerate refuses unknown top-level keys and has
+no key that sets the launched processes' environment); the variable is read by
 :func:`install_from_env`, which fastpersist's start-up hook calls when
 ``accelerate.accelerator`` is imported. ``FASTPERSIST_PATCH_TORCH_SAVE=1`` turns it
 on too, unless ``FASTPERSIST_ACCELERATE=0``.
