@@ -772,6 +772,10 @@ def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str
 
         groups = _write_groups(co, directory, [v[4] for v in info], probe0, loc)
         _check_targets(co, [v[6] for v in info], groups)
+    except BaseException:
+        if directory:  # the probe of a rank that died creating it (the others' are theirs to remove)
+            clean_stale_probes(directory)
+        raise
     finally:
         if co.rank == 0 and probe0 is not None and directory:
             _remove(os.path.join(directory, probe0[0]))
@@ -1007,6 +1011,8 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
                 pass
         for t in temps:
             _remove(t)
+        if leader and not temps:  # the exchange of the names failed (a rank died): this leader's own file
+            _remove(tmp)
         raise
 
 
