@@ -84,9 +84,20 @@ def _handle(config: Any, *, read: bool = False) -> Any:
 
 
 def _alignment(directory: str) -> int:
+    """Where storages start: a multiple of the directory's O_DIRECT alignment (at least
+    4096) and of torch's ``config.save.storage_alignment`` when that is a larger power of two."""
     from fastpersist import _native
 
-    return max(4096, int(_native.alignment_of(directory)))
+    align = max(4096, int(_native.alignment_of(directory)))
+    try:
+        from torch.utils.serialization import config
+
+        wanted = config.save.storage_alignment
+    except (ImportError, AttributeError):  # pragma: no cover - torch older than 2.6
+        return align
+    if isinstance(wanted, int) and wanted > align and wanted & (wanted - 1) == 0 and align & (align - 1) == 0:
+        return wanted
+    return align
 
 
 def _format_of(path: str, format: Optional[str]) -> str:

@@ -548,7 +548,7 @@ def save_async(
         tmp = temp_path_for(final)
         job = _Job(fut, tmp, cfg.fsync)
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666))
             if mode == "snapshot" and cudastage.device_sources_of(plan) is not None:
                 pool = _pool_for(cfg.async_staging_limit)
                 streamed, job.crc = cudastage.stream_plan(
