@@ -50,8 +50,16 @@ class TorchSavePermissionError(PermissionError, RuntimeError):
     """The patched ``torch.save`` refused by permissions (stock: ``RuntimeError``)."""
 
 
-class TorchLoadZipFormatError(ZipFormatError, RuntimeError):
-    """A damaged zip archive given to the patched ``torch.load`` (stock: ``RuntimeError``)."""
+class TorchLoadZipFormatError(ZipFormatError, OSError, RuntimeError):
+    """A damaged zip archive given to the patched ``torch.load``. Stock torch raises
+    ``RuntimeError`` from its zip reader for most damage, and ``OSError`` (EINVAL, from
+    seeking before the file's start) for an archive cut short: this is both."""
+
+    def __init__(self, message: str, path: Optional[str] = None, offset: Optional[int] = None) -> None:
+        ZipFormatError.__init__(self, message, path, offset)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 class TorchLoadFormatError(CheckpointFormatError, RuntimeError):

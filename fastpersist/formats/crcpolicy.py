@@ -19,9 +19,12 @@ fastpersist's loads (``fastpersist.load``, the patched ``torch.load``, the check
    :class:`~fastpersist.errors.ChecksumError`: its CRCs were computed by fastpersist
    from the bytes it wrote, so a difference is corruption (media, a torn copy, a
    program writing where it should not).
-3. **A mismatch in any other file is loaded as torch loads it**, with a warning in
-   the ``fastpersist`` log naming the records: torch wrote those CRCs and torch does
-   not hold its files to them.
+3. **In any other file, a mismatch confined to storage records** (``data/N``, the
+   tensor bytes, the only records a shared mapping can change) **is loaded as torch
+   loads it**, with a warning in the ``fastpersist`` log naming the records: torch
+   wrote those CRCs and torch does not hold its files to them. A mismatch in any other
+   record (``data.pkl``, ``byteorder``, ...: nothing of torch's changes them in place)
+   still raises ``ChecksumError``.
 
 "Written by fastpersist" is read from the file itself: fastpersist's zip writer
 (:class:`~fastpersist.formats.zipwriter.MinizLayout`) derives the content of
@@ -47,7 +50,7 @@ import hashlib
 import logging
 import os
 import zlib
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +99,13 @@ def written_by_fastpersist(entries: Sequence[Any], id_bytes: Optional[bytes]) ->
     return exp is not None and bytes(id_bytes) == serialization_id(*exp)
 
 
-def mismatch(path: str, problems: list[str], ours: bool) -> None:
-    """Apply the rule to CRC mismatches (``problems``: one line per record, non-empty):
-    raise :class:`~fastpersist.errors.ChecksumError` for a file fastpersist wrote, log a
-    warning and return for any other file (torch does not check)."""
-    if ours:
+def mismatch(path: str, problems: list[str], ours: Callable[[], bool], storages_only: bool) -> None:
+    """Apply the rule to CRC mismatches (``problems``: one line per record, non-empty;
+    ``storages_only``: every one of them is a storage record): raise
+    :class:`~fastpersist.errors.ChecksumError` for a file fastpersist wrote (``ours()``)
+    or a mismatch outside the storages; log a warning and return otherwise (torch does
+    not check)."""
+    if not storages_only or ours():
         from fastpersist.formats.torchload import _checksum_error
 
         raise _checksum_error(path, problems)

@@ -255,7 +255,8 @@ def _check_zip(path: str, mapping: _Mapping, handle: Any, *, checksum: bool) -> 
     pkl_entry = by_short["data.pkl"]
     pkl = mapping.read_at(pkl_entry.data_offset, pkl_entry.compressed_size)
     if checksum:
-        _compare(path, small, crc32_mapped(handle, mapping.addr, [(e.data_offset, e.compressed_size) for e in small]), ours)
+        _compare(path, small, crc32_mapped(handle, mapping.addr, [(e.data_offset, e.compressed_size) for e in small]),
+                 ours, False)
 
     wanted = _referenced(path, pkl, by_short)
     if wanted is None:
@@ -272,7 +273,7 @@ def _check_zip(path: str, mapping: _Mapping, handle: Any, *, checksum: bool) -> 
     # piece before its CRC was slower too (1 GiB cold, 6 interleaved rounds:
     # 0.83 s against 0.63 s without it).
     ranges = [(e.data_offset, e.compressed_size) for e in records]
-    _compare(path, records, crc32_mapped(handle, mapping.addr, ranges), ours)
+    _compare(path, records, crc32_mapped(handle, mapping.addr, ranges), ours, True)
 
 
 def _prefetch_headers(mapping: _Mapping, cd_off: int, entries: Sequence[CentralEntry]) -> None:
@@ -315,12 +316,13 @@ def _referenced(path: str, pkl: bytes, by_short: dict[str, ZipEntry]) -> Optiona
     return list(out.values())
 
 
-def _compare(path: str, records: Sequence[ZipEntry], crcs: Sequence[int], ours: Callable[[], bool]) -> None:
+def _compare(path: str, records: Sequence[ZipEntry], crcs: Sequence[int], ours: Callable[[], bool],
+             storages: bool) -> None:
     """CRC-32s against the recorded ones, by :mod:`fastpersist.formats.crcpolicy`'s rule
     (0 recorded: none; a mismatch raises only in a file fastpersist wrote: ``ours()``)."""
     problems = [_crc_mismatch(e, c) for e, c in zip(records, crcs) if c != e.crc32 and not crcpolicy.no_crc(e.crc32)]
     if problems:
-        crcpolicy.mismatch(path, problems, ours())
+        crcpolicy.mismatch(path, problems, ours, storages)
 
 
 # --------------------------------------------------------------------------- safetensors

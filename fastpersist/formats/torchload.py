@@ -307,7 +307,8 @@ class _Load:
         body = bytes(raw[r.data_offset - h :])
         if self.checksum and not crcpolicy.no_crc(r.entry.crc32) and zlib.crc32(body) != r.entry.crc32:
             self.crc_mismatch([f"{r.entry.name}: CRC-32 mismatch (computed {zlib.crc32(body):08x}, recorded "
-                               f"{r.entry.crc32:08x}) in bytes [{r.data_offset}, {r.data_end})"])
+                               f"{r.entry.crc32:08x}) in bytes [{r.data_offset}, {r.data_end})"],
+                              storages_only=r.short.startswith("data/"))
         r.buffer = body
         return body
 
@@ -392,7 +393,7 @@ class _Load:
             if crc != r.entry.crc32 and not crcpolicy.no_crc(r.entry.crc32)
         ]
         if problems:
-            self.crc_mismatch(problems)
+            self.crc_mismatch(problems, storages_only=all(r.short.startswith("data/") for r in bulk))
 
     # -- the checksum policy (fastpersist.formats.crcpolicy) -------------------
 
@@ -407,10 +408,11 @@ class _Load:
             self._ours = crcpolicy.written_by_fastpersist(self.entries, None if raw is None else bytes(raw))
         return self._ours
 
-    def crc_mismatch(self, problems: list[str]) -> None:
+    def crc_mismatch(self, problems: list[str], *, storages_only: bool = True) -> None:
         """Records whose bytes differ from a nonzero recorded CRC-32: ChecksumError in a file
-        fastpersist wrote, a logged warning (and the load goes on, as torch's) otherwise."""
-        crcpolicy.mismatch(self.path, problems, self.written_by_fastpersist())
+        fastpersist wrote or outside the storage records, else a logged warning (and the
+        load goes on, as torch's): :mod:`fastpersist.formats.crcpolicy`."""
+        crcpolicy.mismatch(self.path, problems, self.written_by_fastpersist, storages_only)
 
     # -- storages ------------------------------------------------------------
 
@@ -433,7 +435,7 @@ class _Load:
             _pread_into(self.fd, self.path, view, r.data_offset)
             if self.checksum and not crcpolicy.no_crc(r.entry.crc32) and zlib.crc32(view) != r.entry.crc32:
                 self.crc_mismatch([f"{r.entry.name}: CRC-32 mismatch (recorded {r.entry.crc32:08x}) "
-                                   f"in bytes [{r.data_offset}, {r.data_end})"])
+                                   f"in bytes [{r.data_offset}, {r.data_end})"], storages_only=True)
         if isinstance(r.buffer, bytes):
             return torch.frombuffer(bytearray(r.buffer), dtype=torch.uint8)
         return torch.frombuffer(r.buffer, dtype=torch.uint8, count=r.size, offset=r.buffer_offset)
