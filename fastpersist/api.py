@@ -285,7 +285,17 @@ def load(
     Every storage the pickle asks for must exist and hold exactly the bytes it
     claims, and local headers must agree with the central directory; with
     ``config.checksum`` every record read has its CRC-32 checked before anything
-    is returned. Unpickling overlaps the read only when the pickle's globals are
+    is returned, by this rule (:mod:`fastpersist.formats.crcpolicy`): a recorded
+    CRC of 0 means none was computed (torch's ``set_crc32_options(False)`` and
+    ``skip_data()`` write 0) and is not checked; a mismatch raises
+    :class:`~fastpersist.errors.ChecksumError` in a file fastpersist wrote, and in
+    any file when it is outside the storage records; a mismatch confined to the
+    storages of a file torch wrote (changed in place through a ``MAP_SHARED`` mmap
+    load, which torch documents) is loaded as ``torch.load`` loads it, with a
+    warning in the log. A ``MAP_SHARED`` mmap load (``mmap=True`` under
+    ``torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)``) of a file
+    fastpersist wrote releases it from its CRCs first (later loads treat it as
+    torch's). Unpickling overlaps the read only when the pickle's globals are
     all known not to read tensor bytes (see ``fastpersist.formats.picklescan``).
 
     Raises:
@@ -417,6 +427,13 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     offsets, sizes); files written by fastpersist carry per-tensor CRCs in their
     metadata and every tensor is checksummed; files without them are
     ``"unchecked"``.
+
+    A recorded CRC-32 of 0 means torch computed none (``set_crc32_options(False)``,
+    ``skip_data()``): such a file is ``"unchecked"``, not ``"corrupt"``. A storage
+    whose bytes differ from a nonzero CRC is ``"corrupt"`` whoever wrote the file
+    (verify cannot tell damage from an in-place change through a ``MAP_SHARED`` mmap
+    load, which ``load`` tolerates in files torch wrote: see
+    :mod:`fastpersist.formats.crcpolicy`).
 
     Malformed content never raises: it is a ``"corrupt"`` result naming the problem.
 

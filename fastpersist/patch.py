@@ -20,6 +20,15 @@ original ``torch.save``: an existing device, FIFO or socket (``torch.save(x,
 in a directory this process cannot create files in (fastpersist's atomic
 replacement needs a temporary file beside the target; torch overwrites in place).
 A write-protected file raises ``PermissionError`` either way, as with torch.
+torch's serialization settings that change the bytes written go to torch as well:
+``skip_data()``, ``set_crc32_options(False)``, a ``config.save.storage_alignment`` that
+is not a power of two (a power of two is honoured by the fast path), an active
+fake-tensor mode (see :func:`_torch_settings_differ`); ``torch.load`` inside
+``skip_data()`` is torch's. Errors keep torch's types: where stock ``torch.save`` or
+``torch.load`` raises ``RuntimeError``, the wrappers raise a class that is both
+fastpersist's error and ``RuntimeError`` (:mod:`fastpersist.torcherrors`). Loads check
+CRC-32s by :mod:`fastpersist.formats.crcpolicy`'s rule (files torch writes without CRCs,
+or changes through a ``MAP_SHARED`` mmap load, load as torch loads them).
 ``torch.save`` always writes torch's zip format, whatever the file name; ``torch.load``
 of a ``.safetensors`` name is left to the original (whose handling depends on the
 torch version).

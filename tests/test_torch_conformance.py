@@ -99,6 +99,14 @@ def test_crc32_off_file_written_by_torch_loads_as_stock(tmp_path: Path, switch: 
     assert _equal(torch.load(p, mmap=True), stock_load(p, mmap=True))
 
 
+def test_verify_calls_a_file_without_crcs_unchecked(tmp_path: Path) -> None:
+    p = tmp_path / "nocrc.pt"
+    with crc32_off():
+        stock_save(_state(), p)
+    result = fastpersist.verify(p)
+    assert result.status == "unchecked" and not result.ok, result
+
+
 def test_skip_data_file_written_by_torch_loads_as_stock(tmp_path: Path, switch: None) -> None:
     p = tmp_path / "skipped.pt"
     with torch.serialization.skip_data():
