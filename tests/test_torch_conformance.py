@@ -331,14 +331,74 @@ def test_dual_exceptions_pickle(tmp_path: Path, switch: None) -> None:
     assert type(back) is type(info.value) and back.filename == info.value.filename
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root is never refused by permissions")
-def test_save_into_unwritable_file_raises_runtime_error(tmp_path: Path, switch: None) -> None:
+def _as_nobody(fn: Any) -> str:
+    """Run ``fn()`` in a forked child that dropped root for uid/gid 65534; the name of
+    the exception's classes it raised (their MRO, comma-separated), or "none"."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(r)
+        out = "none"
+        try:
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out = ",".join(c.__name__ for c in type(e).__mro__)
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    got = b""
+    while chunk := os.read(r, 4096):
+        got += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return got.decode()
+
+
+def test_save_into_unwritable_file_raises_runtime_error() -> None:
+    """Permission denied: torch.save into a write-protected file, as a user that is not root
+    (in a directory under the system temp dir: pytest's own is closed to other users)."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="fp-perm-"))
+    d.chmod(0o777)
+    try:
+        _unwritable(d)
+    finally:
+        shutil.rmtree(d)
+
+
+def _unwritable(tmp_path: Path) -> None:
     p = tmp_path / "ro.pt"
-    p.write_bytes(b"")
+    p.write_bytes(b"old")
     p.chmod(0o444)
-    assert issubclass(_stock_error(lambda: stock_save(torch.ones(2), p)), RuntimeError)
-    with pytest.raises(RuntimeError):
-        torch.save(torch.ones(2), p)
+    stock = _as_nobody(lambda: stock_save(torch.ones(2), p))
+    assert "RuntimeError" in stock.split(","), stock
+
+    def patched() -> None:
+        with fastpersist.patch_torch_save():
+            torch.save(torch.ones(2), p)
+
+    got = _as_nobody(patched)
+    assert "RuntimeError" in got.split(",") and "PermissionError" in got.split(","), got
+    assert p.read_bytes() == b"old"
+
+    # and a file that cannot be read: torch's PermissionError on load either way
+    q = tmp_path / "secret.pt"
+    stock_save(torch.ones(2), q)
+    q.chmod(0o000)
+
+    def patched_load() -> None:
+        with fastpersist.patch_torch_save():
+            torch.load(q)
+
+    stock = _as_nobody(lambda: stock_load(q))
+    assert stock.split(",")[0] == "PermissionError", stock
+    assert "PermissionError" in _as_nobody(patched_load).split(",")
 
 
 # --------------------------------------------------------------------------- case 14: file modes
