@@ -373,6 +373,11 @@ def test_save_into_unwritable_file_raises_runtime_error() -> None:
 
 
 def _unwritable(tmp_path: Path) -> None:
+    # Everything the calls import lazily is imported here first: the child, as uid 65534,
+    # may not be allowed to read the Python installation.
+    with fastpersist.patch_torch_save():
+        torch.save(torch.ones(2), tmp_path / "warm.pt")
+        torch.load(tmp_path / "warm.pt")
     p = tmp_path / "ro.pt"
     p.write_bytes(b"old")
     p.chmod(0o444)
