@@ -465,3 +465,22 @@ def test_overwrite_keeps_the_existing_mode_as_torch_does(tmp_path: Path, mask: i
             p.chmod(0o640)
             save({"t": torch.ones(2)}, p)
             assert _mode(p) == 0o640, name
+
+
+def test_every_fastpersist_writer_marks_its_files(tmp_path: Path) -> None:
+    """Files of the async and collective saves are fastpersist's too: their CRCs bind loads
+    (crcpolicy rule 2), so a flipped storage byte raises, where torch's file would load."""
+    import torch.distributed as dist
+
+    state = _state()
+    fastpersist.save_async(state, tmp_path / "async.pt").wait()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        fastpersist.save(state, tmp_path / "group.pt", group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    for name in ("async.pt", "group.pt"):
+        p = tmp_path / name
+        _flip(p, _record_offset(p, "data/0") + 3)
+        with pytest.raises(ChecksumError):
+            fastpersist.load(p)
