@@ -11,7 +11,9 @@ written against fastpersist (``except FileNotFoundError``, ``except OSError``,
 ``except ChecksumError``) both catch it.
 
 Errors whose type already matches torch's (``FileNotFoundError`` for a missing file on
-load, ``IsADirectoryError`` for a directory on load, pickling errors) pass unchanged.
+load, ``IsADirectoryError`` for a directory on load, pickling errors) pass unchanged, and
+so do fastpersist's own ``OSError`` subclasses (``DirectorySyncError``: the new file *is* in
+place, only the fsync of its directory failed; catching it as such must keep working).
 The classes are defined at module level so that they pickle (multiprocessing workers).
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fastpersist.errors import CheckpointFormatError, ChecksumError, ZipFormatError
+from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError, ZipFormatError
 
 __all__ = [
     "TorchSaveOSError",
@@ -81,8 +83,8 @@ _SAVE_OS = (
 
 def for_torch_save(e: BaseException) -> Optional[BaseException]:
     """The exception the patched ``torch.save`` raises for ``e`` (None: raise ``e`` as it is)."""
-    if not isinstance(e, OSError) or isinstance(e, RuntimeError):
-        return None
+    if not isinstance(e, OSError) or isinstance(e, (RuntimeError, FastPersistError)):
+        return None  # e.g. DirectorySyncError: its own meaning (the file *is* in place) stays
     cls: type = TorchSaveOSError
     for base, dual in _SAVE_OS:
         if isinstance(e, base):
