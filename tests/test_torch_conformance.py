@@ -484,3 +484,21 @@ def test_every_fastpersist_writer_marks_its_files(tmp_path: Path) -> None:
         _flip(p, _record_offset(p, "data/0") + 3)
         with pytest.raises(ChecksumError):
             fastpersist.load(p)
+
+
+def test_directory_sync_error_keeps_its_type_through_the_switch(tmp_path: Path, switch: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """DirectorySyncError says "the new file is in place": the switch must not recast it."""
+    import errno
+
+    from fastpersist import commit
+    from fastpersist.errors import DirectorySyncError
+
+    def failing(directory: str) -> None:
+        raise OSError(errno.EIO, "injected", directory)
+
+    monkeypatch.setattr(commit, "fsync_dir", failing)
+    with pytest.raises(DirectorySyncError) as info:
+        torch.save({"t": torch.ones(2)}, tmp_path / "a.pt")
+    assert type(info.value) is DirectorySyncError
+    assert torch.equal(stock_load(tmp_path / "a.pt")["t"], torch.ones(2))
