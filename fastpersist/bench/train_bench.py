@@ -783,12 +783,19 @@ def _stop_dcp_daemon() -> None:
     except ImportError:
         return
     proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
-    if proc is not None:
-        ape._CHECKPOINT_PROCESS = None
-        try:
-            proc.__del__()
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
+    if proc is None:
+        return
+    ape._CHECKPOINT_PROCESS = None
+    try:
+        child = proc._save_process
+        if child.is_alive():
+            proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
+            child.join(timeout=60)
+        if child.is_alive():
+            child.terminate()
+        child.join()  # dead now: the object's own __del__ (at garbage collection) then does nothing
+    except Exception:  # noqa: BLE001 - best effort at teardown
+        pass
 
 
 def _ratio_text(v: Optional[float]) -> str:
