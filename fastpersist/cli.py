@@ -230,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor bytes of the state (default: 1GiB; every rank holds a copy)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="fastpersist threads and DCP thread_count per rank (default: Config.threads)")
-    p.add_argument("--no-dcp", action="store_true", help="skip the sharded (DCP) methods")
+    p.add_argument("--no-dcp", action="store_true", help="skip the DCP methods (replicated and sharded)")
+    p.add_argument("--rank-bandwidth", type=_size, default=None, metavar="B",
+                   help="put each rank in a cgroup of its own with a write and read limit of B bytes/s on the "
+                   "target's device (e.g. 100MiB; root and a blkio/io cgroup controller needed), as if each rank "
+                   "were a node with its own disk; use a RAM-backed disk so the limit alone sets the bandwidth")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
     _add_outputs(p, plot="write a bar chart (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the files of the last round")
@@ -525,9 +529,15 @@ def cmd_bench_dist(args: argparse.Namespace) -> int:
     from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
 
     _check_dir(args.dir)
+    if args.rank_bandwidth is not None:
+        from fastpersist.bench import cgroup
+
+        why = cgroup.unavailable_reason()
+        if why:
+            raise UsageError(f"--rank-bandwidth: cannot limit each rank's bandwidth here: {why}")
     result = run_dist_bench(
         args.dir, ranks=args.ranks, size=args.size, repeat=args.repeat, threads=args.threads,
-        dcp=not args.no_dcp, keep=args.keep, progress=not args.no_progress,
+        dcp=not args.no_dcp, keep=args.keep, progress=not args.no_progress, rank_bandwidth=args.rank_bandwidth,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout
     print_dist_report(result, out)
