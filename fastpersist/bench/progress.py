@@ -42,13 +42,17 @@ class PlainProgress:
 
 
 class NoProgress:
-    """Progress switched off."""
+    """Progress switched off (counts, prints nothing)."""
+
+    def __init__(self) -> None:
+        self.n = 0
 
     def set_description(self, desc: str) -> None:
         """Ignored."""
 
     def update(self, n: int = 1) -> None:
-        """Ignored."""
+        """Count ``n`` steps."""
+        self.n += n
 
     def close(self) -> None:
         """Ignored."""
