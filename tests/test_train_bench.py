@@ -214,3 +214,13 @@ def test_a_checkpoint_with_other_bytes_is_caught(tmp_path, monkeypatch):
 def test_unknown_method_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown method"):
         run_train_bench(str(tmp_path), methods=["deepspeed"], **TINY)
+
+
+def test_a_peer_whose_library_is_missing_is_skipped_with_a_note(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a))
+    res = run_train_bench(str(tmp_path), methods=["torch.save", "lightning-async"], **TINY)
+    assert [r.method for r in res.runs if r.method != "none"] == ["torch.save"]
+    assert "lightning-async: not run (lightning is not installed)" in res.notes

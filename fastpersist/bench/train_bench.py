@@ -447,6 +447,25 @@ def _make_saver(method: str) -> Optional[_Saver]:
     raise ValueError(f"unknown method {method!r}")
 
 
+def _unavailable(method: str) -> Optional[str]:
+    """Why ``method`` cannot run in this installation (its library missing), or ``None``."""
+    import importlib.util
+
+    needs = {"lightning-async": "lightning", "dcp.async_save": "torch.distributed.checkpoint",
+             "dcp.async_save-process": "torch.distributed.checkpoint"}.get(method)
+    if needs is None:
+        return None
+    try:
+        found = importlib.util.find_spec(needs) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return f"{needs} is not installed"
+    if method.startswith("dcp") and not torch.distributed.is_available():
+        return "torch.distributed is not available in this torch build"
+    return None
+
+
 def _rss_tree(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants (0 for a process gone meanwhile)."""
     total = 0
@@ -686,6 +705,12 @@ def run_train_bench(
         raise ValueError(f"rounds must be >= 1, not {rounds}")
     if train_threads is not None and train_threads < 1:
         raise ValueError(f"train_threads must be >= 1, not {train_threads}")
+    notes: list[str] = []
+    for m in list(methods):
+        why = _unavailable(m)
+        if why:
+            notes.append(f"{m}: not run ({why})")
+            methods = [x for x in methods if x != m]
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dims = dict(vocab=vocab, d_model=d_model, layers=layers, heads=heads, seq=seq + 1)
     orders = [round_order(methods, seed, r) for r in range(rounds)]
@@ -694,7 +719,6 @@ def run_train_bench(
     before = torch.get_num_threads()
     bar = make_progress(steps * sum(len(o) for o in orders), progress, f"round 1/{rounds} {orders[0][0]}",
                         unit="step")
-    notes: list[str] = []
     made_group = False
     dcp_warm = math.nan
     try:
