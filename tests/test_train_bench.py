@@ -204,7 +204,9 @@ def test_a_checkpoint_with_other_bytes_is_caught(tmp_path, monkeypatch):
                                   for k, v in state["model"].items()}}
         torch.save(bad, path)
 
-    monkeypatch.setattr(train_bench._TorchSaver, "save", corrupt)
+    from fastpersist.bench import train_peers
+
+    monkeypatch.setattr(train_peers._TorchSaver, "save", corrupt)
     res = run_train_bench(str(tmp_path), methods=["torch.save"], **TINY)
     (run,) = [r for r in res.runs if r.method == "torch.save"]
     assert run.error is None and run.verified is False and run.checkpoints_verified == 0

@@ -86,6 +86,18 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from fastpersist.bench.rss import PeakMemory
+from fastpersist.bench.train_peers import (
+    DcpAsyncSaver,
+    Saver,
+    deepspeed_decoupled_status,
+    make_saver,
+    process_staging_options,
+    str_keys,
+    stop_dcp_daemon,
+    unavailable,
+)
+
 METHODS = ("none", "torch.save", "fastpersist.save", "async-snapshot", "async-lazy", "dcp.async_save",
            "dcp.async_save-process", "lightning-async")
 #: fastpersist's own asynchronous methods (the target: lost time at most 0.5x the best peer's)
@@ -285,230 +297,6 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _str_keys(obj: Any) -> Any:
-    """``obj`` with every dict key turned into a string (DCP stores the optimizer's integer keys as strings)."""
-    if isinstance(obj, dict):
-        return {str(k): _str_keys(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_str_keys(v) for v in obj)
-    return obj
-
-
-def _result(future: Any) -> Any:
-    """Wait for what ``dcp.async_save`` returned (a ``Future`` or an ``AsyncSaveResponse``)."""
-    upload = getattr(future, "upload_completion", None)
-    return (upload if upload is not None else future).result()
-
-
-class _Saver:
-    """One method's checkpoint call, its drain, and how to read a checkpoint back for verification."""
-
-    #: the checkpoint is a directory (DCP) rather than a file
-    directory = False
-
-    def save(self, state: Any, path: str) -> None:
-        raise NotImplementedError
-
-    def drain(self) -> None:
-        """Wait until every checkpoint is written (counted as lost time)."""
-
-    def load(self, path: str) -> Any:
-        return torch.load(path, map_location="cpu", weights_only=False)
-
-    def close(self) -> None:
-        """Release what the saver holds (untimed)."""
-
-
-class _TorchSaver(_Saver):
-    def save(self, state: Any, path: str) -> None:
-        torch.save(state, path)
-
-
-class _FastPersistSaver(_Saver):
-    def __init__(self, mode: Optional[str]) -> None:
-        import fastpersist
-
-        self.fp = fastpersist
-        self.mode = mode
-
-    def save(self, state: Any, path: str) -> None:
-        if self.mode is None:
-            self.fp.save(state, path)
-        else:
-            self.fp.save_async(state, path, mode=self.mode)
-
-    def drain(self) -> None:
-        self.fp.wait_all()
-
-    def close(self) -> None:
-        try:
-            self.fp.wait_all()
-        except Exception:  # noqa: BLE001 - the run's error is already recorded
-            pass
-
-
-class _DcpAsyncSaver(_Saver):
-    directory = True
-
-    def __init__(self, process: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        self.dcp = dcp
-        self.process = process
-        self.future: Any = None
-        self.stager: Any = None
-        self.kwargs: dict[str, Any] = {"no_dist": True}
-        if process:
-            from torch.distributed.checkpoint.staging import DefaultStager
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-            self.stager = DefaultStager(_process_staging_options())
-            self.kwargs = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS, "async_stager": self.stager}
-
-    def save(self, state: Any, path: str) -> None:
-        import warnings
-
-        if self.future is not None:  # DCP's documented use: the previous save done before the next
-            _result(self.future)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.future = self.dcp.async_save(state, checkpoint_id=path, **self.kwargs)
-
-    def drain(self) -> None:
-        if self.future is not None:
-            _result(self.future)
-            self.future = None
-
-    def load(self, path: str) -> Any:
-        import warnings
-
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        out = path + ".as-torch.pt"
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dcp_to_torch_save(path, out)
-        try:
-            return torch.load(out, map_location="cpu", weights_only=False)
-        finally:
-            os.unlink(out)
-
-    def close(self) -> None:
-        try:
-            self.drain()
-        except Exception:  # noqa: BLE001 - the run's error is already recorded
-            pass
-        if self.stager is not None:
-            self.stager.close()
-
-
-class _LightningAsyncSaver(_Saver):
-    def __init__(self) -> None:
-        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-
-        self.io = AsyncCheckpointIO(TorchCheckpointIO())
-
-    def save(self, state: Any, path: str) -> None:
-        self.io.save_checkpoint(state, path)
-
-    def drain(self) -> None:
-        self.io.teardown()
-
-    def close(self) -> None:
-        try:
-            self.io.teardown()
-        except Exception:  # noqa: BLE001 - the run's error is already recorded
-            pass
-
-
-def _process_staging_options() -> Any:
-    """DCP's staging for the process mode: pinned memory (and async staging) where CUDA is
-    available; torch 2.15's ``StagingOptions`` require CUDA for those, so on CPU: shared memory only."""
-    from torch.distributed.checkpoint.staging import StagingOptions
-
-    cuda = torch.cuda.is_available()
-    return StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=cuda,
-                          use_non_blocking_copy=cuda)
-
-
-def _make_saver(method: str) -> Optional[_Saver]:
-    if method == "none":
-        return None
-    if method == "torch.save":
-        return _TorchSaver()
-    if method == "fastpersist.save":
-        return _FastPersistSaver(None)
-    if method in ("async-snapshot", "async-lazy"):
-        return _FastPersistSaver(method.split("-", 1)[1])
-    if method in ("dcp.async_save", "dcp.async_save-process"):
-        return _DcpAsyncSaver(process=method.endswith("process"))
-    if method == "lightning-async":
-        return _LightningAsyncSaver()
-    raise ValueError(f"unknown method {method!r}")
-
-
-def _unavailable(method: str) -> Optional[str]:
-    """Why ``method`` cannot run in this installation (its library missing), or ``None``."""
-    import importlib.util
-
-    needs = {"lightning-async": "lightning", "dcp.async_save": "torch.distributed.checkpoint",
-             "dcp.async_save-process": "torch.distributed.checkpoint"}.get(method)
-    if needs is None:
-        return None
-    try:
-        found = importlib.util.find_spec(needs) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return f"{needs} is not installed"
-    if method.startswith("dcp") and not torch.distributed.is_available():
-        return "torch.distributed is not available in this torch build"
-    return None
-
-
-def _rss_tree(pid: int) -> int:
-    """Resident bytes of ``pid`` and all its descendants (0 for a process gone meanwhile)."""
-    total = 0
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/statm", encoding="ascii") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children", encoding="ascii") as f:
-                    stack.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-class PeakMemory:
-    """Peak resident memory of this process and its children above its value at start (a sampler thread)."""
-
-    def __init__(self, interval: float = 0.005) -> None:
-        import threading
-
-        self.interval = interval
-        self.start = _rss_tree(os.getpid())
-        self.peak = self.start
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="fastpersist-bench-rss", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        pid = os.getpid()
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, _rss_tree(pid))
-
-    def stop(self) -> int:
-        """Stop sampling; the peak above the start, in bytes."""
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_tree(os.getpid()))
-        return max(0, self.peak - self.start)
-
-
 def _one_run(method: str, directory: str, *, steps: int, every: int, device: str, dims: dict[str, int],
              batch: int, bar: Any) -> tuple[TrainRun, int, int]:
     import fastpersist
@@ -523,10 +311,10 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
     run = TrainRun(method, [], ckpt_steps, train_threads=torch.get_num_threads())
     expected: dict[str, Any] = {}  # path -> fingerprint of the state at its step
     nbytes = 0
-    saver: Optional[_Saver] = None
+    saver: Optional[Saver] = None
     memory: Optional[PeakMemory] = None
     try:
-        saver = _make_saver(method)
+        saver = make_saver(method)
         memory = PeakMemory()
         t_start = time.perf_counter()
         for i in range(steps):
@@ -548,7 +336,7 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
                 # The reference for verification, in every run (the baseline too: same cost, so it
                 # cancels in "lost vs baseline"); kept out of the step times.
                 tp = time.perf_counter()
-                reference = _str_keys(state_mod.fingerprint(state))
+                reference = str_keys(state_mod.fingerprint(state))
                 nbytes = _state_bytes(state)
                 run.fingerprint_s += time.perf_counter() - tp
                 if saver is not None:
@@ -575,7 +363,7 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
         if saver is not None and expected:
             ok = 0
             for path, ref in expected.items():
-                problems = state_mod.compare_states(ref, _str_keys(state_mod.fingerprint(saver.load(path))))
+                problems = state_mod.compare_states(ref, str_keys(state_mod.fingerprint(saver.load(path))))
                 ok += not problems
             run.checkpoints_verified = ok
             run.verified = ok == len(expected)
@@ -605,29 +393,6 @@ def _remove(path: str) -> None:
             os.unlink(path)
     except OSError:
         pass
-
-
-def deepspeed_decoupled_status() -> str:
-    """Why DeepSpeed's decoupled FastPersist checkpoint engine is not measured on this machine."""
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError as exc:
-        return f"deepspeed not installed ({exc})"
-    reasons = []
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        if not AsyncIOBuilder().is_compatible(verbose=False):
-            reasons.append("its writer needs DeepSpeed's async_io op, JIT-built against libaio-dev, whose "
-                           "headers are not on this machine (AsyncIOBuilder().is_compatible() is False)")
-    except Exception as exc:  # noqa: BLE001 - any failure is the reason
-        reasons.append(f"AsyncIOBuilder unavailable ({type(exc).__name__}: {exc})")
-    if not torch.cuda.is_available():
-        reasons.append("its FastFileWriter stages through accelerator pinned buffers and a byte-cast op built for "
-                       "GPUs, and DecoupledCheckpointEngine runs inside an initialized DeepSpeed engine "
-                       "(deepspeed.comm) with an aio/checkpoint writer config; no GPU here")
-    return "; ".join(reasons) if reasons else ("its prerequisites are present, but this benchmark does not drive a "
-                                               "DeepSpeed engine yet")
 
 
 def _warm_pool(directory: str, *, device: str, dims: dict[str, int], batch: int) -> float:
@@ -707,7 +472,7 @@ def run_train_bench(
         raise ValueError(f"train_threads must be >= 1, not {train_threads}")
     notes: list[str] = []
     for m in list(methods):
-        why = _unavailable(m)
+        why = unavailable(m)
         if why:
             notes.append(f"{m}: not run ({why})")
             methods = [x for x in methods if x != m]
@@ -731,7 +496,7 @@ def run_train_bench(
         if "dcp.async_save-process" in methods:
             made_group = _ensure_process_group(directory)
             dcp_warm = _warm_dcp_process(directory, device=dev, dims=dims, batch=batch)
-            opts = _process_staging_options()
+            opts = process_staging_options()
             notes.append("dcp.async_save-process: AsyncCheckpointerType.PROCESS, DefaultStager with "
                          + ("pinned-memory staging" if opts.use_pinned_memory else
                             "shared-memory staging (torch's pinned-memory and async staging need CUDA, absent here)")
@@ -755,7 +520,7 @@ def run_train_bench(
         bar.close()
         torch.set_num_threads(before)
         if "dcp.async_save-process" in methods:
-            _stop_dcp_daemon()
+            stop_dcp_daemon()
         if made_group:
             import torch.distributed as dist
 
@@ -789,7 +554,7 @@ def _warm_dcp_process(directory: str, *, device: str, dims: dict[str, int], batc
     model = GPT(**dims).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     path = os.path.join(directory, "train-dcp-warmup")
-    saver = _DcpAsyncSaver(process=True)
+    saver = DcpAsyncSaver(process=True)
     t0 = time.perf_counter()
     try:
         saver.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}, path)
@@ -798,28 +563,6 @@ def _warm_dcp_process(directory: str, *, device: str, dims: dict[str, int], batc
         saver.close()
         _remove(path)
     return time.perf_counter() - t0
-
-
-def _stop_dcp_daemon() -> None:
-    """Terminate DCP's checkpoint daemon process (torch keeps it in a module global until exit)."""
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as ape
-    except ImportError:
-        return
-    proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
-    if proc is None:
-        return
-    ape._CHECKPOINT_PROCESS = None
-    try:
-        child = proc._save_process
-        if child.is_alive():
-            proc._send(ape._CheckpointSaveProcessControlOpts.TERMINATE)
-            child.join(timeout=60)
-        if child.is_alive():
-            child.terminate()
-        child.join()  # dead now: the object's own __del__ (at garbage collection) then does nothing
-    except Exception:  # noqa: BLE001 - best effort at teardown
-        pass
 
 
 def _ratio_text(v: Optional[float]) -> str:
