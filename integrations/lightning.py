@@ -35,6 +35,19 @@ Strategy names, registered in Lightning's ``StrategyRegistry``:
     ``fastpersist.dcp.FastPersistWriter`` (each rank writes its own shards; DCP's
     stock reader loads them); full checkpoints go through the CheckpointIO.
 
+With a save in flight, Lightning's own checks of checkpoint paths see the finished
+file: when the classes are built, the adapter wraps the few Lightning functions that
+test, list or read checkpoint paths (``ModelCheckpoint.file_exists`` for the ``-vN``
+version counter, ``_find_last_checkpoints``, the HPC folder listing, a stock
+``TorchCheckpointIO``'s load and remove, ``cloud_io._load`` behind
+``load_from_checkpoint``) so that they first wait for this process's pending saves of
+that path or directory (:func:`fastpersist.asyncsave.wait_for_path`); see
+docs/compat.d/lightning.md. :func:`remove_lightning_guards` undoes it.
+
+The classes are module-level names (``FastPersistCheckpointIO``..., and
+``PLFastPersistCheckpointIO``... for ``pytorch_lightning``), so a Trainer holding them
+pickles (``ddp_spawn``, ``ddp_fastpersist_spawn``).
+
 The names are registered when this module is imported, and, with no import at
 all, by fastpersist's start-up hook as soon as Lightning's strategies package is
 imported (Lightning discovers no strategies through entry points; see

@@ -130,10 +130,13 @@ def test_ddp_spawn_saves_and_resumes(tmp_path, how):
         # the weights the spawned workers trained reached the parent's model
         for k, v in last["state_dict"].items():
             assert torch.equal(model.state_dict()[k], v), k
-        trainer = make(3)
-        trainer.fit(BoringModel(), ckpt_path="last")
-        assert trainer.global_step == 3 * steps
-    assert f"epoch=2-step={3 * steps}.ckpt" in os.listdir(tmp_path / "ck")
+        make(3).fit(BoringModel(), ckpt_path="last")
+    # resumed at epoch 2: epochs 0 and 1 were not trained again (they would have left -v1 names)
+    names = sorted(os.listdir(tmp_path / "ck"))
+    assert names == [f"epoch=0-step={steps}.ckpt", f"epoch=1-step={2 * steps}.ckpt",
+                     f"epoch=2-step={3 * steps}.ckpt", "last.ckpt"], names
+    last = fastpersist.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
+    assert last["epoch"] == 2 and last["global_step"] == 3 * steps
 
 
 # ---- case 3: another Trainer / load_from_checkpoint right after a save ------------------

@@ -104,3 +104,28 @@ def test_a_failed_pending_save_leaves_the_previous_file_for_the_reader(tmp_path,
     assert fastpersist.load(path)["step"] == 1  # waited, then read what is there
     with pytest.raises(OSError):
         fut.wait()
+
+
+def _child_saves(path: str) -> None:
+    asyncsave._finish = _slow(asyncsave._finish)
+    fastpersist.save_async(_state(8), path)  # the child returns at once; multiprocessing then os._exit()s
+
+
+def _slow(original):
+    def finish(job):
+        threading.Event().wait(0.5)
+        original(job)
+    return finish
+
+
+def test_a_forked_multiprocessing_child_finishes_its_saves_before_exit(tmp_path):
+    """multiprocessing's fork children leave through os._exit (no atexit): Lightning's
+    ddp_fork/ddp_spawn workers save their last weights that way."""
+    import multiprocessing
+
+    path = str(tmp_path / "child.pt")
+    child = multiprocessing.get_context("fork").Process(target=_child_saves, args=(path,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert fastpersist.load(path)["step"] == 8
