@@ -260,6 +260,19 @@ def _is_cpu(device: str) -> bool:
         return False  # the regular path raises its error for it
 
 
+def _wait_pending(path: Any, tree: bool = False) -> None:
+    """Wait for this process's pending async saves of ``path`` (a path; file objects are
+    left alone), and with ``tree`` of files below it when it is a directory: a read right
+    after ``save_async`` sees the finished file, whoever started that save."""
+    if not _is_path(path):
+        return
+    from fastpersist import asyncsave
+
+    asyncsave.wait_for_path(path)
+    if tree and os.path.isdir(path):
+        asyncsave.wait_for_dir(path)
+
+
 def load(
     path: Any,
     map_location: MapLocation = None,
@@ -313,6 +326,7 @@ def load(
     legacy (non-zip) files, compressed or encrypted archives, meta/fake-tensor
     loads and TorchScript archives go to ``torch.serialization.load`` unchanged.
     """
+    _wait_pending(path)
     if group is not None:  # every rank of the group calls it; see fastpersist.distributed
         return __import__("fastpersist.distributed").distributed.load(path, map_location, pickle_module, group=group, weights_only=weights_only, mmap=mmap, config=config, **pickle_load_args)
     original = dict(pickle_load_args)
@@ -441,6 +455,7 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
         FileNotFoundError / OSError: the file cannot be read.
     """
     fspath = os.fsdecode(os.fspath(path))
+    _wait_pending(fspath, tree=True)
     if not os.path.exists(fspath):
         raise FileNotFoundError(2, "No such file to verify", fspath)
     handle = _handle(_config(config), read=True)

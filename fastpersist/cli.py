@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", parents=[debug],
                        help="version, engines, O_DIRECT and storage of a directory, leftover temporary files")
     p.add_argument("--dir", default=".", help="directory whose filesystem to describe and whose leftover "
-                   "temporary files (.NAME.fp-tmp-*) to list (default: .)")
+                   "temporary files (.fp-tmp-*) to list (default: .)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--clean", action="store_true",
                    help="remove the leftover temporary files that the next save would remove")
