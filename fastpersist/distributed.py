@@ -566,7 +566,7 @@ def _make_probe(directory: str) -> tuple[str, str]:
     name = f"{_PROBE_PREFIX}{os.getpid()}-{host}-{start}-{secrets.token_hex(8)}"
     token = secrets.token_hex(16)
     path = os.path.join(directory, name)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         os.write(fd, token.encode())
     finally:
@@ -924,7 +924,7 @@ def _create_temp(final: str, size: int) -> str:
 
     clean_stale_temps(os.path.dirname(final))
     name = temp_path_for(final)
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         _preallocate(fd, size)
     except BaseException:

@@ -12,7 +12,7 @@ is sorted into one of:
   DeepSpeed's ``*_states.pt``), or any other file that starts like a zip archive
   (``PK\\x03\\x04``: torch's format, whatever its name);
 * **skipped, said so**: fastpersist's own temporary files and staging directories of
-  saves that are in flight or were interrupted (``.NAME.fp-tmp-*``,
+  saves that are in flight or were interrupted (``.fp-tmp-*``,
   ``.fastpersist-staging-*``, ``.fastpersist-old-*``: never checkpoints, never
   descended into), and every other file (DeepSpeed's ``latest``, ``zero_to_fp32.py``,
   ``hparams.yaml``, logs), with the reason.

@@ -35,6 +35,19 @@ Strategy names, registered in Lightning's ``StrategyRegistry``:
     ``fastpersist.dcp.FastPersistWriter`` (each rank writes its own shards; DCP's
     stock reader loads them); full checkpoints go through the CheckpointIO.
 
+With a save in flight, Lightning's own checks of checkpoint paths see the finished
+file: when the classes are built, the adapter wraps the few Lightning functions that
+test, list or read checkpoint paths (``ModelCheckpoint.file_exists`` for the ``-vN``
+version counter, ``_find_last_checkpoints``, the HPC folder listing, a stock
+``TorchCheckpointIO``'s load and remove, ``cloud_io._load`` behind
+``load_from_checkpoint``) so that they first wait for this process's pending saves of
+that path or directory (:func:`fastpersist.asyncsave.wait_for_path`); see
+docs/compat.d/lightning.md. :func:`remove_lightning_guards` undoes it.
+
+The classes are module-level names (``FastPersistCheckpointIO``..., and
+``PLFastPersistCheckpointIO``... for ``pytorch_lightning``), so a Trainer holding them
+pickles (``ddp_spawn``, ``ddp_fastpersist_spawn``).
+
 The names are registered when this module is imported, and, with no import at
 all, by fastpersist's start-up hook as soon as Lightning's strategies package is
 imported (Lightning discovers no strategies through entry points; see
@@ -53,6 +66,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import fastpersist
+import fastpersist.asyncsave
 from fastpersist.integrations import _startup
 from fastpersist.integrations._replicated import group_save_available, save_replicated
 
@@ -63,7 +77,9 @@ __all__ = [
     "FastPersistDDPStrategy",
     "FastPersistFSDPStrategy",
     "classes_for",
+    "install_lightning_guards",
     "register_strategies",
+    "remove_lightning_guards",
 ]
 
 # Feature checks: the adapter uses what the installed fastpersist offers.
@@ -129,7 +145,124 @@ def _install_link_guard(callbacks_module: Any) -> None:
 
     _link_checkpoint._fastpersist_guard = True  # type: ignore[attr-defined]
     _link_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    raw = cls.__dict__.get("_link_checkpoint")
     cls._link_checkpoint = staticmethod(_link_checkpoint)
+    _guards.append((cls, "_link_checkpoint", raw))
+
+
+# ---- Lightning's own checks of checkpoint paths see pending async saves -------------------
+#
+# Lightning tests, lists and reads checkpoint paths itself (ModelCheckpoint's version counter,
+# "last"/HPC resume, load_from_checkpoint, a stock TorchCheckpointIO's exists check). With a
+# save of this process still in flight, each of those must see the finished file: the guards
+# below wait for fastpersist's pending saves of that path (fastpersist.asyncsave.wait_for_path)
+# or of that directory (wait_for_dir) and then run Lightning's code unchanged. When nothing
+# is pending they cost one check of an empty list. remove_lightning_guards() undoes them.
+
+#: (owner, attribute, original value) of every guard installed, for remove_lightning_guards()
+_guards: list[tuple[Any, str, Any]] = []
+
+
+def _wait_path(path: Any) -> None:
+    if path is not None and _is_local(path):
+        fastpersist.asyncsave.wait_for_path(_local_path(path))
+
+
+def _wait_dir(path: Any) -> None:
+    if path is not None and _is_local(path):
+        fastpersist.asyncsave.wait_for_dir(_local_path(path))
+
+
+def _guard(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+    """Replace ``owner.attr`` by ``make(original)`` once (marked ``_fastpersist_guard``)."""
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    if raw is None:
+        return
+    func = raw.__func__ if isinstance(raw, staticmethod) else raw
+    if getattr(func, "_fastpersist_guard", False):
+        return
+    wrapped = make(func)
+    wrapped._fastpersist_guard = True  # type: ignore[attr-defined]
+    wrapped.__wrapped__ = func  # type: ignore[attr-defined]
+    setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+    _guards.append((owner, attr, raw))
+
+
+def _install_path_guards(package: str, fabric: str) -> None:
+    """Make Lightning's checks of checkpoint paths wait for pending async saves (see above)."""
+    import functools
+    import sys
+
+    mc = importlib.import_module(f"{package}.callbacks.model_checkpoint").ModelCheckpoint
+    connector = importlib.import_module(f"{package}.trainer.connectors.checkpoint_connector")._CheckpointConnector
+    torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
+    cloud_io = importlib.import_module(f"{fabric}.utilities.cloud_io")
+
+    def file_exists(original: Any) -> Any:  # the -vN version counter (issue 23 case 1)
+        @functools.wraps(original)
+        def wrapper(self: Any, filepath: Any, trainer: Any) -> bool:
+            _wait_path(filepath)
+            return original(self, filepath, trainer)
+        return wrapper
+
+    def find_last(original: Any) -> Any:  # ckpt_path="last": lists dirpath
+        @functools.wraps(original)
+        def wrapper(self: Any, trainer: Any) -> Any:
+            _wait_dir(self.dirpath)
+            return original(self, trainer)
+        return wrapper
+
+    def max_version(original: Any) -> Any:  # ckpt_path="hpc", hpc_save_path: list the folder
+        @functools.wraps(original)
+        def wrapper(dir_path: Any, *args: Any, **kwargs: Any) -> Any:
+            _wait_dir(dir_path)
+            return original(dir_path, *args, **kwargs)
+        return wrapper
+
+    def io_method(original: Any) -> Any:  # a stock TorchCheckpointIO's load (exists check) / remove
+        @functools.wraps(original)
+        def wrapper(self: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
+            _wait_path(path)
+            return original(self, path, *args, **kwargs)
+        return wrapper
+
+    def load(original: Any) -> Any:  # cloud_io._load: load_from_checkpoint and TorchCheckpointIO read
+        @functools.wraps(original)
+        def wrapper(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(path_or_url, (str, os.PathLike)):
+                _wait_path(path_or_url)
+            return original(path_or_url, *args, **kwargs)
+        return wrapper
+
+    _guard(mc, "file_exists", file_exists)
+    _guard(mc, "_find_last_checkpoints", find_last)
+    _guard(connector, "_CheckpointConnector__max_ckpt_version_in_folder", max_version)
+    _guard(torch_io, "load_checkpoint", io_method)
+    _guard(torch_io, "remove_checkpoint", io_method)
+    original_load = cloud_io._load
+    _guard(cloud_io, "_load", load)
+    guarded_load = cloud_io._load
+    if guarded_load is not original_load:  # the modules that did "from cloud_io import _load as pl_load"
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith((package, fabric)) or module is cloud_io:
+                continue
+            for attr, value in list(vars(module).items()):
+                if value is original_load:
+                    setattr(module, attr, guarded_load)
+                    _guards.append((module, attr, original_load))
+
+
+def remove_lightning_guards() -> None:
+    """Restore every Lightning function the adapter wrapped (the path guards and the
+    ``save_last="link"`` guard), for both packages. The adapter classes keep working;
+    Lightning's own checks then no longer wait for pending async saves."""
+    while _guards:
+        owner, attr, original = _guards.pop()
+        setattr(owner, attr, original)
+    _installed.clear()
+
+
+_installed: set[str] = set()
 
 
 def _group() -> Any:
@@ -147,6 +280,18 @@ def _unwrap(io: Any, wrapper_cls: type) -> Any:
     return io
 
 
+def install_lightning_guards(package: str = "lightning.pytorch") -> None:
+    """Install the guards (idempotent): Lightning's checks of checkpoint paths wait for
+    pending async saves, and ``save_last="link"`` links only finished files. Done when
+    the adapter classes for ``package`` are built; :func:`remove_lightning_guards` undoes it."""
+    if package in _installed:
+        return
+    fabric = "lightning.fabric" if package.startswith("lightning.") else "lightning_fabric"
+    _install_link_guard(importlib.import_module(f"{package}.callbacks.model_checkpoint"))
+    _install_path_guards(package, fabric)
+    _installed.add(package)
+
+
 def _define(package: str) -> types.SimpleNamespace:
     """Build the adapter classes against ``package`` (``"lightning.pytorch"`` or
     ``"pytorch_lightning"``), whose class hierarchies are distinct."""
@@ -156,7 +301,7 @@ def _define(package: str) -> types.SimpleNamespace:
     TorchCheckpointIO = importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
     wrapper = importlib.import_module(f"{package}.plugins.io.wrapper")._WrappingCheckpointIO
     strategies = importlib.import_module(f"{package}.strategies")
-    _install_link_guard(importlib.import_module(f"{package}.callbacks.model_checkpoint"))
+    install_lightning_guards(package)
     del pl
 
     class FastPersistCheckpointIO(CheckpointIO):
@@ -234,6 +379,19 @@ def _define(package: str) -> types.SimpleNamespace:
             """Wait until every checkpoint this plugin started is durable under its name."""
             self._collect(block=True)
 
+        def __getstate__(self) -> dict[str, Any]:
+            # A pickled copy (ddp_spawn's launcher pickles the Trainer) starts with no
+            # pending saves: those stay with, and are finished by, this process.
+            state = self.__dict__.copy()
+            state["_pending"] = []
+            state.pop("_lock", None)
+            return state
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            self.__dict__.update(state)
+            self._lock = threading.Lock()
+            _instances.add(self)
+
         @property
         def pending(self) -> int:
             """How many background saves have not finished."""
@@ -252,6 +410,7 @@ def _define(package: str) -> types.SimpleNamespace:
                 self.counts["torch"] += 1
                 return self._fallback.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
             target = _local_path(path)
+            fastpersist.asyncsave.wait_for_path(target)  # a pending save of another CheckpointIO
             if not os.path.exists(target):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             self.counts["load"] += 1
@@ -261,6 +420,7 @@ def _define(package: str) -> types.SimpleNamespace:
             """Collective load: the ranks of ``group`` read the file once in total."""
             self.finalize()
             target = _local_path(path)
+            fastpersist.asyncsave.wait_for_path(target)
             if not os.path.exists(target):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             self.counts["load_group"] += 1
@@ -465,6 +625,9 @@ def _define(package: str) -> types.SimpleNamespace:
                 fastpersist.save(checkpoint, path / fsdp_module._METADATA_FILENAME)
             self.dcp_saves += 1
 
+    for cls in (FastPersistCheckpointIO, FastPersistDDPStrategy, FastPersistFSDPStrategy):
+        _publish(cls, package)
+
     return types.SimpleNamespace(
         FastPersistCheckpointIO=FastPersistCheckpointIO,
         FastPersistDDPStrategy=FastPersistDDPStrategy,
@@ -472,6 +635,33 @@ def _define(package: str) -> types.SimpleNamespace:
         StrategyRegistry=strategies.StrategyRegistry,
         package=package,
     )
+
+
+#: module-level name prefix of the classes built for each package (pickle finds them by
+#: ``fastpersist.integrations.lightning.<prefix><class name>``; see ``__getattr__``)
+_PREFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
+_CLASS_NAMES = ("FastPersistCheckpointIO", "FastPersistDDPStrategy", "FastPersistFSDPStrategy")
+
+
+def _publish(cls: type, package: str) -> None:
+    """Give a class built by ``_define`` a module-level name, so that pickle (``ddp_spawn``'s
+    launcher, ``pickle.dumps(trainer)``) finds it: ``FastPersistCheckpointIO`` for
+    ``lightning.pytorch``, ``PLFastPersistCheckpointIO`` for ``pytorch_lightning``."""
+    name = _PREFIX[package] + cls.__name__
+    cls.__module__ = __name__
+    cls.__qualname__ = name
+    globals()[name] = cls
+
+
+def __getattr__(name: str) -> Any:
+    """``PLFastPersistCheckpointIO``... (and the plain names) built on first use, so an
+    unpickling process that has not built them yet finds them."""
+    for package, prefix in _PREFIX.items():
+        if name.startswith(prefix) and name[len(prefix):] in _CLASS_NAMES and (prefix or name in _CLASS_NAMES):
+            if prefix == "" and package not in _classes:
+                continue
+            return getattr(classes_for(package), name[len(prefix):])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def classes_for(package: str = "lightning.pytorch") -> types.SimpleNamespace:
