@@ -268,7 +268,8 @@ def _documented_commands() -> list[tuple[str, str]]:
             words = cmd.split()
             if "[" in cmd or "$" in cmd or len(words) <= (3 if words[1] == "bench" else 2):
                 continue  # a name, a synopsis, or a line of a shell loop
-            if any(re.fullmatch(r"[A-Z]{1,3}", w) and prev != "--dir" for prev, w in zip(words, words[1:])):
+            if any(re.fullmatch(r"[A-Z]{1,3}", w) and w not in ("DIR", "D") and prev != "--dir"
+                   for prev, w in zip(words, words[1:])):
                 continue  # a synopsis with placeholders for typed values (--ranks N)
             found.append((os.path.relpath(path, root), cmd))
     return found
