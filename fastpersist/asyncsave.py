@@ -434,7 +434,8 @@ def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any, device_sources: 
 
         if not isinstance(obj, dict):
             raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        return plan_safetensors(obj, None, align, checksum=cfg.checksum, device_sources=device_sources)
+        return plan_safetensors(obj, api.safetensors_metadata(None), align, checksum=cfg.checksum,
+                                device_sources=device_sources)
     from fastpersist.formats.torchzip import plan_torch
 
     try:
