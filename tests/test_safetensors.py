@@ -333,10 +333,13 @@ def test_fastpersist_save_writes_format_pt(tmp_path: Path) -> None:
         fastpersist.save({"w": torch.ones(2)}, path, metadata={"k": 1})
     with pytest.raises(TypeError, match="safetensors"):
         fastpersist.save({"w": torch.ones(2)}, tmp_path / "x.pt", metadata={"k": "v"})
-    fut = fastpersist.save_async({"w": torch.ones(2)}, tmp_path / "a.safetensors")
-    fut.wait()
-    with safetensors.safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
-        assert f.metadata() == {"format": "pt"}
+    for given, expected in cases:
+        fastpersist.save_async({"w": torch.ones(2)}, tmp_path / "a.safetensors", metadata=given).wait()
+        with safetensors.safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+            assert f.metadata() == expected
+        assert fastpersist.verify(tmp_path / "a.safetensors").status == "ok"
+    with pytest.raises(TypeError, match="safetensors"):
+        fastpersist.save_async({"w": torch.ones(2)}, tmp_path / "a.pt", metadata={"k": "v"})
 
 
 def test_empty_dict_and_only_empty_tensors(tmp_path: Path, handle: Any) -> None:
