@@ -565,3 +565,44 @@ def test_legacy_metadata_crcs_are_still_verified(tmp_path: Path, handle: Any) ->
     assert fastpersist.verify(path).status == "ok"
     _flip(path, 8 + len(text) + 2)
     assert fastpersist.verify(path).status == "corrupt"
+
+
+@pytest.mark.parametrize("crc_value", [123, None, ["00000000"], {"a": 1}, "ABCDEF01", "0000000"])
+def test_entry_checksum_of_the_wrong_type_is_reported(tmp_path: Path, crc_value: Any) -> None:
+    """A hostile header: an entry's fastpersist.crc32 that is not 8 lowercase hex digits
+    is a problem of verify and a ChecksumError of load, never a crash; safetensors
+    itself ignores the key and loads the file."""
+    import fastpersist
+
+    tensors = {"w": torch.randn(3), "i": torch.arange(2)}
+    path = tmp_path / "x.safetensors"
+    fastpersist.save_file(tensors, path)
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8 : 8 + n])
+    head["w"][fst.ENTRY_CRC_KEY] = crc_value
+    text = json.dumps(head).encode()
+    assert len(text) <= n
+    path.write_bytes(data[:8] + text + b" " * (n - len(text)) + data[8 + n :])
+    result = fastpersist.verify(path)
+    assert result.status == "corrupt" and "'w'" in "\n".join(result.problems), result.problems
+    with pytest.raises(ChecksumError):
+        fastpersist.load_file(path)
+    assert torch.equal(st.load_file(str(path))["w"], tensors["w"])
+
+
+def test_header_checksum_in_two_entries_is_reported(tmp_path: Path) -> None:
+    import fastpersist
+
+    path = tmp_path / "x.safetensors"
+    fastpersist.save_file({"w": torch.randn(3), "i": torch.arange(2)}, path)
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8 : 8 + n])
+    first = next(k for k in head if fst.ENTRY_HEADER_CRC_KEY in head[k])
+    other = next(k for k in head if k != first)
+    head[other][fst.ENTRY_HEADER_CRC_KEY] = head[first][fst.ENTRY_HEADER_CRC_KEY]
+    text = json.dumps(head).encode()
+    path.write_bytes(data[:8] + text + b" " * (n - len(text)) + data[8 + n :])
+    result = fastpersist.verify(path)
+    assert result.status == "corrupt" and fst.ENTRY_HEADER_CRC_KEY in "\n".join(result.problems)
