@@ -71,7 +71,6 @@ __all__ = [
 ENTRY_CRC_KEY = "fastpersist.crc32"
 #: Key of the first entry (data order) holding :func:`entries_header_crc32` of the header.
 ENTRY_HEADER_CRC_KEY = "fastpersist.header_crc32"
-_ENTRY_KEYS = (ENTRY_CRC_KEY, ENTRY_HEADER_CRC_KEY)
 
 #: Legacy (files of earlier fastpersist versions): ``__metadata__`` key holding the
 #: per-tensor CRC-32s, comma-separated, in data order.
