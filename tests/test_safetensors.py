@@ -284,6 +284,8 @@ def test_metadata_is_exactly_the_callers(tmp_path: Path, handle: Any) -> None:
     with safetensors.safe_open(str(path), framework="pt") as f:
         assert f.metadata() == meta
     assert fst.ENTRY_CRC_KEY not in _header(path)[1]["w"]
+    assert fst.check_safetensors(path, handle).checked is False  # the caller's key is not a legacy CRC list
+    assert fst.verify_safetensors(path, handle) == []
     for checksum in (True, False):
         _write(handle, path, {"w": torch.ones(3)}, None, checksum=checksum)
         assert "__metadata__" not in _header(path)[1]

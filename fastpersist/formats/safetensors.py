@@ -238,9 +238,11 @@ class SafetensorsHeader:
 
     @property
     def legacy(self) -> bool:
-        """The CRCs are in ``__metadata__`` (files of earlier fastpersist versions)."""
+        """The CRCs are in ``__metadata__`` (files of earlier fastpersist versions, which
+        wrote both legacy keys). Not when the tensors' entries carry fastpersist keys, nor
+        for a caller's metadata that happens to use one of those names (checksums off)."""
         return not self.entry_crcs and not self.entry_header_crcs and self.metadata is not None \
-            and CRC_METADATA_KEY in self.metadata
+            and CRC_METADATA_KEY in self.metadata and HEADER_CRC_METADATA_KEY in self.metadata
 
     @property
     def crcs(self) -> Optional[list[Optional[int]]]:
