@@ -137,6 +137,7 @@ import logging
 import os
 import pickle
 import struct
+import sys
 import threading
 import zipfile
 from dataclasses import dataclass
@@ -253,7 +254,8 @@ def status(name: str) -> Status:
         res = _RESULTS.get(name)
         if res is None:
             try:
-                feat.probe()
+                with _neutral():
+                    feat.probe()
                 res = Status(True)
             except Exception as e:  # any surprise (AttributeError, ImportError, TypeError, ...) -> fallback
                 reason = str(e) if isinstance(e, Unavailable) else f"{type(e).__name__}: {e}"
@@ -262,6 +264,47 @@ def status(name: str) -> Status:
                 log.log(feat.level, "fastpersist: %s unavailable on this torch (%s); %s", name, reason, feat.fallback)
             _RESULTS[name] = res
     return res
+
+
+_TLS_DEFAULTS = (("skip_data", False), ("materialize_fake_tensors", False), ("map_location", None))
+
+
+@contextlib.contextmanager
+def _neutral() -> Iterator[None]:
+    """Run a probe as on a fresh thread, whatever the caller's context: torch's
+    thread-local serialization state (``skip_data()``, ``materialize_fake_tensors``,
+    ``map_location``) at its defaults, no fake-tensor mode, the CPU as default device.
+    A verdict is cached for the whole process, so it must not depend on the context of
+    the call that happened to probe first (a ``torch.load`` inside ``skip_data()`` once
+    turned the fast load path off for good). Process-wide settings
+    (``set_crc32_options``, ``torch.utils.serialization.config``) are not touched (other
+    threads may be saving); the probes do not depend on them."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "serialization"):
+        yield
+        return
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    saved = []
+    for name, value in _TLS_DEFAULTS:
+        if tls is not None and hasattr(tls, name):
+            saved.append((name, getattr(tls, name)))
+            setattr(tls, name, value)
+    try:
+        with contextlib.ExitStack() as stack:
+            try:
+                from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+                stack.enter_context(unset_fake_temporarily())
+            except Exception:  # noqa: BLE001 - private API: without it, no fake mode to leave
+                pass
+            try:
+                stack.enter_context(torch.device("cpu"))
+            except Exception:  # noqa: BLE001 - torch without device context managers
+                pass
+            yield
+    finally:
+        for name, value in saved:
+            setattr(tls, name, value)
 
 
 def ok(name: str) -> bool:

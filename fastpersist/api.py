@@ -84,9 +84,20 @@ def _handle(config: Any, *, read: bool = False) -> Any:
 
 
 def _alignment(directory: str) -> int:
+    """Where storages start: a multiple of the directory's O_DIRECT alignment (at least
+    4096) and of torch's ``config.save.storage_alignment`` when that is a larger power of two."""
     from fastpersist import _native
 
-    return max(4096, int(_native.alignment_of(directory)))
+    align = max(4096, int(_native.alignment_of(directory)))
+    try:
+        from torch.utils.serialization import config
+
+        wanted = config.save.storage_alignment
+    except (ImportError, AttributeError):  # pragma: no cover - torch older than 2.6
+        return align
+    if isinstance(wanted, int) and wanted > align and wanted & (wanted - 1) == 0 and align & (align - 1) == 0:
+        return wanted
+    return align
 
 
 def _format_of(path: str, format: Optional[str]) -> str:
@@ -359,6 +370,19 @@ def _is_cpu(device: str) -> bool:
         return False  # the regular path raises its error for it
 
 
+def _wait_pending(path: Any, tree: bool = False) -> None:
+    """Wait for this process's pending async saves of ``path`` (a path; file objects are
+    left alone), and with ``tree`` of files below it when it is a directory: a read right
+    after ``save_async`` sees the finished file, whoever started that save."""
+    if not _is_path(path):
+        return
+    from fastpersist import asyncsave
+
+    asyncsave.wait_for_path(path)
+    if tree and os.path.isdir(path):
+        asyncsave.wait_for_dir(path)
+
+
 def load(
     path: Any,
     map_location: MapLocation = None,
@@ -384,7 +408,17 @@ def load(
     Every storage the pickle asks for must exist and hold exactly the bytes it
     claims, and local headers must agree with the central directory; with
     ``config.checksum`` every record read has its CRC-32 checked before anything
-    is returned. Unpickling overlaps the read only when the pickle's globals are
+    is returned, by this rule (:mod:`fastpersist.formats.crcpolicy`): a recorded
+    CRC of 0 means none was computed (torch's ``set_crc32_options(False)`` and
+    ``skip_data()`` write 0) and is not checked; a mismatch raises
+    :class:`~fastpersist.errors.ChecksumError` in a file fastpersist wrote, and in
+    any file when it is outside the storage records; a mismatch confined to the
+    storages of a file torch wrote (changed in place through a ``MAP_SHARED`` mmap
+    load, which torch documents) is loaded as ``torch.load`` loads it, with a
+    warning in the log. A ``MAP_SHARED`` mmap load (``mmap=True`` under
+    ``torch.serialization.set_default_mmap_options(mmap.MAP_SHARED)``) of a file
+    fastpersist wrote releases it from its CRCs first (later loads treat it as
+    torch's). Unpickling overlaps the read only when the pickle's globals are
     all known not to read tensor bytes (see ``fastpersist.formats.picklescan``).
 
     Raises:
@@ -402,6 +436,7 @@ def load(
     legacy (non-zip) files, compressed or encrypted archives, meta/fake-tensor
     loads and TorchScript archives go to ``torch.serialization.load`` unchanged.
     """
+    _wait_pending(path)
     if group is not None:  # every rank of the group calls it; see fastpersist.distributed
         return __import__("fastpersist.distributed").distributed.load(path, map_location, pickle_module, group=group, weights_only=weights_only, mmap=mmap, config=config, **pickle_load_args)
     original = dict(pickle_load_args)
@@ -517,12 +552,20 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     metadata and every tensor is checksummed; files without them are
     ``"unchecked"``.
 
+    A recorded CRC-32 of 0 means torch computed none (``set_crc32_options(False)``,
+    ``skip_data()``): such a file is ``"unchecked"``, not ``"corrupt"``. A storage
+    whose bytes differ from a nonzero CRC is ``"corrupt"`` whoever wrote the file
+    (verify cannot tell damage from an in-place change through a ``MAP_SHARED`` mmap
+    load, which ``load`` tolerates in files torch wrote: see
+    :mod:`fastpersist.formats.crcpolicy`).
+
     Malformed content never raises: it is a ``"corrupt"`` result naming the problem.
 
     Raises:
         FileNotFoundError / OSError: the file cannot be read.
     """
     fspath = os.fsdecode(os.fspath(path))
+    _wait_pending(fspath, tree=True)
     if not os.path.exists(fspath):
         raise FileNotFoundError(2, "No such file to verify", fspath)
     handle = _handle(_config(config), read=True)

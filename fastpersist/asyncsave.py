@@ -117,7 +117,8 @@ from fastpersist.formats.base import WritePlan
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LazySaveError", "SaveFuture", "guard", "save_async", "wait_all"]
+__all__ = ["LazySaveError", "SaveFuture", "guard", "pending_paths", "save_async", "wait_all", "wait_for_dir",
+           "wait_for_path"]
 
 MODES = ("snapshot", "lazy")
 #: Lazy saves copy tensors smaller than this at call time, even guarded ones.
@@ -264,6 +265,60 @@ def before_blocking_save(final: str) -> None:
     for f in same:
         f._event.wait()
     _raise_unreported()
+
+
+# ---- pending paths: what other readers in this process must wait for ----------------
+
+
+def _key(path: Any) -> str:
+    """The comparable form of a final path (symbolic links of the directory resolved)."""
+    return os.path.realpath(os.path.abspath(os.fsdecode(os.fspath(path))))
+
+
+def pending_paths() -> list[str]:
+    """The final paths of this process's async saves that have not finished yet
+    (committed or failed), in call order. A path is listed from the moment
+    :func:`save_async` is called until its file is in place (or the save failed)."""
+    with _lock:
+        return [j.future.path for j in _jobs if not j.future.done()]
+
+
+def _pending_futures(match: Any) -> list[SaveFuture]:
+    with _lock:
+        jobs = list(_jobs)
+    return [j.future for j in jobs if not j.future.done() and match(_key(j.future.path))]
+
+
+def wait_for_path(path: Any, timeout: Optional[float] = None) -> bool:
+    """Wait until no async save of this process is pending for ``path``.
+
+    For code that reads, tests or lists ``path`` (``fastpersist.load``/``verify``/
+    ``open`` call it, and the Lightning adapter calls it where Lightning checks
+    a checkpoint path): once it returns, the file at ``path`` is the one the
+    latest ``save_async`` wrote, or, if that save failed, what was there before.
+    A failed save's error is not raised here: it stays for the saver's ``wait()``,
+    the next save or :func:`wait_all`. Returns at once when nothing is pending for
+    ``path``; False if ``timeout`` seconds passed first.
+    """
+    if not _jobs:
+        return True
+    key = _key(path)
+    for f in _pending_futures(lambda k: k == key):
+        if not f._event.wait(timeout):
+            return False
+    return True
+
+
+def wait_for_dir(directory: Any, timeout: Optional[float] = None) -> bool:
+    """Wait until no async save of this process is pending for a file in ``directory``
+    or below it (for code that lists a checkpoint directory). As :func:`wait_for_path`."""
+    if not _jobs:
+        return True
+    top = _key(directory).rstrip(os.sep) + os.sep
+    for f in _pending_futures(lambda k: k.startswith(top)):
+        if not f._event.wait(timeout):
+            return False
+    return True
 
 
 _io_handles: dict[tuple, Any] = {}
@@ -520,6 +575,7 @@ def save_async(
     cfg = api._config(config)
     if metadata is not None and (group is not None or api._format_of(os.fspath(path), format) != "safetensors"):
         raise TypeError("metadata= is for safetensors files saved without group= (as fastpersist.save)")
+    _hook_multiprocessing_exit()
     if group is not None:
         import torch.distributed as dist
 
@@ -554,7 +610,7 @@ def save_async(
         tmp = temp_path_for(final)
         job = _Job(fut, tmp, cfg.fsync)
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666))
             if mode == "snapshot" and cudastage.device_sources_of(plan) is not None:
                 pool = _pool_for(cfg.async_staging_limit)
                 streamed, job.crc = cudastage.stream_plan(
@@ -706,7 +762,11 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
             lo, hi = agreed.bounds(co.rank)
             extents = split.clip(plan.extents, lo, hi)
             tmp = loc.run(lambda: D._create_temp(agreed.final, plan.file_size)) if leader else None
-            created = co.gather("create", (loc.status, tmp))
+            try:
+                created = co.gather("create", (loc.status, tmp))
+            except BaseException:  # a rank died: nobody else knows this leader's file
+                D._remove(tmp)
+                raise
             temps = [created[g[0]][1] for g in agreed.groups]
             tmp = created[agreed.leader][1]
             try:
@@ -843,3 +903,20 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+
+_mp_hooked: set[int] = set()
+
+
+def _hook_multiprocessing_exit() -> None:
+    """A ``multiprocessing`` child (``fork`` start method: Lightning's ``ddp_fork``/
+    ``ddp_spawn`` launchers, ``torch.multiprocessing``) leaves through ``os._exit``,
+    which skips ``atexit``: finish its pending saves in multiprocessing's own exit
+    handling too. Registered once per process, at its first async save (a forked
+    child starts with multiprocessing's finalizers cleared)."""
+    pid = os.getpid()
+    if pid in _mp_hooked:
+        return
+    _mp_hooked.add(pid)
+    from multiprocessing import util
+
+    util.Finalize(None, _at_exit, exitpriority=100)

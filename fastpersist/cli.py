@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from fastpersist.bench.units import parse_int_list, parse_size, parse_size_list
 
 PROG = "fastpersist"
+#: where ``bench save`` writes its chart unless told otherwise (``--plot``, ``--no-plot``)
+SAVE_PLOT = "fastpersist-bench-save.png"
 
 
 class UsageError(Exception):
@@ -96,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", parents=[debug],
                        help="version, engines, O_DIRECT and storage of a directory, leftover temporary files")
     p.add_argument("--dir", default=".", help="directory whose filesystem to describe and whose leftover "
-                   "temporary files (.NAME.fp-tmp-*) to list (default: .)")
+                   "temporary files (.fp-tmp-*) to list (default: .)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--clean", action="store_true",
                    help="remove the leftover temporary files that the next save would remove")
@@ -157,10 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-tensors", type=_positive, metavar="N",
                    help="instead of the training state, N tensors of random sizes 1 KB - 1 MB")
     p.add_argument("--peers", type=_names, default=["torch", "safetensors", "dcp", "fio"],
-                   help="comma-separated peers: torch, safetensors, dcp, fio, or none "
+                   help="comma-separated peers: torch, safetensors, dcp, fio (the write and read ceilings: fio's "
+                   "best of several configurations and fastpersist's raw engine), or none "
                    "(default: torch,safetensors,dcp,fio)")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
-    _add_outputs(p, plot="write a bar chart (PNG)")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
+    p.add_argument("--plot", metavar="FILE.png", default=SAVE_PLOT,
+                   help=f"where to write the bar chart (PNG; default: {SAVE_PLOT} in the current directory)")
+    p.add_argument("--no-plot", action="store_true", help="write no chart")
+    p.add_argument("--no-progress", action="store_true", help="no progress display")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="expert detail in the report: fio's whole sweep, the raw engine's settings, the memory "
+                   "probe (the JSON always has it)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint files of the last run")
     p.add_argument("--load-into", action="store_true",
                    help="also time a cold load into an existing state of the same shapes: "
@@ -177,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     # -- bench train (fastpersist.bench.train_bench) --
     p = bsub.add_parser(
         "train", parents=[debug],
-        help="training time lost to checkpointing: torch.save vs fastpersist blocking, async snapshot, async lazy",
+        help="training time lost to checkpointing: torch.save, fastpersist (blocking, async snapshot, async lazy), "
+        "DCP async_save (thread, process), Lightning AsyncCheckpointIO",
         description="Train a small GPT-style model (CUDA when present, else CPU), checkpoint model + optimizer "
         "every K steps with each method, and report per-step time and the training time lost to checkpointing.",
     )
@@ -190,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=_positive, default=128, help="sequence length (default: 128)")
     p.add_argument("--batch", type=_positive, default=8, help="batch size (default: 8)")
     p.add_argument("--methods", type=_names, default=None,
-                   help="comma-separated: none, torch.save, fastpersist.save, async-snapshot, async-lazy (default: all; "
-                   "the none baseline runs in every round anyway)")
+                   help="comma-separated: none, torch.save, fastpersist.save, async-snapshot, async-lazy, "
+                   "dcp.async_save, dcp.async_save-process, lightning-async (default: all; the none baseline runs in "
+                   "every round anyway)")
     p.add_argument("--rounds", type=_positive, default=1,
                    help="rounds; each runs every method once plus the no-checkpoint baseline, in a seeded shuffled "
                    "order; figures are medians over rounds (default: 1)")
@@ -218,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor bytes of the state (default: 1GiB; every rank holds a copy)")
     p.add_argument("--threads", type=_positive, default=None,
                    help="fastpersist threads and DCP thread_count per rank (default: Config.threads)")
-    p.add_argument("--no-dcp", action="store_true", help="skip the sharded (DCP) methods")
+    p.add_argument("--no-dcp", action="store_true", help="skip the DCP methods (replicated and sharded)")
+    p.add_argument("--rank-bandwidth", type=_size, default=None, metavar="B",
+                   help="put each rank in a cgroup of its own with a write and read limit of B bytes/s on the "
+                   "target's device (e.g. 100MiB; root and a blkio/io cgroup controller needed), as if each rank "
+                   "were a node with its own disk; use a RAM-backed disk so the limit alone sets the bandwidth")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
     _add_outputs(p, plot="write a bar chart (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the files of the last round")
@@ -435,12 +451,22 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         keep=args.keep, progress=not args.no_progress, load_into=args.load_into, load_process=args.load_process,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout
-    report.print_save_report(result, out)
+    report.print_save_report(result, out, verbose=args.verbose)
     if args.json:
         report.write_json(result.to_dict(), args.json)
-    if args.plot:
-        report.plot_save(result, args.plot)
-        print(f"Plot       : {args.plot}", file=out)
+        if args.json != "-":
+            print(f"JSON       : {os.path.abspath(args.json)} (every run, the fio sweep, the machine)", file=out)
+    if not args.no_plot:
+        try:
+            report.plot_save(result, args.plot)
+        except ImportError as exc:  # the chart is a convenience: its absence does not fail the benchmark
+            print(f"Plot       : not written ({exc}; pip install matplotlib)", file=out)
+        except OSError as exc:
+            print(f"Plot       : not written ({_describe(exc)}; choose another path with --plot FILE.png)",
+                  file=out)
+        else:
+            print(f"Plot       : {os.path.abspath(args.plot)} (--plot FILE.png to choose, --no-plot for none)",
+                  file=out)
     fp = result.method("fastpersist")
     v = result.verification
     failed = fp is None or fp.error is not None or not v.get("ok", False) or v.get("into_ok") is False
@@ -503,9 +529,15 @@ def cmd_bench_dist(args: argparse.Namespace) -> int:
     from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
 
     _check_dir(args.dir)
+    if args.rank_bandwidth is not None:
+        from fastpersist.bench import cgroup
+
+        why = cgroup.unavailable_reason()
+        if why:
+            raise UsageError(f"--rank-bandwidth: cannot limit each rank's bandwidth here: {why}")
     result = run_dist_bench(
         args.dir, ranks=args.ranks, size=args.size, repeat=args.repeat, threads=args.threads,
-        dcp=not args.no_dcp, keep=args.keep, progress=not args.no_progress,
+        dcp=not args.no_dcp, keep=args.keep, progress=not args.no_progress, rank_bandwidth=args.rank_bandwidth,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout
     print_dist_report(result, out)

@@ -3,7 +3,7 @@
 Whatever goes wrong before the rename (an I/O error, a full disk, an exception in
 the caller's writer, ``KeyboardInterrupt``), the temporary file is removed and the
 file already at the final path, if any, is left exactly as it was. A process
-killed outright (``SIGKILL``, power loss) can leave a ``.NAME.fp-tmp-*`` file
+killed outright (``SIGKILL``, power loss) can leave a ``.fp-tmp-*`` file
 behind in the directory, never a partial file under the final name; the next save
 into that directory removes it once it is certain that no process is still
 writing it (see :func:`clean_stale_temps`).
@@ -16,11 +16,17 @@ writable by this process (a write-protected file raises ``PermissionError`` as
 this process may create files in.
 
 Temporary names (:func:`temp_path_for`) are
-``.NAME.fp-tmp-PID-HOST-START-RANDOM``: the writer's pid, a tag of this machine's
+``.fp-tmp-HASH-PID-HOST-START-RANDOM``: 12 hex digits of the SHA-256 of the final
+file's name (``HASH``, :func:`name_hash`), the writer's pid, a tag of this machine's
 boot and pid namespace (``HOST``), the writer's start time (``START``, field 22 of
-``/proc/PID/stat``, hex) and 32 random bits. ``NAME`` is shortened (at a
-character boundary) so the whole name fits the filesystem's ``NAME_MAX``: any
-name ``torch.save`` accepts can be saved to.
+``/proc/PID/stat``, hex) and 32 random bits. No part of the final name appears in
+it: code that lists a checkpoint directory by name (Lightning's ``hpc_ckpt_N``,
+``*.ckpt`` and ``last`` patterns, Accelerate's ``checkpoint_N``, DeepSpeed's tags)
+never takes an in-flight or leftover temporary file for a checkpoint, and the name
+is short (about 70 bytes) whatever the final name's length. Leftovers of one final
+name are still found by its hash (:func:`temps_for`). Names of earlier releases
+(``.NAME.fp-tmp-PID-HOST-START-RANDOM`` and ``.NAME.fp-tmp-PID-RANDOM``) are still
+recognised and cleaned up.
 """
 
 from __future__ import annotations
@@ -58,8 +64,15 @@ FOREIGN_TMP_GRACE_S = 3600.0
 _HOST_HEX = 10  # length of the HOST field (hex digits)
 _UNKNOWN_HOST = "0" * _HOST_HEX  # written when this process cannot identify its boot / pid namespace
 
-# .NAME.fp-tmp-PID-HOST-START-RANDOM (this release) and .NAME.fp-tmp-PID-RANDOM (earlier ones)
+_HASH_HEX = 12  # length of the HASH field (hex digits of the final name's SHA-256)
+
+# .fp-tmp-HASH-PID-HOST-START-RANDOM (this release: no part of the final name in it)
 _TMP_RE = re.compile(
+    r"\.fp-tmp-(?P<hash>[0-9a-f]{%d})-(?P<pid>[0-9]{1,10})-(?P<host>[0-9a-f]{%d})-(?P<start>[0-9a-f]{1,16})-[0-9a-f]{8}"
+    % (_HASH_HEX, _HOST_HEX)
+)
+# .NAME.fp-tmp-PID-HOST-START-RANDOM and .NAME.fp-tmp-PID-RANDOM (earlier releases; cleaned up only)
+_V1_TMP_RE = re.compile(
     r"\.(?P<name>.*)\.fp-tmp-(?P<pid>[0-9]{1,10})-(?P<host>[0-9a-f]{%d})-(?P<start>[0-9a-f]{1,16})-[0-9a-f]{8}"
     % _HOST_HEX,
     re.DOTALL,
@@ -220,38 +233,19 @@ def _identity() -> tuple[str, str]:
     return got
 
 
-def _name_max(directory: str) -> int:
-    try:
-        value = int(os.pathconf(directory, "PC_NAME_MAX"))
-    except (OSError, ValueError, AttributeError):
-        return 255
-    return value if value > 0 else 255
-
-
-def _shorten(name: str, max_bytes: int) -> str:
-    """``name`` cut to at most ``max_bytes`` bytes (filesystem encoding) at a character boundary."""
-    raw = os.fsencode(name)
-    if len(raw) <= max_bytes:
-        return name
-    if max_bytes <= 0:
-        return ""
-    cut = max_bytes
-    while cut > 0 and (raw[cut] & 0xC0) == 0x80:  # do not split a UTF-8 sequence
-        cut -= 1
-    return os.fsdecode(raw[:cut])
+def name_hash(name: str) -> str:
+    """The ``HASH`` field of temporary names for a final file named ``name`` (its base name)."""
+    return hashlib.sha256(os.fsencode(os.path.basename(name))).hexdigest()[:_HASH_HEX]
 
 
 def temp_path_for(final: str) -> str:
-    """A fresh temporary name in the directory of ``final``: ``.NAME.fp-tmp-PID-HOST-START-RANDOM``.
-
-    ``NAME`` is shortened so the name fits the directory's ``NAME_MAX`` (255 bytes
-    on common filesystems).
-    """
+    """A fresh temporary name in the directory of ``final``: ``.fp-tmp-HASH-PID-HOST-START-RANDOM``
+    (no part of ``final``'s name in it; ``HASH`` is :func:`name_hash` of it)."""
     directory, name = os.path.split(final)
     host, start = _identity()
-    suffix = f"{TMP_MARKER}{os.getpid()}-{host}-{start}-{secrets.token_hex(4)}"
-    room = _name_max(directory) - 1 - len(suffix)
-    return os.path.join(directory, f".{_shorten(name, room)}{suffix}")
+    return os.path.join(
+        directory, f"{TMP_MARKER}{name_hash(name)}-{os.getpid()}-{host}-{start}-{secrets.token_hex(4)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -259,13 +253,23 @@ class TempFile:
     """A temporary file of a fastpersist save found in a directory (see :func:`scan_temps`)."""
 
     path: str
-    name: str  #: the (possibly shortened) name of the file it was to replace
+    #: the (possibly shortened) name of the file it was to replace, for names of earlier
+    #: releases; "" for this release's names, which record only its hash (``name_hash``)
+    name: str
     size: int
     mtime: float
     pid: int  #: the writer's pid (in its own pid namespace)
     state: str  #: "live" (writer running here), "stale" (writer gone here), "foreign" (cannot tell)
     removable: bool  #: whether the next save into this directory removes it
     reason: str  #: why, in words
+    name_hash: str = ""  #: :func:`name_hash` of the file it was to replace ("" for earlier releases' names)
+
+    def is_for(self, final: str) -> bool:
+        """Whether this was a temporary file of a save to ``final`` (a path or a base name)."""
+        base = os.path.basename(final)
+        if self.name_hash:
+            return self.name_hash == name_hash(base)
+        return base == self.name or (bool(self.name) and base.startswith(self.name))
 
 
 def _classify(pid: int, host: Optional[str], start: Optional[str], st: os.stat_result, now: float,
@@ -321,7 +325,7 @@ def scan_temps(directory: str, *, grace: float = FOREIGN_TMP_GRACE_S, now: Optio
         for entry in it:
             if TMP_MARKER not in entry.name or not entry.name.startswith("."):
                 continue
-            m = _TMP_RE.fullmatch(entry.name)
+            m = _TMP_RE.fullmatch(entry.name) or _V1_TMP_RE.fullmatch(entry.name)
             old = None if m else _OLD_TMP_RE.fullmatch(entry.name)
             if m is None and old is None:
                 continue
@@ -331,14 +335,23 @@ def scan_temps(directory: str, *, grace: float = FOREIGN_TMP_GRACE_S, now: Optio
                 st = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
+            digest = ""
             if m is not None:
-                pid, host, start, name = int(m["pid"]), m["host"], m["start"], m["name"]
+                pid, host, start = int(m["pid"]), m["host"], m["start"]
+                groups = m.groupdict()
+                name, digest = groups.get("name") or "", groups.get("hash") or ""
             else:
                 pid, host, start, name = int(old["pid"]), None, None, old["name"]
             state, removable, reason = _classify(pid, host, start, st, now, grace)
-            found.append(TempFile(entry.path, name, st.st_size, st.st_mtime, pid, state, removable, reason))
+            found.append(TempFile(entry.path, name, st.st_size, st.st_mtime, pid, state, removable, reason, digest))
     found.sort(key=lambda t: t.path)
     return found
+
+
+def temps_for(final: str, *, grace: float = FOREIGN_TMP_GRACE_S) -> list[TempFile]:
+    """The temporary files in ``final``'s directory of saves to ``final`` (by :func:`name_hash`,
+    or by name for earlier releases' names). Raises ``OSError`` if the directory cannot be listed."""
+    return [t for t in scan_temps(os.path.dirname(os.path.abspath(final)), grace=grace) if t.is_for(final)]
 
 
 def clean_stale_temps(directory: str, *, grace: float = FOREIGN_TMP_GRACE_S) -> list[str]:

@@ -338,7 +338,6 @@ def read_to_device(load: Any, reader: Any, fd: int, dest: dict[str, torch.device
     """Read every record of ``dest``'s keys into device memory through the ring; each
     record's ``device`` attribute is set to its uint8 tensor once its local header and
     CRC-32 (``load.checksum``) are checked. Returns the records."""
-    from fastpersist.formats.torchload import _checksum_error
 
     from fastpersist.io import gpu_path, require_cufile
 
@@ -364,9 +363,10 @@ def read_to_device(load: Any, reader: Any, fd: int, dest: dict[str, torch.device
         load._check_header(r, memoryview(it.header))
     if load.checksum:
         bad = [f"{r.entry.name}: CRC-32 mismatch (computed {it.crc:08x}, recorded {r.entry.crc32:08x}) "
-               f"in bytes [{r.data_offset}, {r.data_end})" for r, it in zip(records, items) if it.crc != r.entry.crc32]
+               f"in bytes [{r.data_offset}, {r.data_end})" for r, it in zip(records, items)
+               if it.crc != r.entry.crc32 and r.entry.crc32 != 0]  # 0: no CRC (fastpersist.formats.crcpolicy)
         if bad:
-            raise _checksum_error(load.path, bad)
+            load.crc_mismatch(bad)  # raises for files fastpersist wrote
     for r, it in zip(records, items):
         r.device = it.dest
     return records

@@ -464,7 +464,7 @@ def write_plan_blocking(plan: Any, path: str, handle: Any, pool: StagingPool, *,
 
     from fastpersist.asyncsave import _patch_slice
 
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644))
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666))
     writes, crc = stream_plan(
         plan, pool, handle, lambda off, ptr, n: handle.write_async(path, [(off, ptr, n, -1)], truncate=False),
         copier=copier, order_after=False,

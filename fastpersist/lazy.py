@@ -153,10 +153,11 @@ def open(path: PathLike, *, config: Any = None) -> CheckpointReader:  # noqa: A0
         pickle.UnpicklingError: the pickle holds what ``weights_only`` refuses.
         OSError: the file cannot be read.
     """
-    from fastpersist.api import _config, _handle
+    from fastpersist.api import _config, _handle, _wait_pending
 
     cfg = _config(config)
     fspath = os.fsdecode(os.fspath(path))
+    _wait_pending(fspath)
     file = open_checkpoint(fspath, checksum=cfg.checksum)
     return CheckpointReader(file, _handle(cfg, read=True))
 

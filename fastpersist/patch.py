@@ -20,6 +20,15 @@ original ``torch.save``: an existing device, FIFO or socket (``torch.save(x,
 in a directory this process cannot create files in (fastpersist's atomic
 replacement needs a temporary file beside the target; torch overwrites in place).
 A write-protected file raises ``PermissionError`` either way, as with torch.
+torch's serialization settings that change the bytes written go to torch as well:
+``skip_data()``, ``set_crc32_options(False)``, a ``config.save.storage_alignment`` that
+is not a power of two (a power of two is honoured by the fast path), an active
+fake-tensor mode (see :func:`_torch_settings_differ`); ``torch.load`` inside
+``skip_data()`` is torch's. Errors keep torch's types: where stock ``torch.save`` or
+``torch.load`` raises ``RuntimeError``, the wrappers raise a class that is both
+fastpersist's error and ``RuntimeError`` (:mod:`fastpersist.torcherrors`). Loads check
+CRC-32s by :mod:`fastpersist.formats.crcpolicy`'s rule (files torch writes without CRCs,
+or changes through a ``MAP_SHARED`` mmap load, load as torch loads them).
 ``torch.save`` always writes torch's zip format, whatever the file name; ``torch.load``
 of a ``.safetensors`` name is left to the original (whose handling depends on the
 torch version).
@@ -91,6 +100,63 @@ def _save_fast_path(args: tuple, kwargs: dict) -> Optional[inspect.BoundArgument
     return bound
 
 
+def _power_of_two(n: Any) -> bool:
+    return isinstance(n, int) and n > 0 and n & (n - 1) == 0
+
+
+def _torch_settings_differ() -> Optional[str]:
+    """Why torch's serialization settings in effect make this ``torch.save`` torch's to
+    write, or None when the fast path writes what they ask for.
+
+    Every setting of ``torch.serialization`` and ``torch.utils.serialization.config``
+    (torch 2.15) that changes the bytes ``torch.save`` writes:
+
+    * ``skip_data()`` (thread-local; storages announced, their bytes not written, CRC 0):
+      torch writes;
+    * ``set_crc32_options(False)`` / ``config.save.compute_crc32 = False`` (every CRC-32
+      field 0): torch writes;
+    * ``config.save.storage_alignment``: a power of two is honoured by the fast path
+      (storages start at multiples of the larger of it and the O_DIRECT alignment, and
+      ``.storage_alignment`` records that value); any other value: torch writes;
+    * an active fake-tensor mode (fake tensors are saved by torch under ``skip_data``): torch.
+
+    ``config.save.use_pinned_memory_for_d2h`` changes how torch copies accelerator
+    storages, not the bytes written (the fast path copies through its own pinned
+    buffers). Arguments (``pickle_module``, ``pickle_protocol``,
+    ``_use_new_zipfile_serialization``, ``_disable_byteorder_record``) are checked by
+    :func:`_save_fast_path`.
+    """
+    ser = torch.serialization
+    tls = getattr(ser, "_serialization_tls", None)
+    if getattr(tls, "skip_data", False):
+        return "torch.serialization.skip_data() is active"
+    get_crc = getattr(ser, "get_crc32_options", None)
+    if get_crc is not None and not get_crc():
+        return "torch.serialization.set_crc32_options(False) is in effect"
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover - torch older than 2.6
+        config = None
+    if config is not None:
+        align = getattr(config.save, "storage_alignment", 64)
+        if not _power_of_two(align):
+            return f"torch.utils.serialization.config.save.storage_alignment is {align!r}, not a power of two"
+    try:
+        if torch._guards.detect_fake_mode(None) is not None:
+            return "a fake-tensor mode is active"
+    except Exception:  # noqa: BLE001 - private API; assume no fake mode
+        pass
+    return None
+
+
+def _load_settings_differ() -> Optional[str]:
+    """Why torch's loading settings in effect make this ``torch.load`` torch's, or None."""
+    tls = getattr(torch.serialization, "_serialization_tls", None)
+    if getattr(tls, "skip_data", False):
+        return "torch.serialization.skip_data() is active"
+    return None
+
+
 def _written_in_place(f: Any) -> Optional[str]:
     """Why ``torch.save`` must write into the existing ``f`` instead of fastpersist replacing
     it (a device, FIFO or socket; a directory that refuses new files), or None."""
@@ -115,13 +181,20 @@ def _make_save(original: Callable[..., Any]) -> Callable[..., Any]:
         bound = _save_fast_path(args, kwargs)
         if bound is None:
             return original(*args, **kwargs)
-        why = _written_in_place(bound.arguments["f"])
+        why = _torch_settings_differ() or _written_in_place(bound.arguments["f"])
         if why is not None:
             log.debug("torch.save(%r): %s; using torch's own save", bound.arguments["f"], why)
             return original(*args, **kwargs)
         from fastpersist.api import save as fast_save
+        from fastpersist.torcherrors import for_torch_save
 
-        return fast_save(bound.arguments["obj"], bound.arguments["f"], format="torch")
+        try:
+            return fast_save(bound.arguments["obj"], bound.arguments["f"], format="torch")
+        except Exception as e:
+            dual = for_torch_save(e)
+            if dual is None:
+                raise
+            raise dual.with_traceback(e.__traceback__) from None
 
     setattr(save, _MARK, original)
     return save
@@ -132,11 +205,22 @@ def _make_load(original: Callable[..., Any]) -> Callable[..., Any]:
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
         if not _is_path(f) or _is_safetensors_name(f):
             return original(f, *args, **kwargs)
+        why = _load_settings_differ()
+        if why is not None:
+            log.debug("torch.load(%r): %s; using torch's own load", f, why)
+            return original(f, *args, **kwargs)
         # fastpersist.load takes torch.load's arguments and hands what it cannot do
         # itself (mmap, legacy files, ...) to torch.serialization.load.
         from fastpersist.api import load as fast_load
+        from fastpersist.torcherrors import for_torch_load
 
-        return fast_load(f, *args, **kwargs)
+        try:
+            return fast_load(f, *args, **kwargs)
+        except Exception as e:
+            dual = for_torch_load(e)
+            if dual is None:
+                raise
+            raise dual.with_traceback(e.__traceback__) from None
 
     setattr(load, _MARK, original)
     return load

@@ -35,6 +35,19 @@ Strategy names, registered in Lightning's ``StrategyRegistry``:
     ``fastpersist.dcp.FastPersistWriter`` (each rank writes its own shards; DCP's
     stock reader loads them); full checkpoints go through the CheckpointIO.
 
+With a save in flight, Lightning's own checks of checkpoint paths see the finished
+file: when the classes are built, the adapter wraps the few Lightning functions that
+test, list or read checkpoint paths (``ModelCheckpoint.file_exists`` for the ``-vN``
+version counter, ``_find_last_checkpoints``, the HPC folder listing, a stock
+``TorchCheckpointIO``'s load and remove, ``cloud_io._load`` behind
+``load_from_checkpoint``) so that they first wait for this process's pending saves of
+that path or directory (:func:`fastpersist.asyncsave.wait_for_path`); see
+docs/compat.d/lightning.md. :func:`remove_lightning_guards` undoes it.
+
+The classes are module-level names (``FastPersistCheckpointIO``..., and
+``PLFastPersistCheckpointIO``... for ``pytorch_lightning``), so a Trainer holding them
+pickles (``ddp_spawn``, ``ddp_fastpersist_spawn``).
+
 The names are registered when this module is imported, and, with no import at
 all, by fastpersist's start-up hook as soon as Lightning's strategies package is
 imported (Lightning discovers no strategies through entry points; see
@@ -53,6 +66,7 @@ import weakref
 from typing import Any, Callable, Optional
 
 import fastpersist
+import fastpersist.asyncsave
 from fastpersist.integrations import _startup
 from fastpersist.integrations._replicated import group_save_available, save_replicated
 
@@ -63,7 +77,9 @@ __all__ = [
     "FastPersistDDPStrategy",
     "FastPersistFSDPStrategy",
     "classes_for",
+    "install_lightning_guards",
     "register_strategies",
+    "remove_lightning_guards",
 ]
 
 # Feature checks: the adapter uses what the installed fastpersist offers.
@@ -129,7 +145,124 @@ def _install_link_guard(callbacks_module: Any) -> None:
 
     _link_checkpoint._fastpersist_guard = True  # type: ignore[attr-defined]
     _link_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    raw = cls.__dict__.get("_link_checkpoint")
     cls._link_checkpoint = staticmethod(_link_checkpoint)
+    _guards.append((cls, "_link_checkpoint", raw))
+
+
+# ---- Lightning's own checks of checkpoint paths see pending async saves -------------------
+#
+# Lightning tests, lists and reads checkpoint paths itself (ModelCheckpoint's version counter,
+# "last"/HPC resume, load_from_checkpoint, a stock TorchCheckpointIO's exists check). With a
+# save of this process still in flight, each of those must see the finished file: the guards
+# below wait for fastpersist's pending saves of that path (fastpersist.asyncsave.wait_for_path)
+# or of that directory (wait_for_dir) and then run Lightning's code unchanged. When nothing
+# is pending they cost one check of an empty list. remove_lightning_guards() undoes them.
+
+#: (owner, attribute, original value) of every guard installed, for remove_lightning_guards()
+_guards: list[tuple[Any, str, Any]] = []
+
+
+def _wait_path(path: Any) -> None:
+    if path is not None and _is_local(path):
+        fastpersist.asyncsave.wait_for_path(_local_path(path))
+
+
+def _wait_dir(path: Any) -> None:
+    if path is not None and _is_local(path):
+        fastpersist.asyncsave.wait_for_dir(_local_path(path))
+
+
+def _guard(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
+    """Replace ``owner.attr`` by ``make(original)`` once (marked ``_fastpersist_guard``)."""
+    raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    if raw is None:
+        return
+    func = raw.__func__ if isinstance(raw, staticmethod) else raw
+    if getattr(func, "_fastpersist_guard", False):
+        return
+    wrapped = make(func)
+    wrapped._fastpersist_guard = True  # type: ignore[attr-defined]
+    wrapped.__wrapped__ = func  # type: ignore[attr-defined]
+    setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+    _guards.append((owner, attr, raw))
+
+
+def _install_path_guards(package: str, fabric: str) -> None:
+    """Make Lightning's checks of checkpoint paths wait for pending async saves (see above)."""
+    import functools
+    import sys
+
+    mc = importlib.import_module(f"{package}.callbacks.model_checkpoint").ModelCheckpoint
+    connector = importlib.import_module(f"{package}.trainer.connectors.checkpoint_connector")._CheckpointConnector
+    torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
+    cloud_io = importlib.import_module(f"{fabric}.utilities.cloud_io")
+
+    def file_exists(original: Any) -> Any:  # the -vN version counter (issue 23 case 1)
+        @functools.wraps(original)
+        def wrapper(self: Any, filepath: Any, trainer: Any) -> bool:
+            _wait_path(filepath)
+            return original(self, filepath, trainer)
+        return wrapper
+
+    def find_last(original: Any) -> Any:  # ckpt_path="last": lists dirpath
+        @functools.wraps(original)
+        def wrapper(self: Any, trainer: Any) -> Any:
+            _wait_dir(self.dirpath)
+            return original(self, trainer)
+        return wrapper
+
+    def max_version(original: Any) -> Any:  # ckpt_path="hpc", hpc_save_path: list the folder
+        @functools.wraps(original)
+        def wrapper(dir_path: Any, *args: Any, **kwargs: Any) -> Any:
+            _wait_dir(dir_path)
+            return original(dir_path, *args, **kwargs)
+        return wrapper
+
+    def io_method(original: Any) -> Any:  # a stock TorchCheckpointIO's load (exists check) / remove
+        @functools.wraps(original)
+        def wrapper(self: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
+            _wait_path(path)
+            return original(self, path, *args, **kwargs)
+        return wrapper
+
+    def load(original: Any) -> Any:  # cloud_io._load: load_from_checkpoint and TorchCheckpointIO read
+        @functools.wraps(original)
+        def wrapper(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(path_or_url, (str, os.PathLike)):
+                _wait_path(path_or_url)
+            return original(path_or_url, *args, **kwargs)
+        return wrapper
+
+    _guard(mc, "file_exists", file_exists)
+    _guard(mc, "_find_last_checkpoints", find_last)
+    _guard(connector, "_CheckpointConnector__max_ckpt_version_in_folder", max_version)
+    _guard(torch_io, "load_checkpoint", io_method)
+    _guard(torch_io, "remove_checkpoint", io_method)
+    original_load = cloud_io._load
+    _guard(cloud_io, "_load", load)
+    guarded_load = cloud_io._load
+    if guarded_load is not original_load:  # the modules that did "from cloud_io import _load as pl_load"
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith((package, fabric)) or module is cloud_io:
+                continue
+            for attr, value in list(vars(module).items()):
+                if value is original_load:
+                    setattr(module, attr, guarded_load)
+                    _guards.append((module, attr, original_load))
+
+
+def remove_lightning_guards() -> None:
+    """Restore every Lightning function the adapter wrapped (the path guards and the
+    ``save_last="link"`` guard), for both packages. The adapter classes keep working;
+    Lightning's own checks then no longer wait for pending async saves."""
+    while _guards:
+        owner, attr, original = _guards.pop()
+        setattr(owner, attr, original)
+    _installed.clear()
+
+
+_installed: set[str] = set()
 
 
 def _group() -> Any:
@@ -147,6 +280,18 @@ def _unwrap(io: Any, wrapper_cls: type) -> Any:
     return io
 
 
+def install_lightning_guards(package: str = "lightning.pytorch") -> None:
+    """Install the guards (idempotent): Lightning's checks of checkpoint paths wait for
+    pending async saves, and ``save_last="link"`` links only finished files. Done when
+    the adapter classes for ``package`` are built; :func:`remove_lightning_guards` undoes it."""
+    if package in _installed:
+        return
+    fabric = "lightning.fabric" if package.startswith("lightning.") else "lightning_fabric"
+    _install_link_guard(importlib.import_module(f"{package}.callbacks.model_checkpoint"))
+    _install_path_guards(package, fabric)
+    _installed.add(package)
+
+
 def _define(package: str) -> types.SimpleNamespace:
     """Build the adapter classes against ``package`` (``"lightning.pytorch"`` or
     ``"pytorch_lightning"``), whose class hierarchies are distinct."""
@@ -156,7 +301,7 @@ def _define(package: str) -> types.SimpleNamespace:
     TorchCheckpointIO = importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
     wrapper = importlib.import_module(f"{package}.plugins.io.wrapper")._WrappingCheckpointIO
     strategies = importlib.import_module(f"{package}.strategies")
-    _install_link_guard(importlib.import_module(f"{package}.callbacks.model_checkpoint"))
+    install_lightning_guards(package)
     del pl
 
     class FastPersistCheckpointIO(CheckpointIO):
@@ -234,6 +379,19 @@ def _define(package: str) -> types.SimpleNamespace:
             """Wait until every checkpoint this plugin started is durable under its name."""
             self._collect(block=True)
 
+        def __getstate__(self) -> dict[str, Any]:
+            # A pickled copy (ddp_spawn's launcher pickles the Trainer) starts with no
+            # pending saves: those stay with, and are finished by, this process.
+            state = self.__dict__.copy()
+            state["_pending"] = []
+            state.pop("_lock", None)
+            return state
+
+        def __setstate__(self, state: dict[str, Any]) -> None:
+            self.__dict__.update(state)
+            self._lock = threading.Lock()
+            _instances.add(self)
+
         @property
         def pending(self) -> int:
             """How many background saves have not finished."""
@@ -252,6 +410,7 @@ def _define(package: str) -> types.SimpleNamespace:
                 self.counts["torch"] += 1
                 return self._fallback.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
             target = _local_path(path)
+            fastpersist.asyncsave.wait_for_path(target)  # a pending save of another CheckpointIO
             if not os.path.exists(target):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             self.counts["load"] += 1
@@ -261,6 +420,7 @@ def _define(package: str) -> types.SimpleNamespace:
             """Collective load: the ranks of ``group`` read the file once in total."""
             self.finalize()
             target = _local_path(path)
+            fastpersist.asyncsave.wait_for_path(target)
             if not os.path.exists(target):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
             self.counts["load_group"] += 1
@@ -280,17 +440,30 @@ def _define(package: str) -> types.SimpleNamespace:
         """DDP whose checkpoints every rank writes together through fastpersist.
 
         ``save_checkpoint`` is called by Lightning on every rank; with more than one
-        rank and a fastpersist that has collective saves, all ranks call
-        ``fastpersist.save(checkpoint, path, group=WORLD)``: one ordinary torch file,
-        each rank writing a block-aligned slice (byte-identical to a one-rank save).
-        Otherwise (one rank, no collective saves, or a CheckpointIO that is not
-        :class:`FastPersistCheckpointIO`) rank 0 saves through the CheckpointIO, as
-        stock DDP does. The ranks first compare digests of their checkpoints
-        (pickle and CRC-32 of every tensor, ``integrations/_replicated.py``); if they
-        differ (for example a ``ModelCheckpoint`` monitoring a metric logged without
-        ``sync_dist``), rank 0 writes its own checkpoint alone with
-        :func:`fastpersist.save`, as stock DDP would.
+        rank and a fastpersist that has collective saves, all ranks write one ordinary
+        torch file together, each rank a block-aligned slice (byte-identical to rank
+        0's one-rank save), in the background when the CheckpointIO saves
+        asynchronously (``fastpersist.save_async(..., group=WORLD)``; the default),
+        else blocking. Otherwise (one rank, no collective saves, or a CheckpointIO that
+        is not :class:`FastPersistCheckpointIO`) rank 0 saves through the
+        CheckpointIO, as stock DDP does.
+
+        The checkpoint's small parts (everything but ``state_dict`` and
+        ``optimizer_states``: callback, loop and scheduler states, hyper-parameters)
+        may differ between ranks, e.g. a ``ModelCheckpoint`` monitoring a metric
+        logged without ``sync_dist``. The ranks compare a digest of them; when they
+        differ, every rank takes rank 0's (broadcast; rank 0 takes the same unpickled
+        copy) and the file holds rank 0's checkpoint (equal values on load; the pickle's
+        memo may share fewer objects than rank 0's own save would), still written by
+        all ranks. If the bulk tensors differ too (the
+        collective save compares every tensor's CRC and raises
+        :class:`~fastpersist.distributed.ReplicasDifferError`), rank 0 writes its own
+        checkpoint alone through the CheckpointIO (in the background when it saves
+        asynchronously) and a warning names the difference.
         """
+
+        #: top-level checkpoint keys holding the replicated bulk tensors (never broadcast)
+        _BULK_KEYS = ("state_dict", "optimizer_states")
 
         def __init__(self, *args: Any, checkpoint_io: Any = None, **kwargs: Any) -> None:
             super().__init__(*args, checkpoint_io=checkpoint_io or FastPersistCheckpointIO(), **kwargs)
@@ -306,14 +479,65 @@ def _define(package: str) -> types.SimpleNamespace:
             group = _group() if HAS_GROUP_SAVE else None
             if io is None or group is None or storage_options is not None or not _is_local(filepath):
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            io.finalize()
             target = _local_path(filepath)
             os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-            split = save_replicated(checkpoint, target, group=group, writer=self.is_global_zero, config=io.config)
-            if split:
+            from fastpersist.distributed import ReplicasDifferError
+
+            # (an earlier background save's uncollected error fails this save on every rank, at its
+            # plan step: fastpersist.distributed)
+            try:
+                agreed = self._rank0_small_parts(checkpoint, group)
+                if io.async_save:
+                    future = fastpersist.save_async(agreed, target, mode=io.mode, config=io.config, group=group)
+                    with io._lock:
+                        io._pending.append(future)
+                    io.counts["save_group_async"] = io.counts.get("save_group_async", 0) + 1
+                else:
+                    fastpersist.save(agreed, target, config=io.config, group=group)
                 io.counts["save_group"] += 1
-            elif self.is_global_zero:
-                io.counts["save"] += 1
+                return
+            except ReplicasDifferError as e:
+                why = e.difference or str(e)
+            if self.is_global_zero:
+                import warnings
+
+                warnings.warn(
+                    f"ddp_fastpersist: the ranks' checkpoints for {target} differ beyond their small parts ({why}); "
+                    "rank 0 writes its own checkpoint alone (not split across ranks). Make the replicas equal "
+                    "(e.g. DDP's broadcast_buffers) to get split saves", RuntimeWarning, stacklevel=2)
+                io.save_checkpoint(checkpoint, target)
+
+        def _rank0_small_parts(self, checkpoint: dict[str, Any], group: Any) -> dict[str, Any]:
+            """``checkpoint`` with its small parts (every top-level key but :attr:`_BULK_KEYS`)
+            replaced by rank 0's when they differ between ranks, in rank 0's key order; the
+            same object when they do not (then every rank writes its own, equal, replica)."""
+            import hashlib
+            import pickle
+
+            import torch.distributed as dist
+
+            small = {k: v for k, v in checkpoint.items() if k not in self._BULK_KEYS}
+            from fastpersist.distributed import ReplicasDifferError
+
+            try:
+                digest = hashlib.blake2b(pickle.dumps((list(checkpoint), small), protocol=4),
+                                         digest_size=16).hexdigest()
+            except Exception as e:  # noqa: BLE001 - cannot be compared nor broadcast
+                digest = f"unpicklable ({type(e).__name__}: {e})"
+            digests: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(digests, digest, group=group)
+            bad = [d for d in digests if d.startswith("unpicklable")]
+            if bad:  # every rank sees it: every rank takes the fallback
+                raise ReplicasDifferError("the checkpoint's small parts do not pickle", f"small parts {bad[0]}")
+            if all(d == digests[0] for d in digests):
+                return checkpoint
+            box = [(list(checkpoint), small)]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            if dist.get_rank(group) == 0:  # the same unpickled copies as the others hold: the pickle's memo
+                box = pickle.loads(pickle.dumps(box, protocol=pickle.DEFAULT_PROTOCOL))  # (shared objects) agrees
+            order, theirs = box[0]
+            log.debug("ddp_fastpersist: the checkpoint's small parts differ between ranks; rank 0's are saved")
+            return {k: (theirs[k] if k in theirs else checkpoint[k]) for k in order if k in theirs or k in checkpoint}
 
         def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
             io = self._fastpersist_io()
@@ -401,6 +625,9 @@ def _define(package: str) -> types.SimpleNamespace:
                 fastpersist.save(checkpoint, path / fsdp_module._METADATA_FILENAME)
             self.dcp_saves += 1
 
+    for cls in (FastPersistCheckpointIO, FastPersistDDPStrategy, FastPersistFSDPStrategy):
+        _publish(cls, package)
+
     return types.SimpleNamespace(
         FastPersistCheckpointIO=FastPersistCheckpointIO,
         FastPersistDDPStrategy=FastPersistDDPStrategy,
@@ -408,6 +635,33 @@ def _define(package: str) -> types.SimpleNamespace:
         StrategyRegistry=strategies.StrategyRegistry,
         package=package,
     )
+
+
+#: module-level name prefix of the classes built for each package (pickle finds them by
+#: ``fastpersist.integrations.lightning.<prefix><class name>``; see ``__getattr__``)
+_PREFIX = {"lightning.pytorch": "", "pytorch_lightning": "PL"}
+_CLASS_NAMES = ("FastPersistCheckpointIO", "FastPersistDDPStrategy", "FastPersistFSDPStrategy")
+
+
+def _publish(cls: type, package: str) -> None:
+    """Give a class built by ``_define`` a module-level name, so that pickle (``ddp_spawn``'s
+    launcher, ``pickle.dumps(trainer)``) finds it: ``FastPersistCheckpointIO`` for
+    ``lightning.pytorch``, ``PLFastPersistCheckpointIO`` for ``pytorch_lightning``."""
+    name = _PREFIX[package] + cls.__name__
+    cls.__module__ = __name__
+    cls.__qualname__ = name
+    globals()[name] = cls
+
+
+def __getattr__(name: str) -> Any:
+    """``PLFastPersistCheckpointIO``... (and the plain names) built on first use, so an
+    unpickling process that has not built them yet finds them."""
+    for package, prefix in _PREFIX.items():
+        if name.startswith(prefix) and name[len(prefix):] in _CLASS_NAMES and (prefix or name in _CLASS_NAMES):
+            if prefix == "" and package not in _classes:
+                continue
+            return getattr(classes_for(package), name[len(prefix):])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def classes_for(package: str = "lightning.pytorch") -> types.SimpleNamespace:

@@ -26,7 +26,9 @@ from fastpersist.bench import state as S
 from fastpersist.bench.fsutil import drop_page_cache, files_under, total_size
 from fastpersist.bench.io_bench import run_io_bench
 from fastpersist.bench.machine import collect_machine_info, probe_direct_io
-from fastpersist.bench.report import plot_io, plot_save, print_io_report, print_save_report
+from fastpersist.bench.ceiling import EngineProbe, write_ceiling
+from fastpersist.bench.progress import NoProgress, PlainProgress, progress
+from fastpersist.bench.report import WIDTH, plot_io, plot_save, print_io_report, print_save_report
 from fastpersist.bench.save_bench import (
     DcpMethod,
     FastPersistMethod,
@@ -301,17 +303,25 @@ def test_fio_ceiling_measures_write_and_read(tmp_path) -> None:
     direct = bool(collect_machine_info(str(tmp_path)).direct_io)
     res = fio_mod.fio_ceiling(str(tmp_path), 2 * MiB, block_sizes=(MiB,), iodepths=(2, 4), direct=direct)
     assert res.error is None
-    sweep = res.runs[:4]
-    assert [(r.rw, r.iodepth) for r in sweep] == [("write", 2), ("read", 2), ("write", 4), ("read", 4)]
+    n_sweep = fio_mod.fio_sweep_count(2 * MiB, (MiB,), (2, 4))
+    assert n_sweep == 7
+    sweep = res.runs[:n_sweep]
+    assert [(r.rw, r.iodepth, r.numjobs) for r in sweep[:4]] == [
+        ("write", 2, 1), ("read", 2, 1), ("write", 4, 1), ("read", 4, 1)]
+    # one configuration is not a ceiling: two jobs (each half the file), then a buffered write + fsync
+    assert [(r.rw, r.numjobs, r.iodepth, r.direct) for r in sweep[4:6]] == [
+        ("write", 2, 2, direct), ("read", 2, 2, direct)]
+    assert (sweep[6].rw, sweep[6].direct, sweep[6].ioengine) == ("write", False, "psync")
     assert all(r.gbps > 0 and r.nbytes == 2 * MiB for r in res.runs)
     best_w = max((r for r in sweep if r.rw == "write"), key=lambda r: r.gbps)
     best_r = max((r for r in sweep if r.rw == "read"), key=lambda r: r.gbps)
     assert res.best_write is best_w and res.best_read is best_r
     # then 3 rounds of (write, read, buffered read) with the best configurations; the sweep's runs do not count
-    rounds = res.runs[4:]
-    assert [(r.rw, r.direct) for r in rounds] == [("write", direct), ("read", direct), ("read", False)] * 3
-    assert all(r.iodepth == best_w.iodepth for r in rounds[0::3])
-    assert all(r.iodepth == best_r.iodepth for r in rounds[1::3])
+    rounds = res.runs[n_sweep:]
+    assert [(r.rw, r.direct) for r in rounds[1::3]] == [("read", best_r.direct)] * 3
+    assert [(r.rw, r.direct, r.ioengine) for r in rounds[2::3]] == [("read", False, "psync")] * 3
+    assert all(fio_mod._config_of(r) == fio_mod._config_of(best_w) and r.rw == "write" for r in rounds[0::3])
+    assert all(fio_mod._config_of(r) == fio_mod._config_of(best_r) for r in rounds[1::3])
     assert res.write_repeats == [r.gbps for r in rounds[0::3]]
     assert res.read_repeats == [r.gbps for r in rounds[1::3]]
     # the buffered sequential read (page cache) and the read ceiling: the higher of the two medians
@@ -331,7 +341,7 @@ def test_fio_probe_rounds_interleave_and_stop_after_a_failure(tmp_path) -> None:
     direct = bool(collect_machine_info(str(tmp_path)).direct_io)
     work = tmp_path / "d"
     work.mkdir()
-    probe = fio_mod.FioProbe(str(work), MiB, block_sizes=(MiB,), iodepths=(1,), direct=direct)
+    probe = fio_mod.FioProbe(str(work), MiB, block_sizes=(MiB,), iodepths=(1,), direct=direct, extras=False)
     probe.round()  # before the sweep there is no configuration to repeat: nothing runs
     assert probe.result.runs == [] and probe.ok
     probe.sweep()
@@ -394,15 +404,25 @@ def test_save_bench_runs_fio_in_the_rotation(tmp_path, monkeypatch) -> None:
     orig_round, orig_sweep = fio_mod.FioProbe.round, fio_mod.FioProbe.sweep
     monkeypatch.setattr(fio_mod.FioProbe, "round", lambda self: (events.append("fio"), orig_round(self))[1])
     monkeypatch.setattr(fio_mod.FioProbe, "sweep", lambda self: (events.append("sweep"), orig_sweep(self))[1])
+    orig_engine = EngineProbe.round
+    monkeypatch.setattr(EngineProbe, "round", lambda self: (events.append("engine"), orig_engine(self))[1])
     res = run_save_bench(str(tmp_path), size=2 * MiB, peers=("torch", "fio"), repeat=3, progress=False,
                          fio_block_sizes=(MiB,), fio_iodepths=(2,), load_process="same")
-    assert events[0] == "sweep" and len(events) == 10
-    rounds = [events[1 + 3 * i : 4 + 3 * i] for i in range(3)]
-    assert all(sorted(r) == ["fastpersist", "fio", "torch"] for r in rounds)  # each round: every step once
+    assert events[0] == "sweep" and len(events) == 13
+    rounds = [events[1 + 4 * i : 5 + 4 * i] for i in range(3)]
+    # each round: every step once, the raw engine's write (part of the write ceiling) too
+    assert all(sorted(r) == ["engine", "fastpersist", "fio", "torch"] for r in rounds)
     assert rounds == res.order
     assert len({tuple(r) for r in res.order}) > 1 or res.order[0][0] != "fastpersist"  # not a fixed rotation
     assert res.fio is not None and res.fio.error is None
     assert len(res.fio.write_repeats) == 3 and res.fio.read_gbps == sorted(res.fio.read_repeats)[1]
+    eng = res.engine_ceiling
+    assert eng is not None and eng.error is None and len(eng.write_repeats) == 3
+    assert res.write_ceiling == max((res.fio.write_gbps, "fio"), (eng.write_gbps, "engine"))
+    d = res.to_dict()
+    assert d["write_ceiling_gbps"] == res.write_ceiling[0] and d["engine_ceiling"]["write_gbps"] == eng.write_gbps
+    fp = d["methods"][[m["name"] for m in d["methods"]].index("fastpersist")]
+    assert fp["save_vs_write_ceiling"] == pytest.approx(fp["save_median_gbps"] / res.write_ceiling[0])
 
 
 def test_run_save_bench_with_every_peer(tmp_path) -> None:
@@ -442,6 +462,126 @@ def test_run_save_bench_with_every_peer(tmp_path) -> None:
     png = str(tmp_path / "save.png")
     plot_save(res, png)
     _assert_png(png)
+    # the report a newcomer reads fits 100 columns, with rich and without
+    assert _widest(text) <= WIDTH, text
+    assert "vs ceiling" in text and "page reporting" not in text
+
+
+def _widest(text: str) -> int:
+    return max(len(line.rstrip()) for line in text.splitlines())
+
+
+@pytest.mark.parametrize("use_rich", [True, False])
+def test_save_report_fits_100_columns_and_names_its_ceilings(tmp_path, monkeypatch, use_rich: bool) -> None:
+    """The table was 136 columns wide; every line of the report now fits 100, the per-run figures
+    included, and the expert detail (fio's sweep, the memory probe's page reporting) is behind verbose."""
+    if not use_rich:
+        for mod in ("rich", "rich.console", "rich.table"):
+            monkeypatch.setitem(sys.modules, mod, None)
+    res = run_save_bench(str(tmp_path), size=2 * MiB, peers=("torch", "safetensors", "dcp", "fio") if HAVE_FIO
+                         else ("torch", "safetensors", "dcp"), repeat=3, progress=False, load_process="same",
+                         fio_block_sizes=(MiB,), fio_iodepths=(2,))
+    res.machine.fresh_memory = {"probe_bytes": 1 << 28, "fresh_gbps_1": 0.61, "fresh_gbps_n": 0.32, "threads": 2,
+                                "resident_gbps": 25.5, "page_reporting_order": 9, "error": None}
+    out = io.StringIO()
+    print_save_report(res, out)
+    text = out.getvalue()
+    assert _widest(text) <= WIDTH, text
+    assert "New memory : memory a process never used fills at 0.61 GB/s" in text
+    assert "order 9" not in text and "Fresh mem" not in text
+    for row in ("fastpersist", "torch", "safetensors", "dcp"):
+        cells = [line.strip("│ ").split() for line in text.splitlines()]
+        assert sum(bool(c) and c[0] == row and c[1] not in (":",) for c in cells) == 2  # save and load tables
+    verbose = io.StringIO()
+    print_save_report(res, verbose, verbose=True)
+    assert "free page reporting on (order 9" in verbose.getvalue()
+    assert _widest(verbose.getvalue()) <= WIDTH
+    if HAVE_FIO:
+        flat = " ".join(text.split())  # wrapped lines joined
+        tried = sum(rw == "write" for rw, _ in fio_mod.sweep_configs(res.workload["tensor_bytes"], (MiB,), (2,), True))
+        assert tried >= 2  # the O_DIRECT grid and a buffered write + fsync at least
+        assert "raw engine" in text and "fio, best config" in text and f"best of {tried} write configurations" in flat
+        assert "sweep    :" in verbose.getvalue() and "sweep    :" not in text
+        star = [line for line in text.splitlines() if "*" in line and ("raw engine" in line or "fio, best" in line)]
+        assert len(star) == 1  # exactly one row is the write ceiling
+
+
+def test_write_ceiling_is_the_higher_of_fio_and_the_raw_engine() -> None:
+    from fastpersist.bench.ceiling import EngineCeiling
+
+    fio = fio_mod.FioCeiling(write_gbps=1.5)
+    eng = EngineCeiling(nbytes=1, write_repeats=[2.0, 3.0, 2.5])
+    assert eng.write_gbps == 2.5
+    assert write_ceiling(fio, eng) == (2.5, "engine")
+    assert write_ceiling(fio_mod.FioCeiling(write_gbps=4.0), eng) == (4.0, "fio")
+    assert write_ceiling(None, EngineCeiling(nbytes=1)) == (None, "")
+
+
+def test_engine_probe_writes_durably_and_cleans_up(tmp_path) -> None:
+    probe = EngineProbe(str(tmp_path), 3 * MiB + 4096)
+    probe.round()
+    probe.round()
+    assert probe.ok and len(probe.result.write_repeats) == 2 and probe.result.write_gbps > 0
+    assert "IOHandle.pwrite" in probe.result.settings
+    probe.close()
+    assert os.listdir(tmp_path) == []
+    bad = EngineProbe(str(tmp_path / "missing"), MiB)
+    bad.round()
+    assert not bad.ok and "FileNotFoundError" in bad.result.error
+    bad.round()  # stays stopped, never raises
+    assert bad.result.write_repeats == []
+
+
+def test_progress_in_a_log_file_is_plain_lines() -> None:
+    """Not on a terminal, progress prints one labelled line per step: no carriage returns."""
+    log = io.StringIO()
+    bar = progress(3, True, "fio sweep", stream=log)
+    assert isinstance(bar, PlainProgress)
+    bar.update(1)
+    bar.set_description("torch run 1/1")
+    bar.update(2)
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 2
+    assert lines[0].startswith("[1/3, ") and "] fio sweep: " in lines[0]  # the first step has its label
+    assert lines[1].startswith("[3/3, ") and "] torch run 1/1: " in lines[1]
+    assert isinstance(progress(3, False, "x", stream=log), NoProgress)
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    bar = progress(2, True, "fio sweep", stream=tty)
+    assert not isinstance(bar, PlainProgress)  # a terminal gets the tqdm bar, labelled from the start
+    bar.update(1)
+    bar.close()
+    assert "fio sweep" in tty.getvalue()
+
+
+def test_cli_bench_save_writes_its_plot_by_default(tmp_path, monkeypatch, capsys) -> None:
+    """README's first command: the chart is written without --plot (its path printed), not with --no-plot;
+    stdout in a log file gets plain progress lines, the first one labelled."""
+    from fastpersist.cli import SAVE_PLOT, main
+
+    here = tmp_path / "cwd"
+    disk = tmp_path / "disk"
+    here.mkdir()
+    disk.mkdir()
+    monkeypatch.chdir(here)
+    base = ["bench", "save", "--dir", str(disk), "--small-tensors", "10", "--repeat", "1", "--peers", "torch",
+            "--load-process", "same"]
+    assert main(base) == 0
+    captured = capsys.readouterr()
+    assert f"Plot       : {here / SAVE_PLOT}" in captured.out
+    _assert_png(str(here / SAVE_PLOT))
+    assert "\r" not in captured.err
+    steps = captured.err.splitlines()
+    assert len(steps) == 2 and steps[0].startswith("[1/2, ") and "run 1/1: " in steps[0]
+    os.unlink(here / SAVE_PLOT)
+    assert main(base + ["--no-plot", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "Plot" not in captured.out and captured.err == "" and os.listdir(here) == []
 
 
 def test_run_save_bench_small_tensors_keep(tmp_path) -> None:
@@ -594,7 +734,7 @@ def test_save_bench_load_into_row_and_report(tmp_path) -> None:
     assert "Cold load into an existing state" in text and "torch.load + copy_" in text
     assert "load-into filled the state" in text
     if HAVE_FIO:
-        assert "Read ceil." in text and "fio buffer." in text
+        assert "fio O_DIRECT read" in text and "fio buffered read" in text and "Read: the higher of" in " ".join(text.split())
     assert d["load_process"] == "same" and "in this process, round after round" in text
     assert any("--load-process same" in n for n in d["notes"])
 

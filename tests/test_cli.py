@@ -215,7 +215,7 @@ def test_bench_save_smoke(tmp_path, capsys) -> None:
 
 def test_bench_save_small_tensors_json_to_stdout(tmp_path, capsys) -> None:
     argv = ["bench", "save", "--dir", str(tmp_path), "--small-tensors", "50", "--repeat", "1",
-            "--peers", "torch", "--json", "-", "--no-progress", "--load-process", "same"]
+            "--peers", "torch", "--json", "-", "--no-progress", "--load-process", "same", "--no-plot"]
     assert main(argv) == 0
     captured = capsys.readouterr()
     data = json.loads(captured.out)  # stdout holds the JSON alone
@@ -227,7 +227,7 @@ def test_bench_save_small_tensors_json_to_stdout(tmp_path, capsys) -> None:
 
 def test_bench_save_keep(tmp_path, capsys) -> None:
     argv = ["bench", "save", "--dir", str(tmp_path), "--small-tensors", "20", "--repeat", "1",
-            "--peers", "none", "--keep", "--no-progress", "--load-process", "same"]
+            "--peers", "none", "--keep", "--no-progress", "--load-process", "same", "--no-plot"]
     assert main(argv) == 0
     (workdir,) = os.listdir(tmp_path)
     assert os.listdir(tmp_path / workdir) == ["fastpersist.pt"]

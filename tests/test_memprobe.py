@@ -24,7 +24,7 @@ def test_probe_measures_rates_and_round_trips() -> None:
     again = memprobe.FreshMemory(**r.to_dict())
     assert again == r
     text = r.summary()
-    assert f"{r.fresh_gbps_1:.2f} GB/s (1 thread)" in text and "2 threads" in text
+    assert f"{r.fresh_gbps_1:.2f} GB/s (1 thread;" in text and "2 threads" in text
 
 
 def test_probe_rounds_odd_sizes_to_whole_pages_per_thread() -> None:
@@ -48,7 +48,9 @@ def test_page_reporting_order_parsed(monkeypatch, tmp_path) -> None:
     f.write_text("9\n")
     monkeypatch.setattr(memprobe, "_REPORTING_ORDER", str(f))
     assert memprobe.page_reporting_order() == 9
-    assert "free page reporting on (order 9" in memprobe.FreshMemory(1, error="x", page_reporting_order=9).summary()
+    probed = memprobe.FreshMemory(1, error="x", page_reporting_order=9)
+    assert "free page reporting on (order 9" in probed.summary(verbose=True)
+    assert "page reporting" not in probed.summary()  # expert detail only with --verbose (and in the JSON)
     monkeypatch.setattr(memprobe, "_REPORTING_ORDER", str(tmp_path / "absent"))
     assert memprobe.page_reporting_order() is None
 
@@ -56,7 +58,7 @@ def test_page_reporting_order_parsed(monkeypatch, tmp_path) -> None:
 def test_machine_header_carries_the_probe(tmp_path) -> None:
     info = collect_machine_info(str(tmp_path))
     assert info.fresh_memory is not None
-    assert any(line.startswith("Fresh mem  : ") for line in info.summary_lines())
+    assert any(line.startswith("New memory : ") for line in info.summary_lines())
     quiet = collect_machine_info(str(tmp_path), probe_memory=False)
     assert quiet.fresh_memory is None
-    assert not any(line.startswith("Fresh mem") for line in quiet.summary_lines())
+    assert not any(line.startswith("New memory") for line in quiet.summary_lines())

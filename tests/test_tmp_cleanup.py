@@ -5,6 +5,7 @@ written (here or on another machine), and ``fastpersist info --dir`` lists them.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -58,7 +59,7 @@ def test_sigkill_leftover_is_removed_by_next_save(tmp_path):
     before = path.read_bytes()
     child, temp = start_big_save(path)
     try:
-        assert f"{TMP_MARKER}{child.pid}-" in temp
+        assert f"{TMP_MARKER}{commit.name_hash('ckpt.pt')}-{child.pid}-" in temp
         # while the writer runs, its file is live and survives a save next to it
         [t] = scan_temps(str(tmp_path))
         assert (t.state, t.removable, t.pid) == ("live", False, child.pid)
@@ -248,7 +249,48 @@ def test_cleanup_never_raises(tmp_path, monkeypatch):
 def test_names_round_trip_through_the_pattern(tmp_path):
     for name in ["ckpt.pt", "a" * 250 + ".pt", "é" * 126 + ".pt", "x.fp-tmp-1-deadbeef.pt", "new\nline.pt"]:
         tmp = os.path.basename(temp_path_for(str(tmp_path / name)))
-        assert commit._TMP_RE.fullmatch(tmp), tmp
+        m = commit._TMP_RE.fullmatch(tmp)
+        assert m and m["hash"] == commit.name_hash(name), tmp
+
+
+# ---- issue 23 case 4: no part of the final name in a temporary name -----------------
+
+_LISTING_NAMES = ["hpc_ckpt_2.ckpt", "last.ckpt", "epoch=3-step=40.ckpt", "checkpoint_7", "global_step12",
+                  "latest", "model.safetensors", "last-v1.ckpt"]
+
+
+@pytest.mark.parametrize("final", _LISTING_NAMES)
+def test_temp_name_holds_no_part_of_the_final_name(tmp_path, final):
+    tmp = os.path.basename(temp_path_for(str(tmp_path / final)))
+    assert re.fullmatch(r"\.fp-tmp-[0-9a-f-]+", tmp), tmp  # only hex digits and dashes after the marker
+    for part in re.split(r"[^A-Za-z_=]+", final):
+        if len(part) > 1:
+            assert part not in tmp, (part, tmp)
+    assert not tmp.endswith((".ckpt", ".pt", ".safetensors", ".bin"))
+
+
+def test_lightning_hpc_listing_ignores_an_in_flight_temp(tmp_path):
+    """Lightning's HPC resume takes the largest N of every name containing ``hpc_ckpt_``: a
+    temporary file of ``hpc_ckpt_2.ckpt`` next to a complete ``hpc_ckpt_1.ckpt`` must not count."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    fastpersist.save({"step": 1}, tmp_path / "hpc_ckpt_1.ckpt")
+    _make(tmp_path, os.path.basename(temp_path_for(str(tmp_path / "hpc_ckpt_2.ckpt"))), size=100)
+    newest = _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder(str(tmp_path), "hpc_ckpt_")
+    assert newest == 1
+
+
+def test_temps_for_finds_leftovers_of_one_final_name(tmp_path):
+    host, _ = _own_fields()
+    dead = _dead_pid()
+    mine = _make(tmp_path, f"{TMP_MARKER}{commit.name_hash('a.pt')}-{dead}-{host}-1234-0123abcd")
+    other = _make(tmp_path, f"{TMP_MARKER}{commit.name_hash('b.pt')}-{dead}-{host}-1234-4567abcd")
+    legacy = _make(tmp_path, f".a.pt{TMP_MARKER}{dead}-{host}-1234-89abcdef")  # an earlier release's name
+    found = {t.path for t in commit.temps_for(str(tmp_path / "a.pt"))}
+    assert found == {mine, legacy}
+    assert {t.path for t in commit.temps_for(str(tmp_path / "b.pt"))} == {other}
+    assert sorted(clean_stale_temps(str(tmp_path))) == sorted([mine, other, legacy])  # all dead: all removed
 
 
 # ---- fastpersist info --dir -------------------------------------------------------

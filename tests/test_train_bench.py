@@ -162,3 +162,67 @@ def test_pool_warmup_before_the_rounds_only_with_async_methods(tmp_path, monkeyp
     out = io.StringIO()
     print_train_report(res, out)
     assert "staging pool" not in out.getvalue()
+
+
+def test_async_peers_every_checkpoint_verified_with_peak_memory(tmp_path):
+    """DCP async_save (thread and process modes) and Lightning's AsyncCheckpointIO run in the same
+    rounds as fastpersist; every checkpoint of every run is read back and equals its step's state."""
+    tiny = dict(TINY, steps=5, every=2)  # checkpoints at steps 2 and 4
+    methods = ["async-snapshot", "dcp.async_save", "dcp.async_save-process", "lightning-async"]
+    res = run_train_bench(str(tmp_path), methods=methods, **tiny)
+    assert all(r.error is None for r in res.runs), [(r.method, r.error) for r in res.runs]
+    for r in res.runs:
+        if r.method == "none":
+            assert r.verified is None and r.checkpoints_verified == 0
+        else:
+            assert r.checkpoint_steps == [1, 3] and r.checkpoints_verified == 2 and r.verified is True
+        assert r.peak_rss_bytes >= 0 and r.fingerprint_s > 0  # the reference is taken in every run
+    s = res.summary()
+    assert s["dcp.async_save"]["checkpoints"] == 2 and s["lightning-async"]["checkpoints_verified"] == 2
+    assert all("median_peak_rss_mib" in v for v in s.values())
+    name, lost = res.best_peer()
+    assert name in ("dcp.async_save", "dcp.async_save-process", "lightning-async")
+    assert lost == min(res.median_lost_vs_baseline(m) for m in methods[1:])
+    d = json.loads(json.dumps(res.to_dict(), default=str))
+    assert d["vs_best_async_peer"]["best_peer"] == name
+    assert math.isfinite(res.dcp_process_warmup_s)
+    assert any("DeepSpeed" in n and "not measured" in n for n in res.notes)
+    assert any("AsyncCheckpointerType.PROCESS" in n for n in res.notes)
+    out = io.StringIO()
+    print_train_report(res, out)
+    text = out.getvalue()
+    assert "peak MiB" in text and "best async peer" in text and "DeepSpeed" in text
+    assert not [n for n in __import__("os").listdir(tmp_path) if not n.startswith(".")]  # checkpoints removed
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the 1-rank group made for DCP's process mode is gone
+
+
+def test_a_checkpoint_with_other_bytes_is_caught(tmp_path, monkeypatch):
+    def corrupt(self, state, path):
+        bad = {**state, "model": {k: v.clone().add_(1) if v.is_floating_point() else v
+                                  for k, v in state["model"].items()}}
+        torch.save(bad, path)
+
+    from fastpersist.bench import train_peers
+
+    monkeypatch.setattr(train_peers._TorchSaver, "save", corrupt)
+    res = run_train_bench(str(tmp_path), methods=["torch.save"], **TINY)
+    (run,) = [r for r in res.runs if r.method == "torch.save"]
+    assert run.error is None and run.verified is False and run.checkpoints_verified == 0
+    assert res.summary()["torch.save"]["verified"] == "0/1"
+
+
+def test_unknown_method_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown method"):
+        run_train_bench(str(tmp_path), methods=["deepspeed"], **TINY)
+
+
+def test_a_peer_whose_library_is_missing_is_skipped_with_a_note(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a))
+    res = run_train_bench(str(tmp_path), methods=["torch.save", "lightning-async"], **TINY)
+    assert [r.method for r in res.runs if r.method != "none"] == ["torch.save"]
+    assert "lightning-async: not run (lightning is not installed)" in res.notes

@@ -25,6 +25,22 @@ so DCP writes every rank's part; the total is the same bytes):
   ``FastPersistReader`` (same ``thread_count``; fastpersist's ``Config.threads``
   set to the same T). Skipped when ``fastpersist.dcp`` is not importable.
 
+Replicated state through DCP (with DCP on): every rank calls ``dcp.save`` with the
+whole replicated state; DCP's planner deduplicates the replicated tensors across
+ranks, so each tensor is written once, by one rank: DCP's own split of the writing.
+
+* ``dcp replicated FileSystemWriter`` / ``dcp replicated FastPersistWriter``:
+  ``dcp.save(state)`` on every rank with each writer (same ``thread_count``);
+  load: ``dcp.load`` of the whole state on every rank.
+
+Per-rank bandwidth (``rank_bandwidth``, ``--rank-bandwidth B``): every rank
+runs in a block-I/O cgroup of its own with a write and a read limit of ``B``
+bytes/s on the target's device (:mod:`fastpersist.bench.cgroup`; root, cgroup
+v1 blkio or v2 io), as if each rank were a node with its own disk or link.
+The report then sets every figure beside ``N x B``, the aggregate the ranks
+could reach. Use a target far faster than ``N x B`` (the RAM-backed disk of
+``shared/tools/ramdisk.sh``) so that the limit alone sets the bandwidth.
+
 Saves are durable (files and directories fsync'ed); loads are cold (rank 0 drops
 every file of the method from the page cache with ``posix_fadvise`` first). GB/s
 count the state's tensor bytes once (not once per rank), in decimal GB.
@@ -52,6 +68,8 @@ from fastpersist.bench.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.units import format_bytes, gbps, median, ratio
 
 REPLICATED = ("fastpersist group", "fastpersist rank 0", "torch rank 0")
+#: the replicated state through DCP (its planner deduplicates it across ranks)
+DCP_REPLICATED = ("dcp replicated FileSystemWriter", "dcp replicated FastPersistWriter")
 SHARDED = ("dcp FileSystemWriter", "dcp FastPersistWriter")
 
 
@@ -91,6 +109,15 @@ class DistBenchResult:
     order: list[list[str]] = field(default_factory=list)
     #: per timed group save, per rank: ``(step, local s, exchange s)`` (``distributed.last_save_phases``)
     group_phases: list[Any] = field(default_factory=list)
+    #: each rank's write and read limit in bytes/s (its own cgroup), or None
+    rank_bandwidth: Optional[int] = None
+    #: the cgroup setup: controller, device, and what the limit files said
+    bandwidth_setup: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def aggregate_limit_gbps(self) -> Optional[float]:
+        """``ranks x rank_bandwidth`` in GB/s (None without limits)."""
+        return self.ranks * self.rank_bandwidth / 1e9 if self.rank_bandwidth else None
 
     def group_phase_medians(self) -> list[dict[str, Any]]:
         """Per rank, per step: median seconds of local work before the step and of its exchange."""
@@ -109,6 +136,8 @@ class DistBenchResult:
         return next((m for m in self.methods if m.name == name), None)
 
     def _reference(self, m: DistMethodResult) -> Optional[DistMethodResult]:
+        if m.name in DCP_REPLICATED:
+            return self.method("dcp replicated FileSystemWriter")
         return self.method("torch rank 0" if m.kind == "replicated" else "dcp FileSystemWriter")
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,11 +160,21 @@ class DistBenchResult:
                 "reference": ref.name if ref else None,
                 "save_vs_reference": ratio(m.save_median_gbps, ref.save_median_gbps if ref else None),
                 "load_vs_reference": ratio(m.load_median_gbps, ref.load_median_gbps if ref else None),
+                "save_vs_aggregate_limit": ratio(m.save_median_gbps, self.aggregate_limit_gbps),
+                "load_vs_aggregate_limit": ratio(m.load_median_gbps, self.aggregate_limit_gbps),
                 "error": m.error,
             })
         one = self.method("fastpersist rank 0")
         group = self.method("fastpersist group")
+        dcp_rep = self.method("dcp replicated FileSystemWriter")
         return {
+            "rank_bandwidth": self.rank_bandwidth,
+            "aggregate_limit_gbps": self.aggregate_limit_gbps,
+            "bandwidth_setup": dict(self.bandwidth_setup),
+            "group_save_vs_dcp_replicated": ratio(group.save_median_gbps if group else None,
+                                                  dcp_rep.save_median_gbps if dcp_rep else None),
+            "group_load_vs_dcp_replicated": ratio(group.load_median_gbps if group else None,
+                                                  dcp_rep.load_median_gbps if dcp_rep else None),
             "benchmark": "dist",
             "machine": self.machine.to_dict(),
             "ranks": self.ranks,
@@ -181,14 +220,16 @@ class _Methods:
         self.fpdcp = fpdcp if fpdcp is not None and hasattr(fpdcp, "FastPersistWriter") else None
 
     def available(self, name: str) -> Optional[str]:
-        if name == "dcp FastPersistWriter" and self.fpdcp is None:
+        if name in ("dcp FastPersistWriter", "dcp replicated FastPersistWriter") and self.fpdcp is None:
             return "fastpersist.dcp is not available in this installation"
         return None
 
     def target(self, workdir: str, name: str) -> str:
         return os.path.join(workdir, {
             "fastpersist group": "group.pt", "fastpersist rank 0": "one.pt", "torch rank 0": "torch.pt",
-            "dcp FileSystemWriter": "dcp-stock", "dcp FastPersistWriter": "dcp-fastpersist"}[name])
+            "dcp FileSystemWriter": "dcp-stock", "dcp FastPersistWriter": "dcp-fastpersist",
+            "dcp replicated FileSystemWriter": "dcp-replicated-stock",
+            "dcp replicated FastPersistWriter": "dcp-replicated-fastpersist"}[name])
 
     def save(self, name: str, target: str) -> None:
         wg = self.dist.group.WORLD
@@ -207,14 +248,15 @@ class _Methods:
         else:
             import torch.distributed.checkpoint as dcp
 
-            if name == "dcp FileSystemWriter":
+            stock = name.endswith("FileSystemWriter")
+            if stock:
                 writer = dcp.FileSystemWriter(target, sync_files=True, thread_count=self.threads)
             else:
                 writer = self.fpdcp.FastPersistWriter(target, config=self.cfg, thread_count=self.threads)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                dcp.save(self.shard, storage_writer=writer)
-            if self.rank == 0 and name == "dcp FileSystemWriter":
+                dcp.save(self.obj if name in DCP_REPLICATED else self.shard, storage_writer=writer)
+            if self.rank == 0 and stock:
                 fsync_dir(target)  # sync_files fsyncs the files, not their directory entries
 
     def load(self, name: str, target: str) -> Any:
@@ -228,8 +270,8 @@ class _Methods:
             return torch.load(target, map_location="cpu", weights_only=True)
         import torch.distributed.checkpoint as dcp
 
-        template = state_mod.empty_like_state(self.shard)
-        reader = dcp.FileSystemReader(target) if name == "dcp FileSystemWriter" else \
+        template = state_mod.empty_like_state(self.obj if name in DCP_REPLICATED else self.shard)
+        reader = dcp.FileSystemReader(target) if name.endswith("FileSystemWriter") else \
             self.fpdcp.FastPersistReader(target, config=self.cfg)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -246,7 +288,18 @@ def _shard(obj: Any, rank: int, ranks: int) -> dict:
 def _worker(rank: int, ranks: int, port: int, workdir: str, opts: dict, out: str) -> None:
     import torch.distributed as dist
 
+    limit = None
     try:
+        if opts.get("rank_bandwidth"):
+            from fastpersist.bench.cgroup import BandwidthGroup
+
+            limit = BandwidthGroup(workdir, opts["rank_bandwidth"], name=f"fastpersist-bench-dist-{os.getppid()}-rank{rank}")
+            limit.create()
+            limit.join()
+            if rank == 0:
+                with open(f"{out}.bandwidth", "wb") as f:
+                    pickle.dump({"controller": f"cgroup v{limit.controller.version} ({limit.controller.root})",
+                                 "device": limit.device, "limits": limit.limits()}, f)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
         torch.set_num_threads(1)
         result = _run_rank(rank, ranks, workdir, opts)
@@ -259,7 +312,12 @@ def _worker(rank: int, ranks: int, port: int, workdir: str, opts: dict, out: str
         with open(f"{out}.error-{rank}", "w", encoding="utf-8") as f:
             f.write(traceback.format_exc())
         sys.stderr.flush()
+        if limit is not None:
+            limit.close()
         os._exit(1)
+    finally:
+        if limit is not None:
+            limit.close()  # moves this process back to the root group and removes its group
 
 
 def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
@@ -272,7 +330,7 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
     obj, workload = build_workload(opts["size"], None, opts["seed"])
     shard = _shard(obj, rank, ranks)
     methods = _Methods(rank, ranks, obj, shard, opts["threads"], cfg)
-    names = list(REPLICATED) + (list(SHARDED) if opts["dcp"] else [])
+    names = list(REPLICATED) + (list(DCP_REPLICATED) + list(SHARDED) if opts["dcp"] else [])
     res = {n: {"save": [], "load": [], "file_bytes": None, "error": methods.available(n)} for n in names}
     log = _progress_printer(rank == 0 and opts["progress"])
 
@@ -408,9 +466,12 @@ def run_dist_bench(
     keep: bool = False,
     progress: bool = True,
     seed: int = 0,
+    rank_bandwidth: Optional[int] = None,
 ) -> DistBenchResult:
     """Spawn ``ranks`` gloo processes, run the benchmark in ``directory`` and return its results
-    (see the module docstring). Raises ``RuntimeError`` with a rank's traceback if a rank crashed."""
+    (see the module docstring). ``rank_bandwidth``: each rank's write and read limit in bytes/s, in
+    a cgroup of its own (:mod:`fastpersist.bench.cgroup`; ``RuntimeError`` when it cannot be set).
+    Raises ``RuntimeError`` with a rank's traceback if a rank crashed."""
     import torch.multiprocessing as mp
 
     from fastpersist import config as config_mod
@@ -420,12 +481,22 @@ def run_dist_bench(
     if repeat < 1:
         raise ValueError(f"repeat must be positive, not {repeat}")
     threads = threads or config_mod.get_default().threads
+    if rank_bandwidth is not None:
+        from fastpersist.bench import cgroup
+
+        if rank_bandwidth <= 0:
+            raise ValueError(f"rank_bandwidth must be positive, not {rank_bandwidth}")
+        why = cgroup.unavailable_reason()
+        if why:
+            raise RuntimeError(f"--rank-bandwidth: cannot limit each rank's bandwidth here: {why}")
+        cgroup.device_of(directory)  # a ValueError naming the directory when it is on no block device
     machine = collect_machine_info(directory)
     workdir = os.path.join(os.path.abspath(directory), f"fastpersist-bench-dist-{os.getpid()}")
     os.makedirs(workdir, exist_ok=True)
     out = os.path.join(workdir, ".result.pkl")
     opts = {"size": size, "repeat": repeat, "threads": threads, "dcp": dcp, "keep": keep, "progress": progress,
-            "seed": seed}
+            "seed": seed, "rank_bandwidth": rank_bandwidth}
+    setup: dict[str, Any] = {}
     try:
         ctx = mp.get_context("spawn")
         port = _free_port()
@@ -452,15 +523,19 @@ def run_dist_bench(
             raise RuntimeError("bench dist: a rank failed (exit codes " + str(codes) + ")\n" + "\n".join(errors))
         with open(out, "rb") as f:
             data = pickle.load(f)
+        if os.path.exists(f"{out}.bandwidth"):
+            with open(f"{out}.bandwidth", "rb") as f:
+                setup = pickle.load(f)
     finally:
         remove_path(out)
+        remove_path(f"{out}.bandwidth")
         if not keep:
             remove_path(workdir)
     workload = data["workload"]
     nbytes = workload["tensor_bytes"]
     methods = []
     for name, r in data["results"].items():
-        kind = "replicated" if name in REPLICATED else "sharded"
+        kind = "replicated" if name in REPLICATED or name in DCP_REPLICATED else "sharded"
         methods.append(DistMethodResult(name, kind, nbytes, r["save"], r["load"], r["file_bytes"], r["error"]))
     notes = [
         "durable saves: time includes fsync of every file written and of its directory",
@@ -481,8 +556,18 @@ def run_dist_bench(
         notes.append(f"files of the last round kept in {workdir}")
     notes.append("group save phases (JSON group_save_phases): per rank, the local seconds before each exchange "
                  "(plan, probe, crc, write, commit) and the seconds spent in it (waiting for the slowest rank)")
+    if dcp:
+        notes.append("dcp replicated: every rank passes the whole replicated state to dcp.save; DCP's planner "
+                     "deduplicates it, so each tensor is written once, by one rank")
+    if rank_bandwidth:
+        notes.append(f"per-rank bandwidth: every rank in its own cgroup ({setup.get('controller', '?')}), write and "
+                     f"read limited to {rank_bandwidth / 1e6:.0f} MB/s on device {setup.get('device', '?')}; the "
+                     "limit holds O_DIRECT writes, reads, and buffered writes written back by fsync in the rank "
+                     "(cgroup v1 leaves the flusher threads' background write-back unlimited: check with "
+                     "fastpersist.bench.cgroup.check_limit)")
     return DistBenchResult(machine, ranks, threads, workload, repeat, methods, data["verification"], notes,
-                           data["order"], data.get("group_phases", []))
+                           data["order"], data.get("group_phases", []), rank_bandwidth=rank_bandwidth,
+                           bandwidth_setup=setup)
 
 
 # --------------------------------------------------------------------------- report
@@ -493,7 +578,10 @@ def print_dist_report(result: DistBenchResult, out: Optional[TextIO] = None) -> 
     from fastpersist.bench import report
 
     out = out if out is not None else sys.stdout
-    report.print_header(result.machine.summary_lines() + [f"Ranks      : {result.ranks} (gloo, this machine)"], out)
+    report.print_header(result.machine.summary_lines() + [f"Ranks      : {result.ranks} (gloo, this machine)"] + (
+        [f"Bandwidth  : each rank limited to {result.rank_bandwidth / 1e6:.0f} MB/s write and read in its own cgroup "
+         f"(device {result.bandwidth_setup.get('device', '?')}); N x B = {result.aggregate_limit_gbps:.3f} GB/s"]
+        if result.rank_bandwidth else []), out)
     w = result.workload
     m = w["model"]
     print(f"Workload   : GPT training state: hidden {m['hidden']}, {m['layers']} layers, "
@@ -504,7 +592,8 @@ def print_dist_report(result: DistBenchResult, out: Optional[TextIO] = None) -> 
     d = result.to_dict()
     headers = ["method", "save GB/s (runs)", "save median", "vs ref", "load GB/s (runs)", "load median", "vs ref",
                "file size"]
-    for kind, title in (("replicated", "Replicated state (every rank holds it; ref: torch rank 0)"),
+    for kind, title in (("replicated", "Replicated state (every rank holds it; ref: torch rank 0, or for dcp "
+                                       "replicated: its FileSystemWriter)"),
                         ("sharded", "Sharded state through DCP (ref: dcp FileSystemWriter)")):
         rows = []
         for x in d["methods"]:
@@ -521,6 +610,14 @@ def print_dist_report(result: DistBenchResult, out: Optional[TextIO] = None) -> 
             ])
         if rows:
             report.render_table(title, headers, rows, out)
+    if result.rank_bandwidth:
+        for x in d["methods"]:
+            if x["save_median_gbps"]:
+                print(f"vs N x B   : {x['name']}: save {_ratio(x['save_vs_aggregate_limit'])}, "
+                      f"load {_ratio(x['load_vs_aggregate_limit'])}", file=out)
+    if d.get("group_save_vs_dcp_replicated") is not None:
+        print(f"Group vs DCP (replicated, FileSystemWriter): save {_ratio(d['group_save_vs_dcp_replicated'])}, "
+              f"load {_ratio(d['group_load_vs_dcp_replicated'])}", file=out)
     print(f"Group save vs 1-rank fastpersist.save: {_ratio(d['group_save_vs_one_rank'])}; "
           f"group load (slices) vs every rank reading the whole file: {_ratio(d['group_load_vs_every_rank_whole'])}",
           file=out)

@@ -3,10 +3,14 @@ and a buffered sequential read (through the page cache, kernel readahead).
 
 fio is the reference every storage vendor quotes; running it on the same
 directory, with the same byte count, in the same benchmark run, turns our
-GB/s into a fraction of what the hardware can do. A small sweep of block sizes
-and queue depths picks fio's best configuration; the ceiling is the median of
-that configuration's runs interleaved with the benchmark's own
-(``--output-format=json``). Every round also reads the file once through the
+GB/s into a fraction of what the hardware can do. One fio configuration is not
+a ceiling (a virtual disk may reward two writers, or the page cache), so a
+sweep tries several: O_DIRECT libaio over block sizes x queue depths, the
+same with two jobs each writing half the file (``numjobs=2``), and a
+buffered write ended by an fsync (``--direct=0 --ioengine=psync
+--end_fsync=1``, whose time includes the fsync). The best configuration of
+each direction is then repeated; the ceiling is the median of its runs
+interleaved with the benchmark's own (``--output-format=json``). Every round also reads the file once through the
 page cache (``--direct=0 --ioengine=psync --bs=1M``, cold: ``--invalidate=1``
 drops it first): on some machines, virtual disks especially, buffered readers
 beat O_DIRECT, so the *read ceiling* is the higher of the two medians
@@ -41,6 +45,22 @@ class FioRun:
     nbytes: int
     gbps: float
     direct: bool
+    #: parallel fio jobs, each writing/reading its own contiguous part of the file
+    numjobs: int = 1
+    ioengine: str = "libaio"
+
+    def describe(self) -> str:
+        """The configuration in fio's words, e.g. ``"libaio direct=1 bs=8M iodepth=8 numjobs=2"``."""
+        from fastpersist.bench.units import format_block
+
+        text = f"{self.ioengine} direct={1 if self.direct else 0} bs={format_block(self.block_size)}"
+        if self.ioengine != "psync":
+            text += f" iodepth={self.iodepth}"
+        if self.numjobs > 1:
+            text += f" numjobs={self.numjobs}"
+        if self.rw == "write":
+            text += " end_fsync=1"
+        return text
 
 
 @dataclass
@@ -104,22 +124,29 @@ def run_fio(
     *,
     direct: bool = True,
     ioengine: str = "libaio",
+    numjobs: int = 1,
     timeout: Optional[float] = None,
 ) -> FioRun:
     """Run one sequential fio job on ``filename`` and return its bandwidth.
 
-    ``rw="write"`` ends with an fsync of the file (``--end_fsync=1``); ``size`` is
-    rounded down to a multiple of ``block_size``. Raises :class:`FioError` when
-    fio is missing, fails, or its report cannot be read.
+    ``rw="write"`` ends with an fsync of the file (``--end_fsync=1``; fio's time
+    includes it); ``size`` is rounded down to a multiple of ``block_size``
+    (of ``numjobs * block_size`` with several jobs: job ``i`` then takes the
+    ``i``-th contiguous part, ``--offset_increment``, and the bandwidth is the
+    group's, ``--group_reporting``). Raises :class:`FioError` when fio is
+    missing, fails, or its report cannot be read.
     """
     if rw not in ("write", "read"):
         raise ValueError(f"rw must be 'write' or 'read', got {rw!r}")
     exe = fio_executable()
     if exe is None:
         raise FioError("fio is not on PATH (install it, e.g. `apt-get install fio`)")
-    nbytes = size // block_size * block_size
+    if numjobs < 1:
+        raise ValueError(f"numjobs must be positive, got {numjobs}")
+    per_job = size // numjobs // block_size * block_size
+    nbytes = per_job * numjobs
     if nbytes <= 0:
-        raise ValueError(f"size {size} is smaller than the block size {block_size}")
+        raise ValueError(f"size {size} is smaller than {numjobs} x the block size {block_size}")
     cmd = [
         exe,
         f"--name=fastpersist-{rw}",
@@ -127,13 +154,15 @@ def run_fio(
         f"--rw={rw}",
         f"--bs={block_size}",
         f"--iodepth={iodepth}",
-        f"--size={nbytes}",
+        f"--size={per_job}",
         f"--ioengine={ioengine}",
         f"--direct={1 if direct else 0}",
-        "--numjobs=1",
+        f"--numjobs={numjobs}",
         "--invalidate=1",
         "--output-format=json",
     ]
+    if numjobs > 1:
+        cmd += [f"--offset_increment={per_job}", "--group_reporting"]
     if rw == "write":
         cmd.append("--end_fsync=1")
     if timeout is None:
@@ -157,7 +186,41 @@ def run_fio(
         raise FioError(f"unexpected fio report layout ({exc!r})") from exc
     if bw <= 0:
         raise FioError(f"fio {rw} on {filename!r} reported no bandwidth")
-    return FioRun(rw=rw, block_size=block_size, iodepth=iodepth, nbytes=done, gbps=bw / 1e9, direct=direct)
+    return FioRun(rw=rw, block_size=block_size, iodepth=iodepth, nbytes=done, gbps=bw / 1e9, direct=direct,
+                  numjobs=numjobs, ioengine=ioengine)
+
+
+@dataclass(frozen=True)
+class FioConfig:
+    """One configuration of the sweep."""
+
+    block_size: int
+    iodepth: int
+    direct: bool
+    numjobs: int = 1
+    ioengine: str = "libaio"
+
+
+def sweep_configs(
+    size: int, block_sizes: Sequence[int], iodepths: Sequence[int], direct: bool, extras: bool = True
+) -> list[tuple[str, FioConfig]]:
+    """The sweep's jobs in order, ``(rw, config)``: a write then a read for each block size x
+    iodepth (O_DIRECT when ``direct``); with ``extras``, the largest fitting block size at
+    the smallest iodepth with two jobs (write, read), then a buffered write (psync, 1 MiB,
+    ended by fsync)."""
+    jobs: list[tuple[str, FioConfig]] = []
+    fitting = [bs for bs in block_sizes if size >= bs]
+    for bs in fitting:
+        for depth in iodepths:
+            cfg = FioConfig(bs, depth, direct)
+            jobs += [("write", cfg), ("read", cfg)]
+    if extras and fitting:
+        bs = max(fitting)
+        if size >= 2 * bs:
+            cfg = FioConfig(bs, min(iodepths), direct, numjobs=2)
+            jobs += [("write", cfg), ("read", cfg)]
+        jobs.append(("write", FioConfig(min(1 << 20, size // 4096 * 4096), 1, False, ioengine="psync")))
+    return jobs
 
 
 class FioProbe:
@@ -185,19 +248,25 @@ class FioProbe:
         iodepths: Sequence[int] = DEFAULT_IODEPTHS,
         direct: bool = True,
         on_run: Optional[Callable[[FioRun], None]] = None,
+        extras: bool = True,
     ) -> None:
         self.size = size
         self.direct = direct
         self.block_sizes = tuple(block_sizes)
         self.iodepths = tuple(iodepths)
         self.on_run = on_run
+        self.jobs = sweep_configs(size, self.block_sizes, self.iodepths, direct, extras)
         self.filename = os.path.join(os.path.abspath(directory), f".fastpersist-fio-{os.getpid()}.dat")
+        extra = ""
+        if extras:
+            extra = ("; also numjobs=2 (each job half the file) at the largest bs and smallest iodepth, "
+                     "and a buffered write: --ioengine=psync --direct=0 --bs=1M --end_fsync=1")
         self.result = FioCeiling(
             command=f"fio --ioengine=libaio --direct={1 if direct else 0} --rw=write|read "
             f"--bs={{{','.join(str(b) for b in self.block_sizes)}}} --iodepth={{{','.join(map(str, self.iodepths))}}} "
-            f"--size={size} (sweep picks each direction's best configuration; the ceiling is the median of "
-            "the rounds run beside the methods; every write into a fresh file); each round also "
-            "fio --ioengine=psync --direct=0 --bs=1M --rw=read (buffered, cold)"
+            f"--size={size} --end_fsync=1 (writes){extra} (the sweep picks each direction's best configuration; "
+            "the ceiling is the median of the rounds run beside the methods; every write into a fresh file); "
+            "each round also fio --ioengine=psync --direct=0 --bs=1M --rw=read (buffered, cold)"
         )
         if fio_executable() is None:
             self.result.error = "fio not found on PATH"
@@ -207,11 +276,12 @@ class FioProbe:
         """Whether fio can still run (found, and no job failed so far)."""
         return self.result.error is None
 
-    def _one(self, rw: str, bs: int, depth: int) -> FioRun:
+    def _one(self, rw: str, cfg: FioConfig) -> FioRun:
         if rw == "write":
             self._remove()
             os.sync()  # the previous file's blocks freed outside the timing
-        run = run_fio(self.filename, rw, self.size, bs, depth, direct=self.direct)
+        run = run_fio(self.filename, rw, self.size, cfg.block_size, cfg.iodepth, direct=cfg.direct,
+                      ioengine=cfg.ioengine, numjobs=cfg.numjobs)
         self.result.runs.append(run)
         if self.on_run is not None:
             self.on_run(run)
@@ -244,15 +314,11 @@ class FioProbe:
             self.result.error = str(exc)
 
     def sweep(self) -> None:
-        """Run every block size x iodepth (write, then read) and keep the best of each direction."""
+        """Run every configuration of :func:`sweep_configs` and keep the best of each direction."""
 
         def step() -> None:
-            for bs in self.block_sizes:
-                if self.size < bs:
-                    continue
-                for depth in self.iodepths:
-                    for rw in ("write", "read"):
-                        self._one(rw, bs, depth)
+            for rw, cfg in self.jobs:
+                self._one(rw, cfg)
             runs = self.result.runs
             if not runs:
                 raise ValueError(f"size {self.size} is smaller than every block size of the sweep")
@@ -269,8 +335,8 @@ class FioProbe:
             return
 
         def step() -> None:
-            w = self._one("write", res.best_write.block_size, res.best_write.iodepth)
-            r = self._one("read", res.best_read.block_size, res.best_read.iodepth)
+            w = self._one("write", _config_of(res.best_write))
+            r = self._one("read", _config_of(res.best_read))
             b = self._buffered_read()
             self._remove()
             res.write_repeats.append(w.gbps)
@@ -300,6 +366,7 @@ def fio_ceiling(
     direct: bool = True,
     on_run: Optional[Callable[[FioRun], None]] = None,
     repeat: int = 3,
+    extras: bool = True,
 ) -> FioCeiling:
     """Sweep ``block_sizes`` x ``iodepths`` in ``directory``, then ``repeat`` rounds back to back.
 
@@ -307,7 +374,8 @@ def fio_ceiling(
     the rounds with what they measure use the class). Never raises for fio
     problems; the file is removed afterwards.
     """
-    probe = FioProbe(directory, size, block_sizes=block_sizes, iodepths=iodepths, direct=direct, on_run=on_run)
+    probe = FioProbe(directory, size, block_sizes=block_sizes, iodepths=iodepths, direct=direct, on_run=on_run,
+                     extras=extras)
     try:
         probe.sweep()
         for _ in range(repeat):
@@ -317,6 +385,10 @@ def fio_ceiling(
     return probe.result
 
 
-def fio_sweep_count(size: int, block_sizes: Sequence[int], iodepths: Sequence[int]) -> int:
-    """Number of fio jobs :meth:`FioProbe.sweep` runs (for progress bars); each round adds 2."""
-    return 2 * len(iodepths) * sum(1 for bs in block_sizes if size >= bs)
+def fio_sweep_count(size: int, block_sizes: Sequence[int], iodepths: Sequence[int], extras: bool = True) -> int:
+    """Number of fio jobs :meth:`FioProbe.sweep` runs (for progress bars); each round adds 3."""
+    return len(sweep_configs(size, block_sizes, iodepths, True, extras))
+
+
+def _config_of(run: FioRun) -> FioConfig:
+    return FioConfig(run.block_size, run.iodepth, run.direct, run.numjobs, run.ioengine)

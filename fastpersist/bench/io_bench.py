@@ -275,6 +275,7 @@ def run_io_bench(
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
+    """A labelled tqdm bar on a terminal, plain lines elsewhere (:mod:`fastpersist.bench.progress`)."""
+    from fastpersist.bench.progress import progress
 
-    return tqdm(total=total, disable=not enabled, unit="run", leave=False, dynamic_ncols=True)
+    return progress(total, enabled, "preparing the buffers")

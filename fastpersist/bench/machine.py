@@ -55,8 +55,8 @@ class MachineInfo:
         """JSON-serializable form."""
         return asdict(self)
 
-    def summary_lines(self) -> list[str]:
-        """The header printed above every benchmark table."""
+    def summary_lines(self, verbose: bool = False) -> list[str]:
+        """The header printed above every benchmark table (``verbose``: the memory probe's detail too)."""
         dev = self.block_device or "none (virtual filesystem)"
         if self.device_model:
             dev += f" ({self.device_model})"
@@ -83,7 +83,8 @@ class MachineInfo:
             f"Engines    : {engines}; cuFile: {self.cufile}",
             f"Software   : fastpersist {self.fastpersist_version}, torch {self.torch_version} "
             f"(CUDA: {self.cuda}), Python {self.python}, Linux {self.kernel}",
-        ] + ([f"Fresh mem  : {memprobe.FreshMemory(**self.fresh_memory).summary()}"] if self.fresh_memory else [])
+        ] + ([f"New memory : {memprobe.FreshMemory(**self.fresh_memory).summary(verbose)}"]
+             if self.fresh_memory else [])
 
 
 def cpu_model() -> str:

@@ -50,16 +50,21 @@ class FreshMemory:
         """JSON-serializable form."""
         return asdict(self)
 
-    def summary(self) -> str:
-        """One line for the benchmark header."""
+    def summary(self, verbose: bool = False) -> str:
+        """One line for the benchmark header: a plain sentence; ``verbose`` adds the probe's detail."""
         if self.error:
             text = f"not measured ({self.error})"
         else:
-            text = (f"first touch {self.fresh_gbps_1:.2f} GB/s (1 thread), {self.fresh_gbps_n:.2f} GB/s "
-                    f"({self.threads} threads); resident memset {self.resident_gbps:.2f} GB/s")
-        if self.page_reporting_order is not None:
-            text += (f"; free page reporting on (order {self.page_reporting_order}: memory freed for ~2 s "
-                     "goes back to the host and faults there again)")
+            text = (f"memory a process never used fills at {self.fresh_gbps_1:.2f} GB/s (1 thread; "
+                    f"{self.fresh_gbps_n:.2f} GB/s from {self.threads} threads), memory in use at "
+                    f"{self.resident_gbps:.2f} GB/s; a load that returns new tensors cannot beat the first")
+        if verbose:
+            text += (f" [probe: MADV_POPULATE_WRITE of a fresh {self.probe_bytes >> 20} MiB mapping with "
+                     "transparent huge pages, then memset")
+            if self.page_reporting_order is not None:
+                text += (f"; free page reporting on (order {self.page_reporting_order}: memory freed for ~2 s "
+                         "goes back to the host and faults there again)")
+            text += "]"
         return text
 
 

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 from fastpersist.bench.io_bench import IOBenchResult
 from fastpersist.bench.save_bench import SaveBenchResult
-from fastpersist.bench.units import format_block, format_bytes
+from fastpersist.bench.units import format_block, format_bytes, ratio
 
 
 def _num(value: Optional[float], digits: int = 2) -> str:
@@ -27,10 +27,37 @@ def _runs(values: Sequence[float]) -> str:
     return " ".join(f"{v:.2f}" for v in values) if values else "-"
 
 
+#: the widest line a report prints (tables and wrapped text)
+WIDTH = 100
+_KEY = 13  # "Note       : " -- the key column of "Key : value" lines
+
+
+def wrap_line(line: str, width: int = WIDTH) -> list[str]:
+    """``line`` wrapped to ``width`` columns; a ``"Key        : value"`` line keeps its value indented."""
+    import textwrap
+
+    if len(line) <= width:
+        return [line]
+    indent = " " * _KEY if len(line) > _KEY and line[_KEY - 2:_KEY] == ": " else "  "
+    return textwrap.wrap(line, width=width, subsequent_indent=indent, break_on_hyphens=False,
+                         break_long_words=False) or [line]
+
+
+def say(line: str, out: TextIO) -> None:
+    """Print ``line`` wrapped to :data:`WIDTH` columns."""
+    for part in wrap_line(line):
+        print(part, file=out)
+
+
 def render_table(
-    title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], out: Optional[TextIO] = None
+    title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], out: Optional[TextIO] = None,
+    width: int = WIDTH,
 ) -> None:
-    """Print a table: with rich when it is installed and ``out`` is the terminal, else plain text."""
+    """Print a table at most ``width`` columns wide: with rich when it is installed, else plain text.
+
+    rich wraps the cells of every column but the first when the table would be
+    wider; the plain table is as wide as its cells (keep them short).
+    """
     out = out if out is not None else sys.stdout
     try:
         from rich.console import Console
@@ -43,7 +70,7 @@ def render_table(
             table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
         for row in rows:
             table.add_row(*row)
-        Console(file=out, width=max(100, _plain_width(headers, rows))).print(table)
+        Console(file=out, width=width).print(table)
         return
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
     print(title, file=out)
@@ -53,23 +80,23 @@ def render_table(
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))), file=out)
 
 
-def _plain_width(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> int:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    return sum(widths) + 3 * len(widths) + 4
-
-
 def print_header(lines: Sequence[str], out: Optional[TextIO] = None) -> None:
-    """Print the machine header (one line per fact)."""
+    """Print the machine header (one fact per line, wrapped to :data:`WIDTH` columns)."""
     out = out if out is not None else sys.stdout
     for line in lines:
-        print(line, file=out)
+        say(line, out)
     print(file=out)
 
 
-def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None) -> None:
-    """Machine header, workload, results table, fio ceiling, verification and notes of a save benchmark."""
+def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None, verbose: bool = False) -> None:
+    """Machine header, workload, save and load tables beside their ceilings, verification and notes.
+
+    Everything fits :data:`WIDTH` columns; ``verbose`` adds the expert detail
+    (the memory probe, fio's whole sweep, the raw engine's settings), which
+    the JSON always carries.
+    """
     out = out if out is not None else sys.stdout
-    print_header(result.machine.summary_lines() + [f"fastpersist: {result.engine}"], out)
+    print_header(result.machine.summary_lines(verbose) + [f"fastpersist: {result.engine}"], out)
     w = result.workload
     if w["kind"] == "small-tensors":
         desc = f"{w['small_tensors']} small tensors (1 KB - 1 MB)"
@@ -77,51 +104,57 @@ def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None) -> 
         m = w["model"]
         desc = (f"GPT training state: hidden {m['hidden']}, {m['layers']} layers, vocab {m['vocab']}, "
                 f"{m['params'] / 1e6:.1f}M params (bf16 weights, fp32 master + Adam moments)")
-    print(f"Workload   : {desc}; {w['tensors']} tensors, {format_bytes(w['tensor_bytes'])} of tensor data, "
-          f"{w['non_tensor_leaves']} non-tensor leaves; dtypes {', '.join(w['dtypes'])}", file=out)
-    print(f"Runs       : {result.repeat} per method (interleaved)", file=out)
+    say(f"Workload   : {desc}; {w['tensors']} tensors, {format_bytes(w['tensor_bytes'])} of tensor data, "
+        f"{w['non_tensor_leaves']} non-tensor leaves; dtypes {', '.join(w['dtypes'])}", out)
+    say(f"Runs       : {result.repeat} per method, interleaved (each round runs every method once, in a "
+        "shuffled order)", out)
     if result.load_process == "fresh":
-        print("Loads      : each in a fresh Python process (what a resumed job sees; only the load call timed)",
-              file=out)
+        say("Loads      : each in a fresh Python process (what a resumed job sees; only the load call timed)", out)
     else:
-        print("Loads      : in this process, round after round (freed memory reused by the allocators)", file=out)
+        say("Loads      : in this process, round after round (freed memory reused by the allocators)", out)
     print(file=out)
     d = result.to_dict()
-    rows = []
+    w_ceiling, w_source = result.write_ceiling
+    r_ceiling = d.get("read_ceiling_gbps")
+    f = result.fio
+    eng = result.engine_ceiling
+    save_rows, load_rows = [], []
     for m in d["methods"]:
         if m["error"] and not m["save_seconds"]:
-            rows.append([m["name"], "-", "-", "-", "-", "-", "-", "-", "-", "failed"])
+            save_rows.append([m["name"], "-", "-", "-", "-", "failed"])
+            load_rows.append([m["name"], "-", "-", "-", "-"])
             continue
-        rows.append([
-            m["name"],
-            _runs(m["save_gbps"]),
-            _num(m["save_median_gbps"]),
-            _ratio(m["save_vs_torch"]),
-            _ratio(m["save_vs_fio"]),
-            _runs(m["load_gbps"]),
-            _num(m["load_median_gbps"]),
-            _ratio(m["load_vs_torch"]),
-            _ratio(m["load_vs_fio"]),
+        save_rows.append([
+            m["name"], _runs(m["save_gbps"]), _num(m["save_median_gbps"]), _ratio(m["save_vs_torch"]),
+            _ratio(m["save_vs_write_ceiling"]),
             format_bytes(m["file_bytes"]) if m["file_bytes"] is not None else "-",
         ])
-    if result.fio is not None and (result.fio.write_gbps or result.fio.read_gbps):
-        f = result.fio
-        rows.append([
-            "fio (ceiling)", "", _num(f.write_gbps), "", "1.00x" if f.write_gbps else "-",
-            "", _num(f.read_gbps), "", "1.00x" if f.read_gbps else "-", "",
+        load_rows.append([
+            m["name"], _runs(m["load_gbps"]), _num(m["load_median_gbps"]), _ratio(m["load_vs_torch"]),
+            _ratio(m["load_vs_read_ceiling"]),
         ])
-    headers = ["method", "save GB/s (runs)", "save median", "vs torch", "vs fio",
-               "load GB/s (runs)", "load median", "vs torch", "vs fio", "file size"]
-    render_table("Durable save / cold load", headers, rows, out)
-    _print_fio(result.fio, out)
-    ceiling = d.get("read_ceiling_gbps")
-    if ceiling:
-        fp = next((m for m in d["methods"] if m["name"] == "fastpersist"), None)
-        vs = f"; fastpersist load {_ratio(fp['load_vs_read_ceiling'])} of it" if fp and fp["load_median_gbps"] else ""
-        print(f"Read ceil. : {ceiling:.2f} GB/s (the higher of fio's O_DIRECT and buffered read medians{vs})", file=out)
+    if f is not None and f.write_gbps:
+        save_rows.append([_mark("fio, best config", w_source == "fio"), _runs(f.write_repeats), _num(f.write_gbps),
+                          "", _ratio(ratio(f.write_gbps, w_ceiling)), ""])
+    if eng is not None and eng.write_gbps:
+        save_rows.append([_mark("raw engine", w_source == "engine"), _runs(eng.write_repeats),
+                          _num(eng.write_gbps), "", _ratio(ratio(eng.write_gbps, w_ceiling)), ""])
+    if f is not None and f.read_gbps:
+        best = r_ceiling is not None and f.read_gbps >= r_ceiling
+        load_rows.append([_mark("fio O_DIRECT read", best), _runs(f.read_repeats), _num(f.read_gbps), "",
+                          _ratio(ratio(f.read_gbps, r_ceiling))])
+    if f is not None and f.buffered_read_gbps:
+        best = r_ceiling is not None and f.buffered_read_gbps >= r_ceiling and not (f.read_gbps or 0) >= r_ceiling
+        load_rows.append([_mark("fio buffered read", best), _runs(f.buffered_read_repeats),
+                          _num(f.buffered_read_gbps), "", _ratio(ratio(f.buffered_read_gbps, r_ceiling))])
+    render_table("Durable save, GB/s (higher is better)",
+                 ["method", "runs", "median", "vs torch", "vs ceiling", "file size"], save_rows, out)
+    render_table("Cold load, GB/s (higher is better)",
+                 ["method", "runs", "median", "vs torch", "vs ceiling"], load_rows, out)
+    _print_ceilings(result, out, verbose)
     into = [m for m in d["methods"] if m.get("into_seconds")]
     if into:
-        render_table("Cold load into an existing state", ["method", "GB/s (runs)", "median", "vs torch"],
+        render_table("Cold load into an existing state, GB/s", ["method", "runs", "median", "vs torch"],
                      [[m["name"] if m["name"] != "torch" else "torch.load + copy_",
                        _runs(m["into_gbps"]), _num(m["into_median_gbps"]), _ratio(m["into_vs_torch"])]
                       for m in into], out)
@@ -129,26 +162,59 @@ def print_save_report(result: SaveBenchResult, out: Optional[TextIO] = None) -> 
     if v.get("checked"):
         if v.get("ok"):
             how = v.get("compared_by", "torch.equal each tensor; non-tensors ==")
-            print(f"Verified   : {v['method']} load equals the original state "
-                  f"({v['tensors_compared']} tensors; {how})", file=out)
+            say(f"Verified   : {v['method']} load equals the original state "
+                f"({v['tensors_compared']} tensors; {how})", out)
         else:
-            print(f"Verified   : MISMATCH after {v['method']} load:", file=out)
+            say(f"Verified   : MISMATCH after {v['method']} load:", out)
             for p in v.get("problems", []):
-                print(f"  - {p}", file=out)
+                say(f"  - {p}", out)
     else:
-        print("Verified   : not checked (fastpersist did not run)", file=out)
+        say("Verified   : not checked (fastpersist did not run)", out)
     if "into_ok" in v:
         if v["into_ok"]:
-            print("Verified   : fastpersist load-into filled the state with the original values", file=out)
+            say("Verified   : fastpersist load-into filled the state with the original values", out)
         else:
-            print("Verified   : MISMATCH after fastpersist load-into:", file=out)
+            say("Verified   : MISMATCH after fastpersist load-into:", out)
             for p in v.get("into_problems", []):
-                print(f"  - {p}", file=out)
+                say(f"  - {p}", out)
     for m in result.methods:
         if m.error:
-            print(f"Error      : {m.name}: {m.error}", file=out)
+            say(f"Error      : {m.name}: {m.error}", out)
     for note in result.notes:
-        print(f"Note       : {note}", file=out)
+        say(f"Note       : {note}", out)
+
+
+def _mark(name: str, is_ceiling: bool) -> str:
+    return f"{name} *" if is_ceiling else name
+
+
+def _print_ceilings(result: SaveBenchResult, out: TextIO, verbose: bool) -> None:
+    """What the ceilings are: which configurations, and what '*' marks in the tables."""
+    f, eng = result.fio, result.engine_ceiling
+    w_ceiling, w_source = result.write_ceiling
+    if w_ceiling:
+        say(f"Ceilings   : * marks the ceiling of each table. Write: {w_ceiling:.2f} GB/s, the higher of fio's "
+            "best configuration and the raw engine (fastpersist.io writing one page-locked buffer of the same "
+            "size: no serialization, no copy), each median of one run per round. Read: the higher of fio's "
+            "O_DIRECT and buffered (page cache) reads.", out)
+    elif f is not None and f.error:
+        say(f"Ceilings   : not measured (fio: {f.error})", out)
+    if f is not None and f.best_write is not None and f.best_read is not None:
+        tried = len({(r.block_size, r.iodepth, r.numjobs, r.direct, r.ioengine) for r in f.runs if r.rw == "write"})
+        say(f"fio        : best of {tried} write configurations: {f.best_write.describe()}; best read: "
+            f"{f.best_read.describe()}; buffered read: psync direct=0 bs=1M, page cache dropped first", out)
+        if verbose:
+            n_sweep = len(f.runs) - 3 * len(f.write_repeats)
+            for r in f.runs[:max(0, n_sweep)]:
+                say(f"  sweep    : {r.rw:5s} {r.gbps:6.2f} GB/s  {r.describe()}", out)
+            say(f"  command  : {f.command}", out)
+    if eng is not None:
+        if eng.error:
+            say(f"Raw engine : failed ({eng.error})", out)
+        elif verbose and eng.settings:
+            say(f"Raw engine : {eng.settings}", out)
+    if verbose and w_source:
+        say(f"Write ceil.: from {'fio' if w_source == 'fio' else 'the raw engine'}", out)
 
 
 def _print_fio(ceiling: Any, out: TextIO) -> None:
@@ -259,7 +325,7 @@ def _finish_plot(fig: Any, ax: Any, path: str) -> None:
 
 
 def plot_save(result: SaveBenchResult, path: str) -> None:
-    """Bar chart of median save and load GB/s per method, fio's ceiling as horizontal lines (PNG)."""
+    """Bar chart of median save and load GB/s per method, the write and read ceilings as horizontal lines (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,7 +340,15 @@ def plot_save(result: SaveBenchResult, path: str) -> None:
     width = 0.38
     ax.bar([x - width / 2 for x in xs], saves, width, label="durable save (median)", color="#3b75af")
     ax.bar([x + width / 2 for x in xs], loads, width, label="cold load (median)", color="#ef8636")
-    _fio_lines(ax, result.fio, "fio write ceiling", "fio read ceiling")
+    w_ceiling, w_source = result.write_ceiling
+    if w_ceiling:
+        src = "fio's best config" if w_source == "fio" else "raw engine"
+        ax.axhline(w_ceiling, color="#3b75af", linestyle="--", linewidth=1.2,
+                   label=f"write ceiling {w_ceiling:.2f} GB/s (best of fio configs and raw engine: {src})")
+    r_ceiling = result.fio.read_ceiling_gbps if result.fio is not None else None
+    if r_ceiling:
+        ax.axhline(r_ceiling, color="#ef8636", linestyle=":", linewidth=1.2,
+                   label=f"read ceiling {r_ceiling:.2f} GB/s (best of fio O_DIRECT and buffered reads)")
     ax.set_xticks(xs)
     ax.set_xticklabels(names)
     ax.set_ylabel("GB/s")

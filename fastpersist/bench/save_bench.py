@@ -14,12 +14,18 @@ same state and directory:
   ``FileSystemWriter(sync_files=True)`` / ``FileSystemReader``, single process,
   no process group (``no_dist=True``); load fills a same-shaped template in place
   (its tensors allocated, not written, before the timing).
-* ``fio``: the disk's O_DIRECT write/read ceiling for the same byte count. A
-  sweep before the first run picks fio's best configuration; that
-  configuration then takes its turn in every round of the rotation (a fresh
-  write, then a read, then a buffered read of the same file), and the ceiling
-  is the median of those rounds. The *read ceiling* is the higher of fio's
-  O_DIRECT and buffered sequential read medians (``load_vs_read_ceiling``).
+* ``fio``: the disk's write/read ceilings for the same byte count. A sweep
+  before the first run picks fio's best configuration of each direction among
+  several (:mod:`fastpersist.bench.fio`: O_DIRECT block sizes x queue depths,
+  two jobs, a buffered write ended by fsync); that configuration then takes
+  its turn in every round of the rotation (a fresh write, then a read, then a
+  buffered read of the same file), and fio's figure is the median of those
+  rounds. With it, the raw engine (:class:`~fastpersist.bench.ceiling.EngineProbe`:
+  ``fastpersist.io`` writing one page-locked buffer of the same size) takes
+  its own turn each round. The *write ceiling* is the higher of fio's and the
+  raw engine's write medians (``save_vs_write_ceiling``); the *read ceiling*
+  the higher of fio's O_DIRECT and buffered sequential read medians
+  (``load_vs_read_ceiling``).
 
 With ``load_into`` (``--load-into``), every round of ``fastpersist`` and ``torch``
 also times a cold load *into an existing state of the same shapes* (allocated and
@@ -71,10 +77,12 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from fastpersist.bench import ceiling as ceiling_mod
 from fastpersist.bench import fio as fio_mod
 from fastpersist.bench import state as state_mod
 from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, fsync_path, remove_path, total_size
 from fastpersist.bench.machine import MachineInfo, collect_machine_info
+from fastpersist.bench.progress import progress as make_progress
 from fastpersist.bench.units import gbps, median, ratio
 
 PEERS = ("torch", "safetensors", "dcp", "fio")
@@ -293,6 +301,13 @@ class SaveBenchResult:
     order: list[list[str]] = field(default_factory=list)
     #: where the timed loads ran: ``"fresh"`` (a new process each) or ``"same"`` (:data:`LOAD_PROCESSES`)
     load_process: str = "same"
+    #: the raw engine's durable writes of one pinned buffer (part of the write ceiling)
+    engine_ceiling: Optional[ceiling_mod.EngineCeiling] = None
+
+    @property
+    def write_ceiling(self) -> tuple[Optional[float], str]:
+        """The higher of fio's and the raw engine's write medians, and its source (``"fio"``/``"engine"``)."""
+        return ceiling_mod.write_ceiling(self.fio, self.engine_ceiling)
 
     def method(self, name: str) -> Optional[MethodResult]:
         """The result of method ``name``, or ``None``."""
@@ -307,6 +322,7 @@ class SaveBenchResult:
         fio_r = self.fio.read_gbps if self.fio else None
         ceiling = self.fio.read_ceiling_gbps if self.fio else None
         t_into = torch_res.into_median_gbps if torch_res else None
+        w_ceiling, w_source = self.write_ceiling
         methods = []
         for m in self.methods:
             methods.append({
@@ -323,6 +339,7 @@ class SaveBenchResult:
                 "load_vs_torch": ratio(m.load_median_gbps, t_load),
                 "save_vs_fio": ratio(m.save_median_gbps, fio_w),
                 "load_vs_fio": ratio(m.load_median_gbps, fio_r),
+                "save_vs_write_ceiling": ratio(m.save_median_gbps, w_ceiling),
                 "load_vs_read_ceiling": ratio(m.load_median_gbps, ceiling),
                 "into_seconds": m.into_s,
                 "into_gbps": m.into_gbps,
@@ -339,6 +356,9 @@ class SaveBenchResult:
             "load_process": self.load_process,
             "methods": methods,
             "fio": self.fio.to_dict() if self.fio else None,
+            "engine_ceiling": self.engine_ceiling.to_dict() if self.engine_ceiling else None,
+            "write_ceiling_gbps": w_ceiling,
+            "write_ceiling_source": w_source or None,
             "read_ceiling_gbps": ceiling,
             "verification": dict(self.verification),
             "notes": list(self.notes),
@@ -637,6 +657,7 @@ def run_save_bench(
     fio_iodepths: Sequence[int] = fio_mod.DEFAULT_IODEPTHS,
     load_into: bool = False,
     load_process: str = "fresh",
+    engine_ceiling: bool = True,
 ) -> SaveBenchResult:
     """Run the checkpoint benchmark in ``directory`` (see module docstring) and return its results.
 
@@ -645,7 +666,9 @@ def run_save_bench(
     removed at the end unless ``keep``. A method that fails is recorded with
     its error and the others go on. ``load_process``: ``"fresh"`` times every
     cold load in a new Python process (:func:`load_in_fresh_process`, what a
-    resumed job sees), ``"same"`` in this process.
+    resumed job sees), ``"same"`` in this process. With ``"fio"`` among the
+    peers and ``engine_ceiling``, the raw engine's write takes its turn too
+    (:class:`~fastpersist.bench.ceiling.EngineProbe`).
     """
     if load_process not in LOAD_PROCESSES:
         raise ValueError(f"load_process must be one of {', '.join(LOAD_PROCESSES)}, got {load_process!r}")
@@ -684,13 +707,19 @@ def run_save_bench(
     verification: dict[str, Any] = {"checked": False}
     order: list[list[str]] = []
     probe: Optional[fio_mod.FioProbe] = None
+    engine: Optional[ceiling_mod.EngineProbe] = None
     if "fio" in peers:
         probe = fio_mod.FioProbe(
             workdir, nbytes, block_sizes=fio_block_sizes, iodepths=fio_iodepths,
-            direct=bool(machine.direct_io), on_run=lambda _r: bar.update(1),
+            direct=bool(machine.direct_io), on_run=lambda r: _fio_step(bar, r),
         )
+        if engine_ceiling:
+            engine = ceiling_mod.EngineProbe(workdir, nbytes, config)
     n_fio = fio_mod.fio_sweep_count(nbytes, fio_block_sizes, fio_iodepths) + 3 * repeat if probe and probe.ok else 0
-    bar = _progress(repeat * len(methods) + n_fio, progress)
+    n_engine = repeat if engine is not None else 0
+    bar = make_progress(repeat * len(methods) + n_fio + n_engine, progress,
+                        "fio sweep" if probe is not None and probe.ok else f"{methods[0].name} run 1/{repeat}"
+                        if methods else "starting")
     try:
         if probe is not None:
             bar.set_description("fio sweep")
@@ -698,15 +727,26 @@ def run_save_bench(
         shuffler = random.Random(seed)
         for run in range(repeat):
             # A fresh order each round (seeded): on a shared disk a step's speed depends on
-            # what ran just before it, so no method (fio included) always follows the same one.
-            steps: list[Optional[Method]] = [*methods, None] if probe is not None else list(methods)
+            # what ran just before it, so no method (fio and the raw engine included) always
+            # follows the same one.
+            steps: list[Union[Method, str]] = list(methods)
+            if probe is not None:
+                steps.append("fio")
+            if engine is not None:
+                steps.append("engine")
             shuffler.shuffle(steps)
-            order.append([m.name if m is not None else "fio" for m in steps])
+            order.append([m if isinstance(m, str) else m.name for m in steps])
             for method in steps:
-                if method is None:
-                    bar.set_description(f"fio run {run + 1}/{repeat}")
+                if method == "fio":
+                    bar.set_description(f"fio round {run + 1}/{repeat}")
                     probe.round()  # type: ignore[union-attr]
                     continue
+                if method == "engine":
+                    bar.set_description(f"raw engine write {run + 1}/{repeat}")
+                    engine.round()  # type: ignore[union-attr]
+                    bar.update(1)
+                    continue
+                assert isinstance(method, Method)
                 res = by_name[method.name]
                 if res.error is None:
                     bar.set_description(f"{method.name} run {run + 1}/{repeat}")
@@ -716,6 +756,8 @@ def run_save_bench(
                 bar.update(1)
         if probe is not None and probe.result.error:
             notes.append(f"fio: {probe.result.error}")
+        if engine is not None and engine.result.error:
+            notes.append(f"raw engine: {engine.result.error}")
         if isinstance(loads, FreshProcessLoads) and loads.imported_in_timing:
             notes.append("fresh loads: modules first imported inside a timed load call (their import is timed): "
                          + ", ".join(sorted(loads.imported_in_timing)))
@@ -724,6 +766,8 @@ def run_save_bench(
         loads.close()
         if probe is not None:
             probe.close()
+        if engine is not None:
+            engine.close()
         if not keep:
             remove_path(workdir)
     if keep:
@@ -739,6 +783,7 @@ def run_save_bench(
         notes=notes,
         order=order,
         load_process=load_process,
+        engine_ceiling=engine.result if engine is not None else None,
     )
 
 
@@ -792,7 +837,9 @@ def _measure(
             remove_path(target)
 
 
-def _progress(total: int, enabled: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, disable=not enabled, unit="run", leave=False, dynamic_ncols=True)
+def _fio_step(bar: Any, run: fio_mod.FioRun) -> None:
+    """Name the fio job that just finished (its configuration), then count it."""
+    desc = getattr(bar, "desc", "") or ""
+    bar.set_description(f"{desc.split(':')[0]}: {run.rw} {run.describe()}")
+    bar.update(1)
+    bar.set_description(desc.split(":")[0])

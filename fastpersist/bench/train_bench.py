@@ -12,6 +12,36 @@ CUDA when present, else CPU. Every ``every`` steps the loop checkpoints
 * ``async-snapshot``: ``fastpersist.save_async(mode="snapshot")``;
 * ``async-lazy``: ``fastpersist.save_async(mode="lazy")`` with ``fastpersist.guard(optimizer)``.
 
+The other asynchronous checkpointers a user would pick, same model, interval and figure:
+
+* ``dcp.async_save``: ``torch.distributed.checkpoint.async_save`` in its default
+  (thread) mode, no process group (``no_dist=True``), ``FileSystemWriter``;
+  before each new save the previous one's future is awaited (DCP's documented
+  use; the wait counts as time in the save call).
+* ``dcp.async_save-process``: ``AsyncCheckpointerType.PROCESS`` (a checkpoint
+  daemon process; it needs a process group: a 1-rank gloo group is created
+  for it) with ``DefaultStager``: pinned-memory staging where CUDA is
+  available, else shared-memory staging (torch's ``StagingOptions`` pinned
+  memory and async staging require CUDA). Its daemon's start-up and one save
+  happen before the rounds, untimed, like fastpersist's staging pool warm-up.
+* ``lightning-async``: Lightning's ``AsyncCheckpointIO(TorchCheckpointIO())``
+  (clones every tensor on the caller's thread, then ``torch.save`` in a
+  one-thread executor); the drain is its ``teardown()``.
+
+DeepSpeed's decoupled FastPersist engine is tried (:func:`deepspeed_decoupled_status`)
+and reported as not run, with the reason, when it cannot run here.
+
+Verification: at every checkpoint step, every run (the baseline included, so
+the cost cancels in "lost vs baseline") takes a fingerprint of the state
+(CRC-32 of every tensor's bytes, :func:`fastpersist.bench.state.fingerprint`);
+its time is excluded from the step times but not from the run's total. After
+the drain every checkpoint is loaded (DCP's through ``dcp_to_torch_save``,
+which turns the optimizer's integer keys into strings: keys are compared as
+strings) and compared with the fingerprint of its step. Peak host memory:
+a sampler thread reads the resident set size of this process and its children
+(the DCP daemon included) every few ms; the figure is the peak above the
+run's start.
+
 Rounds (``rounds``, ``--rounds``): each round runs every method once and the
 ``none`` baseline, in an order shuffled by a seeded generator (``seed``), so that
 slow phases of a shared machine spread over the methods instead of hitting one.
@@ -56,7 +86,24 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-METHODS = ("none", "torch.save", "fastpersist.save", "async-snapshot", "async-lazy")
+from fastpersist.bench.rss import PeakMemory
+from fastpersist.bench.train_peers import (
+    DcpAsyncSaver,
+    Saver,
+    deepspeed_decoupled_status,
+    make_saver,
+    process_staging_options,
+    str_keys,
+    stop_dcp_daemon,
+    unavailable,
+)
+
+METHODS = ("none", "torch.save", "fastpersist.save", "async-snapshot", "async-lazy", "dcp.async_save",
+           "dcp.async_save-process", "lightning-async")
+#: fastpersist's own asynchronous methods (the target: lost time at most 0.5x the best peer's)
+FASTPERSIST_ASYNC = ("async-snapshot", "async-lazy")
+#: the other asynchronous checkpointers
+ASYNC_PEERS = ("dcp.async_save", "dcp.async_save-process", "lightning-async")
 
 
 class GPT(torch.nn.Module):
@@ -95,6 +142,9 @@ class TrainRun:
     round: int = 0
     train_threads: int = 0  # torch.get_num_threads() inside the training loop
     lost_vs_baseline_s: float = math.nan  # total - total of the same round's no-checkpoint run
+    checkpoints_verified: int = 0  # checkpoints loaded back and equal to the state at their step
+    peak_rss_bytes: int = 0  # peak resident memory (this process + children) above the run's start
+    fingerprint_s: float = 0.0  # time of the reference fingerprints (in total, not in step times)
 
     @property
     def median_step_s(self) -> float:
@@ -124,6 +174,9 @@ class TrainBenchResult:
     #: Seconds of one untimed ``save_async`` before the rounds, which allocated the
     #: page-locked staging pool (NaN: no async method, no warm-up).
     pool_warmup_s: float = math.nan
+    #: Seconds of the untimed start of DCP's checkpoint daemon and its first save (NaN: not run).
+    dcp_process_warmup_s: float = math.nan
+    notes: list[str] = field(default_factory=list)
 
     @property
     def methods(self) -> list[str]:
@@ -182,6 +235,9 @@ class TrainBenchResult:
                 "ratio_vs_torch_save": self.ratio(m) if m not in ("none", "torch.save") else None,
                 "ratio_vs_torch_save_vs_baseline": self.ratio_vs_baseline(m) if m not in ("none", "torch.save") else None,
                 "verified": f"{sum(1 for v in checked if v)}/{len(checked)}" if checked else None,
+                "checkpoints_verified": sum(r.checkpoints_verified for r in self.runs_of(m, ok=False)),
+                "checkpoints": sum(len(r.checkpoint_steps) for r in self.runs_of(m, ok=False)) if m != "none" else 0,
+                "median_peak_rss_mib": _median([r.peak_rss_bytes / 2**20 for r in rs]),
             }
         return out
 
@@ -193,7 +249,28 @@ class TrainBenchResult:
         others = [m for m in METHODS if m not in ("none", "torch.save")]
         d["ratios_vs_torch_save"] = {m: self.ratio(m) for m in others}
         d["ratios_vs_torch_save_vs_baseline"] = {m: self.ratio_vs_baseline(m) for m in others}
+        d["vs_best_async_peer"] = self.vs_best_peer()
         return d
+
+    def best_peer(self) -> tuple[Optional[str], float]:
+        """The asynchronous peer with the least median lost time vs baseline (every checkpoint verified)."""
+        best: tuple[Optional[str], float] = (None, math.nan)
+        for m in ASYNC_PEERS:
+            if not self.runs_of(m) or any(r.verified is not True for r in self.runs_of(m, ok=False)):
+                continue
+            lost = self.median_lost_vs_baseline(m)
+            if not math.isnan(lost) and (best[0] is None or lost < best[1]):
+                best = (m, lost)
+        return best
+
+    def vs_best_peer(self) -> dict[str, Optional[float]]:
+        """Median lost time vs baseline of fastpersist's async methods over the best peer's (target <= 0.5)."""
+        name, lost = self.best_peer()
+        out: dict[str, Optional[float]] = {"best_peer": name}  # type: ignore[dict-item]
+        for m in FASTPERSIST_ASYNC:
+            mine = self.median_lost_vs_baseline(m)
+            out[m] = None if name is None or math.isnan(mine) or lost <= 0 else mine / lost
+        return out
 
 
 def _state_bytes(state: Any) -> int:
@@ -223,6 +300,7 @@ def _equal(a: Any, b: Any) -> bool:
 def _one_run(method: str, directory: str, *, steps: int, every: int, device: str, dims: dict[str, int],
              batch: int, bar: Any) -> tuple[TrainRun, int, int]:
     import fastpersist
+    from fastpersist.bench import state as state_mod
 
     torch.manual_seed(0)
     model = GPT(**dims).to(device)
@@ -230,13 +308,15 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
     guard = fastpersist.guard(opt) if method == "async-lazy" else None
     gen = torch.Generator().manual_seed(1)
     ckpt_steps = [i for i in range(steps) if (i + 1) % every == 0 and i + 1 < steps]
-    last = ckpt_steps[-1] if ckpt_steps else None
     run = TrainRun(method, [], ckpt_steps, train_threads=torch.get_num_threads())
-    expected: Any = None
-    path = ""
+    expected: dict[str, Any] = {}  # path -> fingerprint of the state at its step
     nbytes = 0
-    t_start = time.perf_counter()
+    saver: Optional[Saver] = None
+    memory: Optional[PeakMemory] = None
     try:
+        saver = make_saver(method)
+        memory = PeakMemory()
+        t_start = time.perf_counter()
         for i in range(steps):
             waited = guard.waited_s if guard is not None else 0.0
             t0 = time.perf_counter()
@@ -251,56 +331,68 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
             dt = time.perf_counter() - t0
             if guard is not None:
                 run.guard_wait_s.append(guard.waited_s - waited)
-            if i in ckpt_steps and method != "none":
+            if i in ckpt_steps:
                 state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": i + 1}
-                paused = 0.0
-                if i == last:  # the reference copy for verification: not timed
-                    tp = time.perf_counter()
-                    expected = copy.deepcopy({k: v for k, v in state.items()})
-                    nbytes = _state_bytes(state)
-                    paused = time.perf_counter() - tp
-                path = os.path.join(directory, f"train-{method.replace('.', '_')}-{i + 1}.pt")
-                tc = time.perf_counter()
-                if method == "torch.save":
-                    torch.save(state, path)
-                elif method == "fastpersist.save":
-                    fastpersist.save(state, path)
-                elif method == "async-snapshot":
-                    fastpersist.save_async(state, path, mode="snapshot")
-                else:
-                    fastpersist.save_async(state, path, mode="lazy")
-                call = time.perf_counter() - tc
-                run.call_s.append(call)
-                dt += call
-                t_start += paused
+                # The reference for verification, in every run (the baseline too: same cost, so it
+                # cancels in "lost vs baseline"); kept out of the step times.
+                tp = time.perf_counter()
+                reference = str_keys(state_mod.fingerprint(state))
+                nbytes = _state_bytes(state)
+                run.fingerprint_s += time.perf_counter() - tp
+                if saver is not None:
+                    path = os.path.join(directory, f"train-{method.replace('.', '_')}-{i + 1}"
+                                        + ("" if saver.directory else ".pt"))
+                    expected[path] = reference
+                    tc = time.perf_counter()
+                    saver.save(state, path)
+                    call = time.perf_counter() - tc
+                    run.call_s.append(call)
+                    dt += call
                 del state
             run.step_s.append(dt)
             if bar is not None:
                 bar.update(1)
         td = time.perf_counter()
-        fastpersist.wait_all()
+        if saver is not None:
+            saver.drain()
         run.drain_s = time.perf_counter() - td
         run.total_s = time.perf_counter() - t_start
+        run.peak_rss_bytes = memory.stop()
+        memory = None
         run.lost_s = sum(run.step_s) - steps * run.median_step_s + run.drain_s
-        if expected is not None:
-            run.verified = _equal(torch.load(path, map_location="cpu", weights_only=False), expected)
+        if saver is not None and expected:
+            ok = 0
+            for path, ref in expected.items():
+                problems = state_mod.compare_states(ref, str_keys(state_mod.fingerprint(saver.load(path))))
+                ok += not problems
+            run.checkpoints_verified = ok
+            run.verified = ok == len(expected)
     except Exception as e:  # noqa: BLE001 - reported in the table
         run.error = f"{type(e).__name__}: {e}"
-        try:
-            fastpersist.wait_all()
-        except Exception:  # noqa: BLE001 - already reported as this run's error
-            pass
     finally:
+        if memory is not None:
+            memory.stop()
+        if saver is not None:
+            saver.close()
         if guard is not None:
             guard.remove()
         for name in os.listdir(directory):
             if name.startswith("train-"):
-                try:
-                    os.unlink(os.path.join(directory, name))
-                except OSError:
-                    pass
+                _remove(os.path.join(directory, name))
     params = sum(p.numel() for p in model.parameters())
     return run, params, nbytes
+
+
+def _remove(path: str) -> None:
+    import shutil
+
+    try:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _warm_pool(directory: str, *, device: str, dims: dict[str, int], batch: int) -> float:
@@ -369,20 +461,31 @@ def run_train_bench(
     training loop, the baseline included (None: torch's default, left as it is);
     the previous value is restored on return.
     """
-    from tqdm.auto import tqdm
+    from fastpersist.bench.progress import progress as make_progress
 
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, not {rounds}")
     if train_threads is not None and train_threads < 1:
         raise ValueError(f"train_threads must be >= 1, not {train_threads}")
+    notes: list[str] = []
+    for m in list(methods):
+        why = unavailable(m)
+        if why:
+            notes.append(f"{m}: not run ({why})")
+            methods = [x for x in methods if x != m]
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dims = dict(vocab=vocab, d_model=d_model, layers=layers, heads=heads, seq=seq + 1)
     orders = [round_order(methods, seed, r) for r in range(rounds)]
     runs: list[TrainRun] = []
     params = nbytes = 0
     before = torch.get_num_threads()
-    bar = tqdm(total=steps * sum(len(o) for o in orders), disable=not progress, unit="step", leave=False,
-               dynamic_ncols=True)
+    bar = make_progress(steps * sum(len(o) for o in orders), progress, f"round 1/{rounds} {orders[0][0]}",
+                        unit="step")
+    made_group = False
+    dcp_warm = math.nan
     try:
         if train_threads is not None:
             torch.set_num_threads(train_threads)
@@ -390,6 +493,14 @@ def run_train_bench(
         warm = math.nan
         if any(m.startswith("async") for o in orders for m in o):
             warm = _warm_pool(directory, device=dev, dims=dims, batch=batch)
+        if "dcp.async_save-process" in methods:
+            made_group = _ensure_process_group(directory)
+            dcp_warm = _warm_dcp_process(directory, device=dev, dims=dims, batch=batch)
+            opts = process_staging_options()
+            notes.append("dcp.async_save-process: AsyncCheckpointerType.PROCESS, DefaultStager with "
+                         + ("pinned-memory staging" if opts.use_pinned_memory else
+                            "shared-memory staging (torch's pinned-memory and async staging need CUDA, absent here)")
+                         + (", in a 1-rank gloo process group made for it" if made_group else ""))
         for rnd, order in enumerate(orders):
             mine: list[TrainRun] = []
             for m in order:
@@ -408,10 +519,50 @@ def run_train_bench(
     finally:
         bar.close()
         torch.set_num_threads(before)
+        if "dcp.async_save-process" in methods:
+            stop_dcp_daemon()
+        if made_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    why = deepspeed_decoupled_status()
+    notes.append(f"DeepSpeed's decoupled FastPersist engine: not measured: {why}")
     base_totals = [r.total_s for r in runs if r.method == "none" and r.error is None]
     return TrainBenchResult(dev, params, nbytes, steps, every, directory, runs, _median(base_totals),
                             rounds=rounds, train_threads=train_threads, train_threads_applied=applied, seed=seed,
-                            orders=orders, pool_warmup_s=warm)
+                            orders=orders, pool_warmup_s=warm, dcp_process_warmup_s=dcp_warm, notes=notes)
+
+
+def _ensure_process_group(directory: str) -> bool:
+    """A 1-rank gloo process group for DCP's process mode; True when this call created it."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    fd, store = tempfile.mkstemp(prefix=".fastpersist-bench-pg-", dir=directory)
+    os.close(fd)
+    os.unlink(store)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    return True
+
+
+def _warm_dcp_process(directory: str, *, device: str, dims: dict[str, int], batch: int) -> float:
+    """Start DCP's checkpoint daemon with one untimed ``async_save`` (PROCESS) of the benchmark's state."""
+    torch.manual_seed(0)
+    model = GPT(**dims).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    path = os.path.join(directory, "train-dcp-warmup")
+    saver = DcpAsyncSaver(process=True)
+    t0 = time.perf_counter()
+    try:
+        saver.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}, path)
+        saver.drain()
+    finally:
+        saver.close()
+        _remove(path)
+    return time.perf_counter() - t0
 
 
 def _ratio_text(v: Optional[float]) -> str:
@@ -446,15 +597,32 @@ def print_train_report(result: TrainBenchResult, out: Any = None) -> None:
             f"{d['median_step_s']:.3f}",
             f"{d['median_total_s']:.2f}",
             f"{d['median_call_s']:.2f}",
-            f"{d['median_guard_wait_s']:.2f}" if m == "async-lazy" else "-",
             f"{d['median_drain_s']:.2f}",
-            "-" if m == "none" else f"{lost_b:+.2f}{_ratio_text(d['ratio_vs_torch_save_vs_baseline'])}",
-            f"{d['median_lost_s']:.2f}{_ratio_text(d['ratio_vs_torch_save'])}",
-            d["verified"] or "-",
+            "-" if m == "none" else f"{lost_b:+.2f}",
+            "-" if d["ratio_vs_torch_save_vs_baseline"] is None else f"{d['ratio_vs_torch_save_vs_baseline']:.2f}x",
+            f"{d['median_lost_s']:.2f}",
+            f"{d['median_peak_rss_mib']:.0f}",
+            f"{d['checkpoints_verified']}/{d['checkpoints']}" if m != "none" else "-",
         ])
     render_table("Training time lost to checkpointing (medians over rounds)",
-                 ["method", "runs", "median step s", "total s", "in save calls s", "guard waits s", "drain s",
-                  "lost vs baseline s", "lost vs median s", "bytes ok"], rows, out)
+                 ["method", "runs", "step s", "total s", "calls s", "drain s", "lost s", "vs torch", "lost/med s",
+                  "peak MiB", "ckpts ok"], rows, out, width=130)
+    print("Columns   : step s = median step incl. the save call; calls s = time inside save calls; lost s = total - "
+          "the same round's no-checkpoint total (vs torch = its ratio to torch.save's); lost/med s = total - "
+          "steps x median step, incl. drain (DLIO's)", file=out)
+    vs = result.vs_best_peer()
+    if vs["best_peer"] is not None:
+        name, lost = result.best_peer()
+        parts = [f"{m} {v:.2f}x" for m in FASTPERSIST_ASYNC if (v := vs.get(m)) is not None]
+        print(f"vs peers  : best async peer {name} lost {lost:+.2f} s; fastpersist's lost time over it: "
+              f"{', '.join(parts) if parts else '-'} (target <= 0.50x)", file=out)
+    print("Memory    : peak MiB = peak resident memory of this process and its children (DCP's daemon) above "
+          "the run's start; ckpts ok = checkpoints read back equal to the state at their step", file=out)
+    if not math.isnan(result.dcp_process_warmup_s):
+        print(f"DCP warm  : DCP's checkpoint daemon started with one untimed save before the rounds "
+              f"({result.dcp_process_warmup_s:.2f} s)", file=out)
+    for note in result.notes:
+        print(f"Note      : {note}", file=out)
     if result.rounds > 1 or any(r.error for r in result.runs):
         rows = []
         for r in result.runs:
@@ -466,7 +634,7 @@ def print_train_report(result: TrainBenchResult, out: Any = None) -> None:
                 {None: "-", True: "ok", False: "MISMATCH"}[r.verified] if r.error is None else r.error[:40],
             ])
         render_table("Every run", ["round", "method", "median step s", "total s", "in save calls s", "guard waits s",
-                                   "lost vs baseline s", "lost vs median s", "bytes"], rows, out)
+                                   "lost vs baseline s", "lost vs median s", "bytes"], rows, out, width=130)
 
 
 def plot_train(result: TrainBenchResult, path: str) -> None:

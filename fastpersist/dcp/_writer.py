@@ -332,7 +332,7 @@ class FastPersistWriter(FileSystemWriter):
         final = os.path.join(directory, self._metadata_name())
         tmp = temp_path_for(final)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             try:
                 view = memoryview(data)
                 while view:

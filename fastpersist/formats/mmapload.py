@@ -61,12 +61,12 @@ import mmap as _mmap
 import os
 import stat
 import struct
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from fastpersist.errors import UnsupportedLayoutError, ZipFormatError
-from fastpersist.formats import torchload
+from fastpersist.formats import crcpolicy, torchload
 from fastpersist.formats.picklescan import scan_pickle
 from fastpersist.formats.torchverify import _crc_mismatch, _element_size, _storage_ref
 from fastpersist.formats.zipindex import CentralEntry, ZipEntry, parse_zip_index, pread_full, read_central_directory
@@ -156,6 +156,13 @@ def _fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
+def _shared_mapping() -> bool:
+    """Whether torch's mmap load maps the file shared (``set_default_mmap_options(MAP_SHARED)``)."""
+    get = getattr(torch.serialization, "get_default_mmap_options", None)
+    shared = getattr(_mmap, "MAP_SHARED", None)
+    return get is not None and shared is not None and get() == shared
+
+
 def _check_supported(map_location: Any) -> None:
     if torchload._meta_or_fake(map_location):
         raise UnsupportedLayoutError("meta or fake-tensor load")
@@ -204,6 +211,9 @@ def load_torch_mmap(
             _check_zip(path, mapping, handle, checksum=checksum)
         finally:
             mapping.close()
+        if _shared_mapping():
+            # torch maps the file writable and shared: the program may change it in place
+            crcpolicy.release(fd, path)
         return torch.serialization.load(_fd_path(fd), map_location, pickle_module, weights_only=weights_only,
                                         mmap=True, **pickle_load_args)
     finally:
@@ -236,11 +246,17 @@ def _check_zip(path: str, mapping: _Mapping, handle: Any, *, checksum: bool) -> 
         raise UnsupportedLayoutError("TorchScript archive")
 
     # The records that are not storages (the pickle first of all) before the pickle is read.
+    def ours() -> bool:
+        sid = index.find(crcpolicy.SERIALIZATION_ID)
+        raw = mapping.read_at(sid.data_offset, sid.compressed_size) if sid is not None else None
+        return crcpolicy.written_by_fastpersist(index.entries, raw)
+
     small = [e for short, e in by_short.items() if not short.startswith("data/")]
     pkl_entry = by_short["data.pkl"]
     pkl = mapping.read_at(pkl_entry.data_offset, pkl_entry.compressed_size)
     if checksum:
-        _compare(path, small, crc32_mapped(handle, mapping.addr, [(e.data_offset, e.compressed_size) for e in small]))
+        _compare(path, small, crc32_mapped(handle, mapping.addr, [(e.data_offset, e.compressed_size) for e in small]),
+                 ours, False)
 
     wanted = _referenced(path, pkl, by_short)
     if wanted is None:
@@ -257,7 +273,7 @@ def _check_zip(path: str, mapping: _Mapping, handle: Any, *, checksum: bool) -> 
     # piece before its CRC was slower too (1 GiB cold, 6 interleaved rounds:
     # 0.83 s against 0.63 s without it).
     ranges = [(e.data_offset, e.compressed_size) for e in records]
-    _compare(path, records, crc32_mapped(handle, mapping.addr, ranges))
+    _compare(path, records, crc32_mapped(handle, mapping.addr, ranges), ours, True)
 
 
 def _prefetch_headers(mapping: _Mapping, cd_off: int, entries: Sequence[CentralEntry]) -> None:
@@ -300,10 +316,13 @@ def _referenced(path: str, pkl: bytes, by_short: dict[str, ZipEntry]) -> Optiona
     return list(out.values())
 
 
-def _compare(path: str, records: Sequence[ZipEntry], crcs: Sequence[int]) -> None:
-    problems = [_crc_mismatch(e, c) for e, c in zip(records, crcs) if c != e.crc32]
+def _compare(path: str, records: Sequence[ZipEntry], crcs: Sequence[int], ours: Callable[[], bool],
+             storages: bool) -> None:
+    """CRC-32s against the recorded ones, by :mod:`fastpersist.formats.crcpolicy`'s rule
+    (0 recorded: none; a mismatch raises only in a file fastpersist wrote: ``ours()``)."""
+    problems = [_crc_mismatch(e, c) for e, c in zip(records, crcs) if c != e.crc32 and not crcpolicy.no_crc(e.crc32)]
     if problems:
-        raise torchload._checksum_error(path, problems)
+        crcpolicy.mismatch(path, problems, ours, storages)
 
 
 # --------------------------------------------------------------------------- safetensors

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
-from fastpersist.formats import fastunpickle
+from fastpersist.formats import crcpolicy, fastunpickle
 from fastpersist.formats.picklescan import data_free, scan_pickle
 from fastpersist.formats.zipindex import CentralEntry, fd_reader, parse_zip_index, pread_full, read_central_directory
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
@@ -250,6 +250,8 @@ class _Load:
         self.by_short: dict[str, _Record] = {}
         self.arena = _Arena()
         self.headers_checked = False
+        self.entries: list[CentralEntry] = []  #: the central directory, in its order
+        self._ours: Optional[bool] = None
 
     # -- index ---------------------------------------------------------------
 
@@ -276,6 +278,7 @@ class _Load:
         if offsets is None:
             cd_off, offsets, entries = _exact(self.fd, self.path, self.size)
             self.headers_checked = True
+        self.entries = entries
         for e in entries:
             if not e.name.startswith(prefix):
                 continue  # torch's reader ignores records outside its folder
@@ -302,12 +305,10 @@ class _Load:
         _pread_into(self.fd, self.path, memoryview(raw), h)
         self._check_header(r, memoryview(raw)[: r.data_offset - h])
         body = bytes(raw[r.data_offset - h :])
-        if self.checksum and zlib.crc32(body) != r.entry.crc32:
-            raise ChecksumError(
-                f"{self.path}: record {r.entry.name} does not match its checksum (computed {zlib.crc32(body):08x}, "
-                f"recorded {r.entry.crc32:08x}; the file is corrupt: restore it from a good copy)",
-                path=self.path, records=[r.entry.name],
-            )
+        if self.checksum and not crcpolicy.no_crc(r.entry.crc32) and zlib.crc32(body) != r.entry.crc32:
+            self.crc_mismatch([f"{r.entry.name}: CRC-32 mismatch (computed {zlib.crc32(body):08x}, recorded "
+                               f"{r.entry.crc32:08x}) in bytes [{r.data_offset}, {r.data_end})"],
+                              storages_only=r.short.startswith("data/"))
         r.buffer = body
         return body
 
@@ -389,10 +390,29 @@ class _Load:
             f"{r.entry.name}: CRC-32 mismatch (computed {crc:08x}, recorded {r.entry.crc32:08x}) "
             f"in bytes [{r.data_offset}, {r.data_end})"
             for r, crc in zip(bulk, crcs)
-            if crc != r.entry.crc32
+            if crc != r.entry.crc32 and not crcpolicy.no_crc(r.entry.crc32)
         ]
         if problems:
-            raise _checksum_error(self.path, problems)
+            self.crc_mismatch(problems, storages_only=all(r.short.startswith("data/") for r in bulk))
+
+    # -- the checksum policy (fastpersist.formats.crcpolicy) -------------------
+
+    def written_by_fastpersist(self) -> bool:
+        """Whether fastpersist's writer wrote this file (its CRCs then bind the load)."""
+        if self._ours is None:
+            r = self.by_short.get(crcpolicy.SERIALIZATION_ID)
+            raw = None
+            if r is not None and 0 < r.size <= 64:
+                raw = bytearray(r.size)
+                _pread_into(self.fd, self.path, memoryview(raw), r.data_offset)
+            self._ours = crcpolicy.written_by_fastpersist(self.entries, None if raw is None else bytes(raw))
+        return self._ours
+
+    def crc_mismatch(self, problems: list[str], *, storages_only: bool = True) -> None:
+        """Records whose bytes differ from a nonzero recorded CRC-32: ChecksumError in a file
+        fastpersist wrote or outside the storage records, else a logged warning (and the
+        load goes on, as torch's): :mod:`fastpersist.formats.crcpolicy`."""
+        crcpolicy.mismatch(self.path, problems, self.written_by_fastpersist, storages_only)
 
     # -- storages ------------------------------------------------------------
 
@@ -413,9 +433,9 @@ class _Load:
             _pread_into(self.fd, self.path, memoryview(hdr), r.entry.header_offset)
             self._check_header(r, memoryview(hdr))
             _pread_into(self.fd, self.path, view, r.data_offset)
-            if self.checksum and zlib.crc32(view) != r.entry.crc32:
-                raise _checksum_error(self.path, [f"{r.entry.name}: CRC-32 mismatch (recorded {r.entry.crc32:08x}) "
-                                                  f"in bytes [{r.data_offset}, {r.data_end})"])
+            if self.checksum and not crcpolicy.no_crc(r.entry.crc32) and zlib.crc32(view) != r.entry.crc32:
+                self.crc_mismatch([f"{r.entry.name}: CRC-32 mismatch (recorded {r.entry.crc32:08x}) "
+                                   f"in bytes [{r.data_offset}, {r.data_end})"], storages_only=True)
         if isinstance(r.buffer, bytes):
             return torch.frombuffer(bytearray(r.buffer), dtype=torch.uint8)
         return torch.frombuffer(r.buffer, dtype=torch.uint8, count=r.size, offset=r.buffer_offset)

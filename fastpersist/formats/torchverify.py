@@ -506,11 +506,20 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
         os.close(fd)
     extents, records = _stored_extents(index)
     crcs = _native_read(handle, path, extents, len(records)) if extents else []
-    problems += [_crc_mismatch(e, crc) for e, crc in zip(records, crcs) if crc != e.crc32]
+    # A recorded CRC of 0 is torch's "none computed" (set_crc32_options(False), skip_data()):
+    # such records cannot be checked (fastpersist.formats.crcpolicy, rule 1).
+    no_crc = [e.name for e, crc in zip(records, crcs) if e.crc32 == 0 and crc != 0]
+    problems += [_crc_mismatch(e, crc) for e, crc in zip(records, crcs) if crc != e.crc32 and e.crc32 != 0]
     if problems:
         notes = []  # a damaged file's tags are not worth a note: the file is corrupt
     for note in notes:
         warnings.warn(note, StorageLocationWarning, stacklevel=3)
+    if no_crc and not problems:
+        return TorchCheck(
+            [f"{path}: {len(no_crc)} of {len(records)} records carry no CRC-32 (0 recorded, as torch writes "
+             f"with set_crc32_options(False) or under skip_data(): {', '.join(no_crc[:3])}"
+             f"{', ...' if len(no_crc) > 3 else ''}); their bytes cannot be checked"],
+            records=len(index.entries), nbytes=sum(e.compressed_size for e in index.entries), checked=False)
     return TorchCheck(problems, records=len(index.entries), nbytes=sum(e.compressed_size for e in index.entries),
                       notes=notes)
 

@@ -27,7 +27,6 @@ reached through :func:`fastpersist._compat.file_writer`).
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import struct
 import sys
@@ -193,13 +192,14 @@ class MinizLayout:
         return self.pos
 
     def _serialization_id(self) -> bytes:
-        h = hashlib.blake2b(digest_size=8)
+        # The form crcpolicy recognises as "written by fastpersist" (its CRCs bind loads).
+        from fastpersist.formats.crcpolicy import serialization_id
+
         pkl_crc = 0
         for e in self.entries:
-            h.update(e.name + b"\0")
             if e.name.endswith(b"/data.pkl"):
                 pkl_crc = e.crc
-        return b"%020d%020d" % (int.from_bytes(h.digest(), "little") % 10**20, pkl_crc)
+        return serialization_id([e.name for e in self.entries], pkl_crc)
 
 
 @functools.cache

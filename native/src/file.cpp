@@ -90,7 +90,7 @@ File File::open(const std::string& path, Mode mode, bool truncate, bool want_dir
   f.path_ = path;
   int flags = O_CLOEXEC | (mode == Mode::Write ? O_WRONLY | O_CREAT : O_RDONLY);
   if (mode == Mode::Write && truncate) flags |= O_TRUNC;
-  int fd = sys::open(path.c_str(), flags, 0644);
+  int fd = sys::open(path.c_str(), flags, 0666);  // as open(path, "wb"): 0666 less the umask
   if (fd < 0) throw IoError(-fd, "open", path, 0, 0);
   f.fd_ = fd;
   f.own_fd_ = true;
