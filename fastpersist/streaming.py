@@ -323,9 +323,10 @@ class Streamer:
         for t in self.blocks[i].tensors:
             info = t.info
             view = buf[t.offset : t.offset + info.nbytes].view(info.dtype).view(info.shape)
+            param = nn.Parameter(view, requires_grad=False)
             for module, attr, is_param in t.places:
                 if is_param:
-                    module._parameters[attr] = nn.Parameter(view, requires_grad=False)
+                    module._parameters[attr] = param
                 else:
                     module._buffers[attr] = view
 
@@ -414,7 +415,8 @@ def stream_weights(
         model: an ``nn.Module``, typically built on ``meta`` (``accelerate.init_empty_weights``
             or ``with torch.device("meta")``). Parameters and persistent buffers are
             taken from the checkpoint by their ``state_dict`` names; tied parameters (one
-            object under two names) need only one name in the file. Buffers that are
+            object under two names) need only one name in the file; a ``model.tie_weights()``
+            (transformers) is called first. Buffers that are
             not in the file (rotary ``inv_freq``) must already hold values (so prefer
             ``init_empty_weights``, which keeps buffers real).
         checkpoint: a torch zip file (``fastpersist.save`` / ``torch.save`` of the state
@@ -427,7 +429,8 @@ def stream_weights(
             (UNVERIFIED on a GPU).
         blocks: the modules to stream, in execution order (default: :func:`find_blocks`).
         config: a :class:`fastpersist.Config` for the reader (engine, queue depth,
-            threads, ``checksum``); its ``read_mode`` is forced to ``"direct"``.
+            threads, ``checksum``); its ``read_mode`` is forced to ``"direct"``, and
+            ``read_staging="auto"`` becomes ``"off"`` (reads land straight in the ring).
 
     Returns:
         ``model`` itself, its resident weights loaded, hooks installed
@@ -455,7 +458,12 @@ def stream_weights(
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     cfg = dataclasses.replace(_config(config), read_mode="direct")
+    if cfg.read_staging == "auto":  # zero-copy into the ring: a staging ring (128 MiB) would cost more than a block
+        cfg = dataclasses.replace(cfg, read_staging="off")
     handle = _native.Handle(**cfg.handle_kwargs(read=True))
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):  # transformers ties the head to the embeddings here (meta models are built untied)
+        tie()
     block_modules = list(blocks) if blocks is not None else find_blocks(model)
     if not block_modules:
         raise ValueError("blocks is empty")
@@ -513,9 +521,10 @@ def _setup(model: nn.Module, ckpt: _Checkpoint, block_modules: list[nn.Module], 
         if tid in owner or t.device.type == "meta" or t.device == dev or any(tid == id(r[0]) for r in resident):
             continue
         moved = t.to(dev)
+        param = nn.Parameter(moved, requires_grad=t.requires_grad)
         for _, m, a, p in where:
             if p:
-                m._parameters[a] = nn.Parameter(moved, requires_grad=t.requires_grad)
+                m._parameters[a] = param
             else:
                 m._buffers[a] = moved
     for b in blocks:  # streamed tensors start (and rest) on meta
@@ -557,8 +566,9 @@ def _load_resident(resident: list[tuple[Any, list[tuple[str, nn.Module, str, boo
     with torch.no_grad():
         for (t, where, f, info), host in zip(resident, fresh):
             value = host.to(dev) if dev.type != "cpu" else host
+            param = nn.Parameter(value, requires_grad=False)  # one object for every place (tied stays tied)
             for _, m, a, p in where:
                 if p:
-                    m._parameters[a] = nn.Parameter(value, requires_grad=False)
+                    m._parameters[a] = param
                 else:
                     m._buffers[a] = value
