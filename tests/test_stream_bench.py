@@ -18,8 +18,16 @@ from fastpersist.cli import main  # noqa: E402
 
 def test_model_shape_bytes_match_the_checkpoint(tmp_path) -> None:
     shape = sb.ModelShape(layers=2, hidden=64, intermediate=128, vocab=100, heads=4)
-    size = sb.write_checkpoint(shape, str(tmp_path / "m.safetensors"))
-    assert shape.weight_bytes() <= size < shape.weight_bytes() + (64 << 10)  # plus header and alignment
+    size = sb.write_checkpoint(shape, str(tmp_path / "m"), shard_bytes=100_000)
+    assert shape.weight_bytes() <= size < shape.weight_bytes() + (256 << 10)  # plus headers and alignment
+    with open(tmp_path / "m" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert len(set(index["weight_map"].values())) > 2
+    import fastpersist
+
+    for shard in set(index["weight_map"].values()):
+        with fastpersist.open(str(tmp_path / "m" / shard)) as r:
+            assert r.metadata()["format"] == "pt" and "fastpersist.crc32" in r.metadata()
 
 
 def test_device_map_puts_blocks_on_disk() -> None:

@@ -75,8 +75,12 @@ class ModelShape:
         return 4 * (4 * h * h + 3 * h * i + 2 * h)
 
 
-def write_checkpoint(shape: ModelShape, path: str, seed: int = 0) -> int:
-    """Build the model with random weights and write it as one ``.safetensors`` file; its size."""
+def write_checkpoint(shape: ModelShape, path: str, seed: int = 0, shard_bytes: int = 256 << 20) -> int:
+    """Build the model with random weights and write it as a sharded safetensors folder (what
+    ``save_pretrained`` writes: shards of at most ``shard_bytes`` plus ``model.safetensors.index.json``),
+    each shard in fastpersist's layout (aligned data, CRC-32s) with ``{"format": "pt"}``; total bytes.
+
+    Shards keep Accelerate's setup within the memory limit: it reads a checkpoint one whole file at a time."""
     import torch
     import transformers
 
@@ -87,12 +91,31 @@ def write_checkpoint(shape: ModelShape, path: str, seed: int = 0) -> int:
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(shape.config())
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    # fastpersist's layout (aligned data, CRC-32s) plus {"format": "pt"}, which Accelerate's loader requires
+    groups: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if groups[-1] and size + n > shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = t
+        size += n
+    os.makedirs(path, exist_ok=True)
     cfg = _config(None)
-    plan = plan_safetensors(tensors, {"format": "pt"}, 4096, checksum=True)
-    atomic_write(path, _native_write(_handle(cfg), plan, path, cfg.fsync), fsync=cfg.fsync)
-    del plan, tensors, model
-    return os.path.getsize(path)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        full = os.path.join(path, fname)
+        plan = plan_safetensors(group, {"format": "pt"}, 4096, checksum=True)
+        atomic_write(full, _native_write(_handle(cfg), plan, full, cfg.fsync), fsync=cfg.fsync)
+        del plan
+        weight_map.update({k: fname for k in group})
+        total += os.path.getsize(full)
+    with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    del tensors, model
+    return total
 
 
 def deepspeed_status() -> str:
@@ -173,7 +196,11 @@ def child_main(argv: Sequence[str]) -> int:
     elif method == "memory":
         from safetensors.torch import load_file
 
-        model.load_state_dict(load_file(ckpt), strict=False, assign=True)
+        sd: dict[str, Any] = {}
+        for name in sorted(os.listdir(ckpt)):
+            if name.endswith(".safetensors"):
+                sd.update(load_file(os.path.join(ckpt, name)))
+        model.load_state_dict(sd, strict=False, assign=True)
         model.tie_weights()
     else:
         raise SystemExit(f"unknown method {method!r}")
@@ -191,6 +218,7 @@ def child_main(argv: Sequence[str]) -> int:
     out.update(
         seconds=seconds, new_tokens=int(new), tokens_per_s=new / seconds,
         streamed_bytes=(s.bytes_read - before) if s is not None else None,
+        read_gbps=(s.bytes_read / s.read_seconds / 1e9) if s is not None and s.read_seconds else None,
         peak_rss=_vm("VmHWM"), ids=gen[0].tolist(),
     )
     print("RESULT " + json.dumps(out), flush=True)
@@ -274,6 +302,7 @@ class Run:
     tokens_per_s: Optional[float] = None
     streamed_bytes: Optional[int] = None
     stream_gbps: Optional[float] = None
+    read_gbps: Optional[float] = None  # fastpersist: bytes / time its reading thread spent reading
     setup_s: Optional[float] = None
     peak_rss: Optional[int] = None
     cgroup_peak: Optional[int] = None
@@ -305,6 +334,7 @@ def run_one(method: str, spec: dict[str, Any], limit: Optional[int], timeout: fl
     gbps = r["streamed_bytes"] / r["seconds"] / 1e9 if r.get("streamed_bytes") else None
     return Run(method, limit, True, seconds=r["seconds"], new_tokens=r["new_tokens"],
                tokens_per_s=r["tokens_per_s"], streamed_bytes=r["streamed_bytes"], stream_gbps=gbps,
+               read_gbps=r.get("read_gbps"),
                setup_s=r["setup_s"], peak_rss=r["peak_rss"], cgroup_peak=peak, ids=r["ids"], load=load)
 
 
@@ -368,7 +398,7 @@ class StreamBenchResult:
             "new_tokens": self.new_tokens, "cgroup": self.cgroup, "deepspeed_zero_inference": self.deepspeed,
             "runs": [{k: v for k, v in asdict(r).items() if k != "ids"} for r in self.runs],
             "medians": {f"{m}@{'limit' if lim else 'unlimited'}": {
-                a: self.median(m, lim, a) for a in ("tokens_per_s", "stream_gbps", "peak_rss", "cgroup_peak", "setup_s")
+                a: self.median(m, lim, a) for a in ("tokens_per_s", "stream_gbps", "read_gbps", "peak_rss", "cgroup_peak", "setup_s")
             } for m, lim in self.cases()},
             "fio": self.fio.to_dict() if self.fio is not None else None,
             "ratios": self.ratios(),
@@ -409,7 +439,7 @@ def run_stream_bench(
     result.cgroup = cgroup_status() if limit is not None else "not used"
     probe = None
     try:
-        ckpt = os.path.join(work, "model.safetensors")
+        ckpt = os.path.join(work, "model")
         say(f"writing the checkpoint ({shape.weight_bytes() / 1e9:.2f} GB)")
         result.checkpoint_bytes = write_checkpoint(shape, ckpt)
         spec = {"shape": asdict(shape), "checkpoint": ckpt, "prefetch": prefetch, "prompt": prompt,
@@ -484,6 +514,7 @@ def print_stream_report(result: StreamBenchResult, out: Any = None) -> None:
             " ".join(f"{r.tokens_per_s:.3f}" for r in ok) or "-",
             "-" if gbps is None else f"{gbps:.2f}",
             "-" if gbps is None or not fio_read else f"{gbps / fio_read:.2f}x",
+            "-" if result.median(m, l, "read_gbps") is None else f"{result.median(m, l, 'read_gbps'):.2f}",
             _gb(result.median(m, l, "peak_rss")),
             _gb(result.median(m, l, "cgroup_peak")),
             "-" if result.median(m, l, "setup_s") is None else f"{result.median(m, l, 'setup_s'):.1f}",
@@ -491,7 +522,7 @@ def print_stream_report(result: StreamBenchResult, out: Any = None) -> None:
                 (r.error or "")[:80] for r in runs if not r.ok) + ")"),
         ])
     render_table("Generation with weights larger than memory",
-                 ["method", "tok/s", "runs", "stream GB/s", "vs fio read", "peak RSS GB", "cgroup peak GB",
+                 ["method", "tok/s", "runs", "stream GB/s", "vs fio read", "read GB/s", "peak RSS GB", "cgroup peak GB",
                   "setup s", "ok"], rows, out)
     if result.fio is not None:
         f = result.fio
