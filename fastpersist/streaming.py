@@ -506,15 +506,15 @@ def _setup(model: nn.Module, ckpt: _Checkpoint, block_modules: list[nn.Module], 
             if outside:
                 problems.append(f"{names[0]}: streamed with block {b.index} but also used outside it as {outside}")
                 continue
-            off = -(-b.nbytes // _ALIGN) * _ALIGN
-            b.tensors.append(_Slot([(m, a, p) for _, m, a, p in where], names[0], f, info, off,
+            b.tensors.append(_Slot([(m, a, p) for _, m, a, p in where], names[0], f, info, -1,
                                    [m._parameters[a] if p else m._buffers[a] for _, m, a, p in where]))
-            b.nbytes = off + info.nbytes
         else:
             resident.append((t, where, f, info))
     if problems:
         raise StreamingError(f"{ckpt.path} does not fit {type(model).__name__} (nothing was read):\n\t"
                              + "\n\t".join(problems[:20]) + (f"\n\t... and {len(problems) - 20} more" if len(problems) > 20 else ""))
+    for b in blocks:
+        _layout(b)
     _load_resident(resident, dev, handle)
     # buffers not in the checkpoint (already real) follow the model to its device
     for tid, (t, where) in places.items():
@@ -542,6 +542,35 @@ def _setup(model: nn.Module, ckpt: _Checkpoint, block_modules: list[nn.Module], 
     setattr(model, _ATTR, streamer)
     log.debug("%r", streamer)
     return model
+
+
+def _layout(b: _Block) -> None:
+    """Slot offsets of a block's tensors. Per file: where the block's tensors lie densely in
+    the file and 64-byte aligned, the slot mirrors the file's layout modulo 4096, so the
+    read of the whole run is one contiguous mapping and its aligned middle lands by
+    O_DIRECT straight in the slot (zero-copy); otherwise each tensor at a 4096-aligned
+    offset (the engine bounces what is misaligned through its own buffers)."""
+    pos = 0
+    by_file: dict[int, list[_Slot]] = {}
+    for t in b.tensors:
+        by_file.setdefault(id(t.file), []).append(t)
+    for ts in by_file.values():
+        ts.sort(key=lambda t: t.info.file_offset)
+        start = ts[0].info.file_offset // _ALIGN * _ALIGN
+        end = max(t.info.file_offset + t.info.nbytes for t in ts)
+        dense = sum(t.info.nbytes for t in ts)
+        overlap = any(y.info.file_offset < x.info.file_offset + x.info.nbytes for x, y in zip(ts, ts[1:]))
+        base = -(-pos // _ALIGN) * _ALIGN
+        if (not overlap and all(t.info.file_offset % 64 == 0 for t in ts if t.info.nbytes)
+                and end - start <= dense + dense // 8 + 2 * _ALIGN):
+            for t in ts:
+                t.offset = base + t.info.file_offset - start
+            pos = base + end - start
+        else:
+            for t in ts:
+                t.offset = -(-pos // _ALIGN) * _ALIGN
+                pos = t.offset + t.info.nbytes
+    b.nbytes = pos
 
 
 def _load_resident(resident: list[tuple[Any, list[tuple[str, nn.Module, str, bool]], CheckpointFile, TensorInfo]],
