@@ -5,7 +5,7 @@ download) and written once as one ``.safetensors`` file (fastpersist's writer, w
 CRC-32s). Then, each in a fresh process, interleaved round by round:
 
 * ``fastpersist``: :func:`fastpersist.stream_weights` (blocks streamed with ``O_DIRECT``
-  through a pinned ring, ``prefetch`` blocks ahead), then ``generate``;
+  through a pinned ring, ``--prefetch`` blocks ahead, default 1), then ``generate``;
 * ``accelerate``: Accelerate's big-model inference with disk offload
   (``load_checkpoint_and_dispatch`` with the blocks mapped to ``"disk"`` and an
   ``offload_folder``; the offloaded weights are read through memory maps);
@@ -414,7 +414,7 @@ def run_stream_bench(
     limit: Optional[int] = 1 << 30,
     unlimited: bool = True,
     methods: Sequence[str] = METHODS,
-    prefetch: int = 2,
+    prefetch: int = 1,
     prompt: int = 8,
     new_tokens: int = 4,
     repeat: int = 1,
@@ -586,7 +586,9 @@ def add_cli(bsub: Any, debug: Any, add_outputs: Any, size: Any, positive: Any) -
     p.add_argument("--no-limit", action="store_true", help="run without a memory limit only")
     p.add_argument("--no-unlimited", action="store_true", help="run under the limit only")
     p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-    p.add_argument("--prefetch", type=positive, default=2)
+    p.add_argument("--prefetch", type=positive, default=1,
+                   help="fastpersist's prefetch (default: 1; under 1 GiB, 3 slots of 113 MB beside ~320 MB of "
+                   "interpreter and libraries would leave the process at its limit)")
     p.add_argument("--prompt", type=positive, default=8, help="prompt tokens (default: 8)")
     p.add_argument("--new-tokens", type=positive, default=4, help="tokens to generate (default: 4)")
     p.add_argument("--repeat", type=positive, default=1, help="rounds (default: 1)")
