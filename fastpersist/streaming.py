@@ -307,7 +307,7 @@ class Streamer:
         if not self._cuda:
             return None
         assert self._side is not None
-        with torch.cuda.stream(self._side):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side):  # this thread's device may differ
             if released is not None:
                 self._side.wait_event(released)  # the compute stream is done with the old contents
             self._dev[slot][: b.nbytes].copy_(host[: b.nbytes], non_blocking=True)
