@@ -187,10 +187,31 @@ def test_truncated_torch_zip_raises(tmp_path) -> None:
     ref = _reference("llama")
     path = _write(ref, "torch", str(tmp_path))
     os.truncate(path, os.path.getsize(path) // 2)
-    with pytest.raises((CheckpointFormatError, StreamingError, OSError)):
-        model = fastpersist.stream_weights(_empty("llama"), path)
-        with torch.no_grad():
-            model(IDS)
+    with pytest.raises(CheckpointFormatError, match="model.pt"):
+        fastpersist.stream_weights(_empty("llama"), path)
+
+
+@pytest.mark.parametrize("kind", ["torch", "sharded"])
+def test_file_shrinking_after_setup_fails_the_block_read(tmp_path, kind: str) -> None:
+    """A checkpoint cut short while the model runs: the block whose bytes are gone raises
+    StreamingError (cause: CheckpointFormatError) from its pre-hook; nothing computed from it."""
+    ref = _reference("llama")
+    path = _write(ref, kind, str(tmp_path))
+    model = fastpersist.stream_weights(_empty("llama"), path, prefetch=1)
+    name = "model.layers.3.self_attn.q_proj.weight"
+    if kind == "sharded":
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            target = os.path.join(path, json.load(f)["weight_map"][name])
+    else:
+        target = path
+    off, _ = _record_bytes(target, name)
+    os.truncate(target, off + 10)
+    ran = []
+    model.model.layers[3].register_forward_hook(lambda *a: ran.append(3))
+    with pytest.raises(StreamingError, match="block 3") as ei, torch.no_grad():
+        model(IDS)
+    assert isinstance(ei.value.__cause__, CheckpointFormatError)
+    assert ran == []
 
 
 def test_missing_shard_and_missing_tensor(tmp_path, models: dict) -> None:
