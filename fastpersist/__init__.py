@@ -13,6 +13,7 @@ Public API::
     fastpersist.io                       # low-level I/O handle, pinned tensors, byte views
     fastpersist.load_state_dict(model, path)  # read a checkpoint straight into a model's/optimizer's tensors
     fastpersist.open(path)               # lazy reader: keys()/info() from the index, get()/get_many() read only those
+    fastpersist.stream_weights(model, path)   # run a model larger than memory: blocks' weights streamed from disk
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from fastpersist.config import Config  # noqa: E402
 from fastpersist.patch import patch_torch_save, unpatch_torch_save  # noqa: E402
 from fastpersist.lazy import CheckpointReader, open  # noqa: E402,A004
 from fastpersist.loadinto import PartialLoadError, StateDictMismatchError, load_state_dict  # noqa: E402
+from fastpersist.streaming import StreamingError, stream_weights  # noqa: E402
 
 __all__ = [
     "CheckpointReader",
     "Config",
     "PartialLoadError",
     "StateDictMismatchError",
+    "StreamingError",
     "load_state_dict",
     "open",
     "SaveFuture",
@@ -44,6 +47,7 @@ __all__ = [
     "save",
     "save_file",
     "save_async",
+    "stream_weights",
     "unpatch_torch_save",
     "verify",
     "wait_all",

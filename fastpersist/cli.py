@@ -246,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_outputs(p, plot="write a bar chart (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the files of the last round")
     p.set_defaults(func=cmd_bench_dist)
+
+    from fastpersist.bench import stream_bench  # -- bench stream (fastpersist.bench.stream_bench) --
+
+    stream_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
     return parser
 
 
