@@ -312,8 +312,12 @@ def _save_with_torch(obj: Any, final: str, alignment: int, cfg: Any) -> None:
     from fastpersist import _compat
 
     def write(tmp: str) -> None:
-        with _compat.save_storage_alignment(alignment, required=False):
-            torch.serialization.save(obj, tmp)
+        # torch names the archive after a path's file name up to its last dot, and
+        # refuses an empty name ("invalid file name"): a temporary name such as
+        # ".fp-tmp-HASH-..." has none. Given an open file, torch names it "archive",
+        # as for every file object (torch.load reads any name).
+        with open(tmp, "wb") as f, _compat.save_storage_alignment(alignment, required=False):
+            torch.serialization.save(obj, f)
         if cfg.fsync:
             fsync_path(tmp)
 

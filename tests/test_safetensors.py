@@ -133,9 +133,9 @@ def _bad_inputs() -> list[tuple[str, Callable[[], tuple[Any, Any]]]]:
         ("metadata a str", lambda: ({"a": torch.zeros(1)}, "xy")),
         ("meta tensor", lambda: ({"a": torch.zeros(2, device="meta")}, None)),
         ("complex128", lambda: ({"a": torch.zeros(2, dtype=torch.complex128)}, None)),
-        ("0-d float4", lambda: ({"a": torch.empty((), dtype=torch.float4_e2m1fn_x2)}, None)),
         ("non-contiguous and bad metadata", lambda: ({"a": torch.zeros(3, 4).t()}, {"x": 1})),
-    ]
+    ] + ([("0-d float4", lambda: ({"a": torch.empty((), dtype=torch.float4_e2m1fn_x2)}, None))]
+         if hasattr(torch, "float4_e2m1fn_x2") else [])  # torch 2.7 has no float4
 
 
 @pytest.mark.parametrize("label,make", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
