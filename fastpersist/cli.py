@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import stat
 import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -338,9 +339,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from fastpersist.errors import FastPersistError
 
     path = args.path
-    if not os.path.exists(path):
-        raise FileNotFoundError(2, "No such file", path)
-    if os.path.isdir(path):
+    from fastpersist._inputs import check_input
+
+    # the OS's error at once (a link loop: ELOOP; a FIFO: never an open() that blocks)
+    if stat.S_ISDIR(check_input(path, "verify", directory_ok=True).st_mode):
         from fastpersist.formats.dcpverify import looks_like_dcp
 
         if not looks_like_dcp(path):  # a DCP checkpoint directory is verified like a file
