@@ -700,7 +700,11 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
             lo, hi = agreed.bounds(co.rank)
             extents = split.clip(plan.extents, lo, hi)
             tmp = loc.run(lambda: D._create_temp(agreed.final, plan.file_size)) if leader else None
-            created = co.gather("create", (loc.status, tmp))
+            try:
+                created = co.gather("create", (loc.status, tmp))
+            except BaseException:  # a rank died: nobody else knows this leader's file
+                D._remove(tmp)
+                raise
             temps = [created[g[0]][1] for g in agreed.groups]
             tmp = created[agreed.leader][1]
             try:

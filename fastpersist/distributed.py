@@ -12,13 +12,24 @@ status over the group; any error stops every rank at that step):
 1. **Plan and agree.** Each rank plans the file (:mod:`fastpersist.formats`) and
    hashes the plan: sizes, offsets, record names, patches, and every byte that is
    not tensor payload (zip headers, the pickle, the central directory, the
-   safetensors header); see :func:`fastpersist.formats.split.plan_digest`. If the
-   hashes differ, the ranks exchange per-record hashes and every rank raises
-   :class:`DistributedCheckpointError` naming the first record that differs,
-   before any byte is written. (Tensor *values* are not compared: that would cost
-   a full read of the state on every rank.)
-2. **Who shares the target.** Rank 0 creates a probe file with a random name and
-   content next to the target; the other ranks look for it. The ranks that see it
+   safetensors header); see :func:`fastpersist.formats.split.plan_digest`. It also
+   computes the CRC-32 of every tensor's bytes (one read pass over the state, on the
+   native handle's threads: about 0.2 s per GiB on the 2-vCPU reference VM; CUDA
+   storages were already staged to host memory by the planner) and hashes that list.
+   The ranks exchange both hashes and the resolved target path. If the plans differ,
+   the ranks exchange per-record hashes and every rank raises
+   :class:`ReplicasDifferError` naming the first record that differs; if only the
+   tensor values differ, they exchange the per-tensor CRCs and every rank raises
+   :class:`ReplicasDifferError` naming the first tensor that differs (its key path
+   in the object, e.g. ``['model']['w']``): a collective save writes one rank's
+   state or nothing, never a blend. Either way before any byte is written. The
+   agreed CRCs are the records' CRC fields (no partial CRCs to compute in step 4).
+2. **Who shares the target.** Rank 0 creates a probe file named after its process
+   (``.fastpersist-probe-PID-HOST-START-RANDOM``; probes whose creator has exited are
+   removed first, and by every rank when a save fails, see
+   :func:`clean_stale_probes`) with random content next to the target; the other
+   ranks look for it. Ranks that see it must have passed the same path, else every
+   rank raises :class:`DistributedCheckpointError` naming each rank's path. The ranks that see it
    write one file together. The others are grouped by host name; the lowest rank
    of each host creates its own probe and the host's ranks that see it write one
    complete copy together on that filesystem (node-local disks); a rank that sees
@@ -31,9 +42,10 @@ status over the group; any error stops every rank at that step):
 4. **Write and CRCs, overlapped.** Each rank starts the aligned O_DIRECT write of
    its whole slice into the shared temporary file (opened without truncation), the
    CRC fields (data descriptors, central directory entries, safetensors metadata)
-   still holding the plan's placeholders. Meanwhile it computes, from memory, the
-   CRC-32 of the part of every payload record inside its slice. The partial CRCs
-   are exchanged and every rank combines them (zlib's ``crc32_combine``). Once its
+   still holding the plan's placeholders. The records' CRCs are those agreed in
+   step 1 (``save_async(group=)`` computes the partial CRC-32 of every record inside
+   its slice while copying it, and the ranks combine them with zlib's
+   ``crc32_combine``); the ranks exchange their status. Once its
    bulk write is done, each rank writes the page-aligned blocks of its slice that
    hold CRC fields (:func:`~fastpersist.formats.split.patch_blocks`) again, with
    the fields filled, through the page cache.
@@ -52,7 +64,9 @@ status over the group; any error stops every rank at that step):
    stays untouched.
 
 Timeouts: the exchanges run on a gloo group of the same ranks created with
-``Config.dist_timeout`` (``FASTPERSIST_DIST_TIMEOUT``, default 600 s). Before each
+``Config.dist_timeout`` (``FASTPERSIST_DIST_TIMEOUT``, default 600 s); its creation
+(the first collective save or load on a group) is guarded like an exchange, so a
+rank that died before the save or never calls it is named too. Before each
 exchange a rank leaves an arrival mark in the process group's rendezvous store; when
 an exchange fails (a peer's connection closed, or the timeout passed), the rank
 waits for the marks until the timeout and raises :class:`DistributedTimeoutError`
@@ -81,8 +95,10 @@ import logging
 import mmap as _mmap
 import os
 import pickle
+import re
 import secrets
 import socket
+import struct
 import time
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -101,7 +117,7 @@ log = logging.getLogger(__name__)
 #: CRC-field blocks a rank writes through the page cache never share a page with another rank.
 _PAGE = 4096
 
-__all__ = ["DistributedCheckpointError", "DistributedTimeoutError", "save", "load"]
+__all__ = ["DistributedCheckpointError", "DistributedTimeoutError", "ReplicasDifferError", "save", "load"]
 
 _PROBE_PREFIX = ".fastpersist-probe-"
 _HASH_SPAN = 64 << 10
@@ -117,6 +133,18 @@ class DistributedCheckpointError(FastPersistError, RuntimeError):
     def __init__(self, message: str, failures: Optional[dict[int, str]] = None) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+class ReplicasDifferError(DistributedCheckpointError):
+    """The ranks of a collective save do not hold the same state (layout, Python values or
+    tensor values); raised on every rank before anything is written under the final name.
+    ``difference`` names the first difference in words (the tensor's key path in the
+    state, or the file record, and the ranks). A framework adapter catching it lets its
+    designated rank write its own state alone (``integrations/_replicated.py``)."""
+
+    def __init__(self, message: str, difference: str = "") -> None:
+        super().__init__(message)
+        self.difference = difference
 
 
 class DistributedTimeoutError(DistributedCheckpointError, TimeoutError):
@@ -220,7 +248,6 @@ class _Coordinator:
         self.global_ranks = list(dist.get_process_group_ranks(group))
         world = dist.group.WORLD
         gkey = (id(world), tuple(self.global_ranks))
-        self.side = self._side(world, gkey)
         self.gkey = gkey
         self._ns = self._namespace()
         count = _op_counters.get(gkey + (self._ns,), 0) + 1
@@ -234,6 +261,14 @@ class _Coordinator:
         self._first = True
         self._who: dict[int, Optional[str]] = {}
         self._announce(world)
+        # Creating the side group (first operation on this group and timeout) waits for every
+        # rank in the store: a rank that died or never calls must be named, not surface as
+        # torch's raw DistStoreError.
+        t0 = self.mark("join")
+        try:
+            self.side = self._side(world, gkey)
+        except Exception as exc:  # noqa: BLE001
+            raise self._lost("join", exc, t0) from exc
 
     def _namespace(self) -> str:
         return ""
@@ -478,8 +513,58 @@ class _Local:
 # --------------------------------------------------------------------------- shared filesystem detection
 
 
+#: ``.fastpersist-probe-PID-HOST-START-RANDOM`` (the creator's identity, as in ``commit.temp_path_for``)
+#: and ``.fastpersist-probe-RANDOM`` (earlier releases)
+_PROBE_RE = re.compile(
+    r"\.fastpersist-probe-(?:(?P<pid>[0-9]{1,10})-(?P<host>[0-9a-f]{10})-(?P<start>[0-9a-f]{1,16})-)?[0-9a-f]{16}")
+
+
+def clean_stale_probes(directory: str, *, grace: Optional[float] = None) -> list[str]:
+    """Remove probe files (see :func:`_make_probe`) left in ``directory`` by collective saves
+    that can no longer finish: their creator has exited (same host and pid namespace,
+    checked by pid and start time as for temporary files, ``commit._classify``), or, when
+    that cannot be told (another machine, an earlier release), the probe has not been
+    modified for ``grace`` seconds (default ``commit.FOREIGN_TMP_GRACE_S``). A probe of a
+    live save is never removed. Never raises; returns the paths removed."""
+    from fastpersist.commit import FOREIGN_TMP_GRACE_S, _classify
+
+    grace = FOREIGN_TMP_GRACE_S if grace is None else grace
+    removed: list[str] = []
+    now = time.time()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError as e:
+        log.debug("cannot scan %s for leftover probe files: %s", directory, e)
+        return removed
+    for entry in entries:
+        m = _PROBE_RE.fullmatch(entry.name)
+        if m is None:
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            st = entry.stat(follow_symlinks=False)
+            pid = int(m["pid"]) if m["pid"] else 0
+            _state, removable, reason = _classify(pid, m["host"], m["start"], st, now, grace)
+            if not removable:
+                continue
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        except Exception as e:  # noqa: BLE001 - cleanup must never fail a save
+            log.debug("cannot remove leftover probe file %s: %s", entry.path, e)
+            continue
+        log.debug("removed leftover probe file %s: %s", entry.path, reason)
+        removed.append(entry.path)
+    return removed
+
+
 def _make_probe(directory: str) -> tuple[str, str]:
-    name = f"{_PROBE_PREFIX}{secrets.token_hex(8)}"
+    from fastpersist.commit import _identity
+
+    clean_stale_probes(directory)
+    host, start = _identity()
+    name = f"{_PROBE_PREFIX}{os.getpid()}-{host}-{start}-{secrets.token_hex(8)}"
     token = secrets.token_hex(16)
     path = os.path.join(directory, name)
     fd = _sys.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -534,15 +619,17 @@ def _write_groups(co: _Coordinator, directory: Optional[str], hosts: list[str], 
     probe = None
     if co.rank in rest and leaders[hosts[co.rank]] == co.rank and directory is not None:
         probe = loc.run(lambda: _make_probe(directory))
-    probes = co.gather("probe-node", (loc.status, probe))
-    co.check("probe-node", [v[0] for v in probes], local=loc.exc)
-    mine = False
-    if co.rank in rest and directory is not None:
-        lead = leaders[hosts[co.rank]]
-        mine = lead == co.rank or _probe_visible(directory, probes[lead][1])
-    seen2 = co.gather("probe-node-seen", mine)
-    if probe is not None and directory is not None:
-        _remove(os.path.join(directory, probe[0]))
+    try:
+        probes = co.gather("probe-node", (loc.status, probe))
+        co.check("probe-node", [v[0] for v in probes], local=loc.exc)
+        mine = False
+        if co.rank in rest and directory is not None:
+            lead = leaders[hosts[co.rank]]
+            mine = lead == co.rank or _probe_visible(directory, probes[lead][1])
+        seen2 = co.gather("probe-node-seen", mine)
+    finally:  # also when a rank died meanwhile: no probe outlives the save
+        if probe is not None and directory is not None:
+            _remove(os.path.join(directory, probe[0]))
     groups = [shared] if shared else []
     by_leader: dict[int, list[int]] = {}
     for r in rest:
@@ -631,6 +718,8 @@ class _Agreed:
         self.fallback = fallback
         #: every rank's host name (``socket.gethostname()``)
         self.hosts = hosts or []
+        #: every CRC slot's CRC-32, from the value check every rank agreed on (None: not computed)
+        self.slot_crcs: Optional[list[int]] = None
 
     def leader_fsync_covers(self, rank: int) -> bool:
         """Whether the group leader's fsync of the file after the write exchange makes
@@ -647,8 +736,9 @@ class _Agreed:
 
 
 def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str], loc: "_Local") -> _Agreed:
-    """Steps 1 and 2 of the module docstring: plan, agree on the plan, find who shares the target.
-    Raises on every rank (nothing written) when a rank failed or the plans differ.
+    """Steps 1 and 2 of the module docstring: plan, agree on the target, the plan and the
+    tensor values, find who shares the target. Raises on every rank (nothing written)
+    when a rank failed, the targets differ or the states differ.
     ``loc`` may already hold an error of the caller's (reported at the plan step)."""
     from fastpersist import api
     from fastpersist.commit import resolve_target
@@ -659,39 +749,51 @@ def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str
     planned = loc.run(lambda: _plan(obj, final, fmt, cfg)) if fmt else None
     layout, align = planned if planned else (None, 0)
     digest = loc.run(lambda: split.plan_digest(layout)) if layout is not None else None
+    values = loc.run(lambda: _value_crcs(layout, cfg)) if layout is not None else None
+    vdigest = _values_digest(values) if values is not None else None
     probe0 = loc.run(lambda: _make_probe(directory)) if co.rank == 0 and directory else None
-    info = co.gather("plan", (loc.status, planned is not None and layout is None, digest, align, socket.gethostname(),
-                              probe0))
     try:
+        info = co.gather("plan", (loc.status, planned is not None and layout is None, digest, align,
+                                  socket.gethostname(), probe0, final, vdigest))
         co.check("plan", [v[0] for v in info], local=loc.exc, after="Nothing was written")
-    except DistributedCheckpointError:
-        if probe0 is not None and directory:
-            _remove(os.path.join(directory, probe0[0]))
+        probe0 = info[0][5]
+        fallback = [v[1] for v in info]
+        if any(fallback) and not all(fallback):
+            bad = [co.name(r) for r, f in enumerate(fallback) if f]
+            why = (f"{', '.join(bad)} cannot lay the object out for a split write (torch's writer needed) "
+                   "and the others can")
+            digests_differ = True
+        else:
+            why = ""
+            digests_differ = len({v[2] for v in info}) > 1 or len({v[3] for v in info}) > 1
+        if digests_differ:
+            records = co.gather("plan-records", split.plan_records(layout) if layout is not None else [])
+            aligns = {v[3] for v in info}
+            if not why and len(aligns) > 1:
+                why = "the O_DIRECT alignments of the target differ: " + ", ".join(
+                    f"{co.name(r)}: {v[3]}" for r, v in enumerate(info))
+            if not why:
+                why = split.first_difference(records) or "the plans' digests differ"
+            raise ReplicasDifferError(
+                f"{co.what}: the ranks do not hold the same state, nothing was written: {why}. A replicated save "
+                "needs every rank to pass the same object (same keys, shapes, dtypes and Python values)", why)
+        if len({v[7] for v in info}) > 1:
+            every = co.gather("values", values)
+            why = _first_value_difference(co, obj, layout, every)
+            raise ReplicasDifferError(
+                f"{co.what}: the ranks hold the same layout but different tensor values, nothing was written: "
+                f"{why}. A replicated save writes one state; make the replicas equal (e.g. broadcast from rank 0) "
+                "or save from one rank without group=", why)
+
+        groups = _write_groups(co, directory, [v[4] for v in info], probe0, loc)
+        _check_targets(co, [v[6] for v in info], groups)
+    except BaseException:
+        if directory:  # the probe of a rank that died creating it (the others' are theirs to remove)
+            clean_stale_probes(directory)
         raise
-    probe0 = info[0][5]
-    fallback = [v[1] for v in info]
-    if any(fallback) and not all(fallback):
-        bad = [co.name(r) for r, f in enumerate(fallback) if f]
-        why = f"{', '.join(bad)} cannot lay the object out for a split write (torch's writer needed) and the others can"
-        digests_differ = True
-    else:
-        why = ""
-        digests_differ = len({v[2] for v in info}) > 1 or len({v[3] for v in info}) > 1
-    if digests_differ:
-        records = co.gather("plan-records", split.plan_records(layout) if layout is not None else [])
+    finally:
         if co.rank == 0 and probe0 is not None and directory:
             _remove(os.path.join(directory, probe0[0]))
-        aligns = {v[3] for v in info}
-        if not why and len(aligns) > 1:
-            why = "the O_DIRECT alignments of the target differ: " + ", ".join(
-                f"{co.name(r)}: {v[3]}" for r, v in enumerate(info))
-        if not why:
-            why = split.first_difference(records) or "the plans' digests differ"
-        raise DistributedCheckpointError(
-            f"{co.what}: the ranks do not hold the same state, nothing was written: {why}. A replicated save needs "
-            "every rank to pass the same object (same keys, shapes, dtypes and Python values)")
-
-    groups = _write_groups(co, directory, [v[4] for v in info], probe0, loc)
     mygroup = next(g for g in groups if co.rank in g)
     if co.rank == 0:
         if len(groups) == 1:
@@ -701,7 +803,120 @@ def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str
             log.info("%s: the ranks do not share the target directory; one complete copy per group: %s",
                      co.what, groups)
     assert final is not None and directory is not None and fmt is not None
-    return _Agreed(final, directory, fmt, layout, align, groups, mygroup, all(fallback), [v[4] for v in info])
+    agreed = _Agreed(final, directory, fmt, layout, align, groups, mygroup, all(fallback), [v[4] for v in info])
+    if layout is not None and values is not None:
+        agreed.slot_crcs = _slot_crcs(layout, values)
+    return agreed
+
+
+def _check_targets(co: _Coordinator, finals: list[Optional[str]], groups: list[list[int]]) -> None:
+    """The ranks that write one file together (they see one directory: :func:`_write_groups`)
+    must have passed the same path: raise on every rank, naming each rank's path, if not.
+    Ranks that do not see each other's directory (node-local disks) each write a complete
+    copy to the path they passed."""
+    bad = [g for g in groups if len({finals[r] for r in g}) > 1]
+    if not bad:
+        return
+    paths = "; ".join(f"{co.name(r)}: {finals[r]!r}" for g in bad for r in g)
+    raise DistributedCheckpointError(
+        f"{co.what}: ranks that share the target directory passed different paths, nothing was written ({paths}). "
+        "A collective save writes one file that every rank passes; save without group= to write one file per rank",
+        {r: f"path {finals[r]!r}" for g in bad for r in g if finals[r] != finals[g[0]]})
+
+
+def _payload_ranges(layout: split.Layout) -> list[tuple[int, int, int]]:
+    """``(index, ptr, length)`` of every payload extent (tensor bytes) of the plan with bytes."""
+    return [(i, e[1], e[2]) for i, e in enumerate(layout.plan.extents) if layout.is_payload(i, e) and e[2] > 0]
+
+
+def _value_crcs(layout: split.Layout, cfg: Any) -> list[int]:
+    """CRC-32 of every payload extent (:func:`_payload_ranges` order): one read pass over the
+    tensor bytes this rank would write, on the native handle's threads. The plan holds host
+    addresses only (CUDA storages were staged to host memory when it was planned: ``_plan`` calls
+    ``plan_torch`` without device sources), so the CRC covers exactly the bytes any rank
+    would write and costs no device-to-host copy of its own."""
+    from fastpersist import api
+
+    ranges = [(ptr, n) for _i, ptr, n in _payload_ranges(layout)]
+    if not ranges:
+        return []
+    return list(api._handle(cfg).crc32_ranges(ranges))
+
+
+def _values_digest(crcs: Sequence[int]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack(f"<{len(crcs)}I", *crcs))
+    return h.hexdigest()
+
+
+def _slot_crcs(layout: split.Layout, values: Sequence[int]) -> list[int]:
+    """Every CRC slot's CRC-32, folded from the per-extent CRCs of :func:`_value_crcs` (the
+    same bytes the slices' partial CRCs cover: the ranks agreed on them)."""
+    from fastpersist import _native
+
+    plan = layout.plan
+    per = {i: c for (i, _p, _n), c in zip(_payload_ranges(layout), values)}
+    crcs: list[Optional[int]] = [None] * plan.nslots
+    for i, (_off, ptr, n, slot) in enumerate(plan.extents):
+        if slot < 0 or n == 0:
+            continue
+        c = per[i] if i in per else _native.crc32(ptr, n)
+        crcs[slot] = c if crcs[slot] is None else _native.crc32_combine(crcs[slot], c, n)
+    return [0 if c is None else c for c in crcs]
+
+
+def _tensor_paths(obj: Any, limit: int = 100000) -> list[tuple[str, int, int]]:
+    """``(key path, storage host address, storage bytes)`` of the CPU tensors in ``obj``
+    (dicts, lists, tuples, objects' ``__dict__``), in walk order."""
+    out: list[tuple[str, int, int]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack and len(out) < limit:
+        where, o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            try:
+                st = o.untyped_storage()
+                if st.device.type == "cpu":
+                    out.append((where or "<the object>", st.data_ptr(), st.nbytes()))
+            except Exception:  # noqa: BLE001 - a tensor subclass without storage: no name
+                pass
+            continue
+        if isinstance(o, dict):
+            items = [(f"{where}[{k!r}]", v) for k, v in o.items()]
+        elif isinstance(o, (list, tuple)):
+            items = [(f"{where}[{k}]", v) for k, v in enumerate(o)]
+        elif hasattr(o, "__dict__") and not isinstance(o, type):
+            items = [(f"{where}.{k}", v) for k, v in vars(o).items()]
+        else:
+            continue
+        stack.extend(reversed(items))
+    return out
+
+
+def _first_value_difference(co: _Coordinator, obj: Any, layout: split.Layout, every: list[Any]) -> str:
+    """Name the first payload extent (file order) whose CRC differs between ranks: the
+    tensor's key path in ``obj`` when it can be told, else the file record."""
+    ranges = _payload_ranges(layout)
+    plan = layout.plan
+    for k, (i, ptr, n) in enumerate(ranges):
+        got = [v[k] if v is not None and k < len(v) else None for v in every]
+        if all(g == got[0] for g in got):
+            continue
+        off, _p, _n, slot = plan.extents[i]
+        record = plan.slot_names[slot] if 0 <= slot < len(plan.slot_names) else f"bytes at offset {off}"
+        ranks = {}
+        for r, g in enumerate(got):
+            ranks.setdefault(g, []).append(co.name(r))
+        groups = " / ".join(", ".join(v) for v in ranks.values())
+        names = [p for p, sptr, sn in _tensor_paths(obj) if sptr <= ptr < sptr + max(sn, 1)]
+        tensor = f"tensor {names[0]}" + (f" (and {len(names) - 1} view(s) of its storage)" if len(names) > 1 else "")
+        if not names:
+            tensor = "a tensor"
+        return f"{tensor} (file record {record!r}, {n} bytes) differs between {groups}"
+    return "the tensor values' digests differ"
 
 
 def _create_temp(final: str, size: int) -> str:
@@ -770,10 +985,13 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         body = [(off, ptr, n, -1) for off, ptr, n, _slot in extents]
         if body:
             bulk = loc.run(lambda: handle.write_async(tmp, body, [], 0, truncate=False, fsync=False))
-        partial = loc.run(lambda: split.partial_crcs(None, extents))
+        # The value check of the plan step computed every record's CRC on every rank and the
+        # ranks agreed on them: no partial CRCs to compute here.
+        known = agreed.slot_crcs
+        partial = loc.run(lambda: split.partial_crcs(None, extents)) if known is None else None
         crcinfo = co.gather("crc", (loc.status, partial))
         co.check("crc", [v[0] for v in crcinfo], local=loc.exc, after="Nothing was written under the final name")
-        crcs = split.combine_crcs([crcinfo[r][1] for r in mygroup], plan.nslots)
+        crcs = known if known is not None else split.combine_crcs([crcinfo[r][1] for r in mygroup], plan.nslots)
 
         # One fsync per host, not per rank: the leader fsyncs the file after every rank wrote
         # (_commit), which covers the ranks of its own host.
@@ -808,6 +1026,8 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
                 pass
         for t in temps:
             _remove(t)
+        if leader and not temps:  # the exchange of the names failed (a rank died): this leader's own file
+            _remove(tmp)
         raise
 
 

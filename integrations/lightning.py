@@ -280,17 +280,30 @@ def _define(package: str) -> types.SimpleNamespace:
         """DDP whose checkpoints every rank writes together through fastpersist.
 
         ``save_checkpoint`` is called by Lightning on every rank; with more than one
-        rank and a fastpersist that has collective saves, all ranks call
-        ``fastpersist.save(checkpoint, path, group=WORLD)``: one ordinary torch file,
-        each rank writing a block-aligned slice (byte-identical to a one-rank save).
-        Otherwise (one rank, no collective saves, or a CheckpointIO that is not
-        :class:`FastPersistCheckpointIO`) rank 0 saves through the CheckpointIO, as
-        stock DDP does. The ranks first compare digests of their checkpoints
-        (pickle and CRC-32 of every tensor, ``integrations/_replicated.py``); if they
-        differ (for example a ``ModelCheckpoint`` monitoring a metric logged without
-        ``sync_dist``), rank 0 writes its own checkpoint alone with
-        :func:`fastpersist.save`, as stock DDP would.
+        rank and a fastpersist that has collective saves, all ranks write one ordinary
+        torch file together, each rank a block-aligned slice (byte-identical to rank
+        0's one-rank save), in the background when the CheckpointIO saves
+        asynchronously (``fastpersist.save_async(..., group=WORLD)``; the default),
+        else blocking. Otherwise (one rank, no collective saves, or a CheckpointIO that
+        is not :class:`FastPersistCheckpointIO`) rank 0 saves through the
+        CheckpointIO, as stock DDP does.
+
+        The checkpoint's small parts (everything but ``state_dict`` and
+        ``optimizer_states``: callback, loop and scheduler states, hyper-parameters)
+        may differ between ranks, e.g. a ``ModelCheckpoint`` monitoring a metric
+        logged without ``sync_dist``. The ranks compare a digest of them; when they
+        differ, every rank takes rank 0's (broadcast; rank 0 takes the same unpickled
+        copy) and the file holds rank 0's checkpoint (equal values on load; the pickle's
+        memo may share fewer objects than rank 0's own save would), still written by
+        all ranks. If the bulk tensors differ too (the
+        collective save compares every tensor's CRC and raises
+        :class:`~fastpersist.distributed.ReplicasDifferError`), rank 0 writes its own
+        checkpoint alone through the CheckpointIO (in the background when it saves
+        asynchronously) and a warning names the difference.
         """
+
+        #: top-level checkpoint keys holding the replicated bulk tensors (never broadcast)
+        _BULK_KEYS = ("state_dict", "optimizer_states")
 
         def __init__(self, *args: Any, checkpoint_io: Any = None, **kwargs: Any) -> None:
             super().__init__(*args, checkpoint_io=checkpoint_io or FastPersistCheckpointIO(), **kwargs)
@@ -306,14 +319,65 @@ def _define(package: str) -> types.SimpleNamespace:
             group = _group() if HAS_GROUP_SAVE else None
             if io is None or group is None or storage_options is not None or not _is_local(filepath):
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            io.finalize()
             target = _local_path(filepath)
             os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-            split = save_replicated(checkpoint, target, group=group, writer=self.is_global_zero, config=io.config)
-            if split:
+            from fastpersist.distributed import ReplicasDifferError
+
+            # (an earlier background save's uncollected error fails this save on every rank, at its
+            # plan step: fastpersist.distributed)
+            try:
+                agreed = self._rank0_small_parts(checkpoint, group)
+                if io.async_save:
+                    future = fastpersist.save_async(agreed, target, mode=io.mode, config=io.config, group=group)
+                    with io._lock:
+                        io._pending.append(future)
+                    io.counts["save_group_async"] = io.counts.get("save_group_async", 0) + 1
+                else:
+                    fastpersist.save(agreed, target, config=io.config, group=group)
                 io.counts["save_group"] += 1
-            elif self.is_global_zero:
-                io.counts["save"] += 1
+                return
+            except ReplicasDifferError as e:
+                why = e.difference or str(e)
+            if self.is_global_zero:
+                import warnings
+
+                warnings.warn(
+                    f"ddp_fastpersist: the ranks' checkpoints for {target} differ beyond their small parts ({why}); "
+                    "rank 0 writes its own checkpoint alone (not split across ranks). Make the replicas equal "
+                    "(e.g. DDP's broadcast_buffers) to get split saves", RuntimeWarning, stacklevel=2)
+                io.save_checkpoint(checkpoint, target)
+
+        def _rank0_small_parts(self, checkpoint: dict[str, Any], group: Any) -> dict[str, Any]:
+            """``checkpoint`` with its small parts (every top-level key but :attr:`_BULK_KEYS`)
+            replaced by rank 0's when they differ between ranks, in rank 0's key order; the
+            same object when they do not (then every rank writes its own, equal, replica)."""
+            import hashlib
+            import pickle
+
+            import torch.distributed as dist
+
+            small = {k: v for k, v in checkpoint.items() if k not in self._BULK_KEYS}
+            from fastpersist.distributed import ReplicasDifferError
+
+            try:
+                digest = hashlib.blake2b(pickle.dumps((list(checkpoint), small), protocol=4),
+                                         digest_size=16).hexdigest()
+            except Exception as e:  # noqa: BLE001 - cannot be compared nor broadcast
+                digest = f"unpicklable ({type(e).__name__}: {e})"
+            digests: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(digests, digest, group=group)
+            bad = [d for d in digests if d.startswith("unpicklable")]
+            if bad:  # every rank sees it: every rank takes the fallback
+                raise ReplicasDifferError("the checkpoint's small parts do not pickle", f"small parts {bad[0]}")
+            if all(d == digests[0] for d in digests):
+                return checkpoint
+            box = [(list(checkpoint), small)]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            if dist.get_rank(group) == 0:  # the same unpickled copies as the others hold: the pickle's memo
+                box = pickle.loads(pickle.dumps(box, protocol=pickle.DEFAULT_PROTOCOL))  # (shared objects) agrees
+            order, theirs = box[0]
+            log.debug("ddp_fastpersist: the checkpoint's small parts differ between ranks; rank 0's are saved")
+            return {k: (theirs[k] if k in theirs else checkpoint[k]) for k in order if k in theirs or k in checkpoint}
 
         def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
             io = self._fastpersist_io()

@@ -127,6 +127,50 @@ def sc_disagree_value(rank: int, world: int, d: str) -> Any:
     fastpersist.save(obj, os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
 
 
+def sc_different_paths(rank: int, world: int, d: str) -> Any:
+    """Issue 24 case 1: rank 0 saves ckpt.pt, the others other.pt, in one directory."""
+    name = "ckpt.pt" if rank == 0 else "other.pt"
+    fastpersist.save(state(), os.path.join(d, name), group=torch.distributed.group.WORLD, config=cfg())
+
+
+def sc_different_paths_async(rank: int, world: int, d: str) -> Any:
+    name = "ckpt_async.pt" if rank == 0 else "other_async.pt"
+    fastpersist.save_async(state(), os.path.join(d, name), group=torch.distributed.group.WORLD, config=cfg()).wait()
+
+
+def sc_different_paths_load(rank: int, world: int, d: str) -> Any:
+    """Slices of different files are never assembled (each rank reading its own whole file,
+    ``dist_load="whole"``, is node-local loading and allowed)."""
+    name = "ref.pt" if rank == 0 else "ref.safetensors"
+    fastpersist.load(os.path.join(d, name), group=torch.distributed.group.WORLD,
+                     config=cfg().replace(dist_load="slices"), weights_only=True)
+
+
+def differing(rank: int) -> dict:
+    """Same layout on every rank, one tensor's values differ on rank 1 (issue 24 case 2)."""
+    obj = state()
+    if rank == 1:
+        obj["model"]["b"][500:] = 4.0
+    return obj
+
+
+def sc_different_values(rank: int, world: int, d: str) -> Any:
+    fastpersist.save(differing(rank), os.path.join(d, "group2.pt"), group=torch.distributed.group.WORLD,
+                     config=cfg())
+
+
+def sc_different_values_async(rank: int, world: int, d: str) -> Any:
+    fastpersist.save_async(differing(rank), os.path.join(d, "group2.pt"), group=torch.distributed.group.WORLD,
+                           config=cfg()).wait()
+
+
+def sc_different_values_safetensors(rank: int, world: int, d: str) -> Any:
+    obj = tensors()
+    if rank == 1:
+        obj["t3"][1:2] = 4.0
+    fastpersist.save(obj, os.path.join(d, "group2.safetensors"), group=torch.distributed.group.WORLD, config=cfg())
+
+
 def sc_fault(rank: int, world: int, d: str) -> Any:
     from fastpersist import _native
 
@@ -436,7 +480,8 @@ def reference(d: str) -> None:
     fastpersist.save(tensors(), os.path.join(d, "ref.safetensors"), config=cfg())
 
 
-FULL = ["identical", "load", "disagree_shape", "disagree_value", "fault", "fault_after_write", "fault_leader_fsync",
+FULL = ["identical", "load", "disagree_shape", "disagree_value", "different_paths", "different_paths_async",
+        "different_paths_load", "different_values", "different_values_async", "different_values_safetensors", "fault", "fault_after_write", "fault_leader_fsync",
         "fault_dir_fsync", "plan_error", "async_then_blocking", "uncollected_async_error", "after_failures"]
 
 
@@ -501,10 +546,48 @@ def test_disagreeing_ranks_are_refused_on_every_rank(world2: tuple, name: str, r
     d, results = world2
     for rank in range(2):
         got = outcome(results, name, rank)
-        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert got[0] == "error" and got[1] == "ReplicasDifferError", got
         assert "do not hold the same state" in got[2] and record in got[2], got[2]
     # refused before anything was written: the reference is untouched
     assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, "group2.pt"), shallow=False)
+
+
+@pytest.mark.parametrize("name", ["different_paths", "different_paths_async"])
+def test_ranks_passing_different_paths_fail_on_every_rank(world2: tuple, name: str) -> None:
+    """Issue 24 case 1: never a success with a file missing; every rank names both paths."""
+    d, results = world2
+    for rank in range(2):
+        got = outcome(results, name, rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert "different paths" in got[2], got[2]
+        assert "rank 0" in got[2] and "rank 1" in got[2] and "other" in got[2] and "ckpt" in got[2], got[2]
+    names = os.listdir(d)
+    assert not any(n.startswith(("ckpt", "other")) for n in names), names
+    assert temps(d) == []
+
+
+def test_ranks_loading_different_paths_fail_on_every_rank(world2: tuple) -> None:
+    _d, results = world2
+    for rank in range(2):
+        got = outcome(results, "different_paths_load", rank)
+        assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
+        assert "do not see the same file" in got[2], got[2]
+
+
+@pytest.mark.parametrize("name, where", [
+    ("different_values", "tensor ['model']['b']"), ("different_values_async", "tensor ['model']['b']"),
+    ("different_values_safetensors", "tensor ['t3']")])
+def test_replicas_differing_in_values_are_refused_never_blended(world2: tuple, name: str, where: str) -> None:
+    """Issue 24 case 2: same layout, different values: every rank refuses, naming the tensor;
+    the previous file is untouched (no blend of rank 0's and rank 1's values)."""
+    d, results = world2
+    for rank in range(2):
+        got = outcome(results, name, rank)
+        assert got[0] == "error" and got[1] == "ReplicasDifferError", got
+        assert "different tensor values" in got[2] and where in got[2], got[2]
+    assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, "group2.pt"), shallow=False)
+    assert filecmp.cmp(os.path.join(d, "ref.safetensors"), os.path.join(d, "group2.safetensors"), shallow=False)
+    assert temps(d) == []
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
