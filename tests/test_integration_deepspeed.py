@@ -338,11 +338,6 @@ def _worker(mode: str, stage: int, root: str, port: str) -> None:
         json.dump(res, f)
     dist.barrier()
     shutil.rmtree(dirs["dec"], ignore_errors=True) if rank == 0 else None
-    # Without this, gloo's worker threads (ProcessGroupGloo::runLoop) may still free work
-    # holding tensors while the interpreter finalizes: their decref takes the GIL, CPython
-    # ends the thread (pthread_exit) and the forced unwind through a noexcept frame aborts
-    # the rank: "terminate called without an active exception" (issue 24 case 5; torch's).
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
