@@ -256,3 +256,6 @@ def set_fault(op: str, nth: int, action: str, count: int = 1) -> None: ...
 def clear_faults() -> None: ...
 def fault_hits() -> int:
     """How many calls the current fault has hit so far."""
+def fault_errno(op: str) -> int:
+    """Count one call of ``op`` made outside the native core (Python's os.fsync, os.open,
+    os.rename); the errno an active fault gives it, else 0."""

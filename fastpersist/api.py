@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import stat
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import TypeVar, Any, Callable, Optional, Union
 
 import torch
 
+from fastpersist._inputs import check_input, special_file_error
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats import torchzip
@@ -453,6 +455,7 @@ def load(
     if not _is_path(path):
         return torch_load()
     fspath = os.fsdecode(os.fspath(path))
+    _refuse_special_file(fspath, "load")
     cfg = _config(config)
     if fspath.endswith(".safetensors"):
         from fastpersist.formats.safetensors import load_safetensors
@@ -503,6 +506,19 @@ def load(
         # torch.load explains weights-only refusals (which globals, how to allow them):
         # let it produce that message.
         return torch_load()
+
+
+def _refuse_special_file(path: str, action: str) -> None:
+    """A FIFO, socket or device file at ``path``: an ``OSError`` now (ESPIPE, ENODEV),
+    where torch.load would block in ``open()`` on a FIFO with no writer, or read a
+    device without end. Anything else (a missing path, a directory, a link loop) goes
+    on to the reader, whose error is torch's."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        raise special_file_error(path, mode, action)
 
 
 @dataclass
@@ -570,10 +586,9 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     """
     fspath = os.fsdecode(os.fspath(path))
     _wait_pending(fspath, tree=True)
-    if not os.path.exists(fspath):
-        raise FileNotFoundError(2, "No such file to verify", fspath)
+    st = check_input(fspath, "verify", directory_ok=True)  # a FIFO, device, link loop: an OSError at once
     handle = _handle(_config(config), read=True)
-    if os.path.isdir(fspath):  # a torch.distributed.checkpoint directory
+    if stat.S_ISDIR(st.st_mode):  # a torch.distributed.checkpoint directory
         from fastpersist.formats.dcpverify import verify_dcp
         return verify_dcp(fspath, handle)
     if fspath.endswith(".safetensors"):

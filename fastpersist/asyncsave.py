@@ -108,7 +108,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import api
+from fastpersist import _sys, api
 from fastpersist.asyncstage import BackgroundCrc, LazyFeed, StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
 from fastpersist.commit import (_keep_mode, _remove_quietly, clean_stale_temps, fsync_dir_after_rename, fsync_path,
                                 resolve_target, temp_path_for)
@@ -434,7 +434,7 @@ def _finish(job: _Job) -> None:
         if job.fsync:
             fsync_path(job.tmp)
         _keep_mode(fut.path, job.tmp)
-        os.rename(job.tmp, fut.path)
+        _sys.rename(job.tmp, fut.path)
         if job.fsync:
             fsync_dir_after_rename(fut.path)  # its error says the new file is in place
     except BaseException as e:  # noqa: BLE001 - reported through the future
@@ -610,7 +610,7 @@ def save_async(
         tmp = temp_path_for(final)
         job = _Job(fut, tmp, cfg.fsync)
         try:
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666))
+            os.close(_sys.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666))
             if mode == "snapshot" and cudastage.device_sources_of(plan) is not None:
                 pool = _pool_for(cfg.async_staging_limit)
                 streamed, job.crc = cudastage.stream_plan(
@@ -714,15 +714,15 @@ def _patch_slice(tmp: str, patches: list[Any], crcs: list[int], lo: int, hi: int
     slice's O_DIRECT writes completed), then fsync it."""
     from fastpersist.formats.split import _patch_bytes
 
-    fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+    fd = _sys.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
     try:
         for off, slot, kind in patches:
             b = _patch_bytes(kind, crcs[slot])
             a, z = max(off, lo), min(off + len(b), hi)
             if a < z:
-                os.pwrite(fd, b[a - off:z - off], a)
+                _sys.pwrite(fd, b[a - off:z - off], a, tmp)
         if fsync:
-            os.fsync(fd)
+            _sys.fsync(fd, tmp)
     finally:
         os.close(fd)
 

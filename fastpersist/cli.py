@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import stat
 import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -410,8 +411,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     single = len(paths) == 1 and not os.path.isdir(paths[0])
     if single:  # one file: its errors are the command's (exit 2, one line), as before
         path = paths[0]
-        if not os.path.exists(path):
-            raise FileNotFoundError(2, "No such file", path)
+        from fastpersist._inputs import check_input
+
+        check_input(path, "verify", directory_ok=True)  # the OS's error at once: ELOOP, a FIFO's ESPIPE
         data = _verify_one(path)
         if args.json:
             print(json.dumps(data, indent=2))
@@ -430,9 +432,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"ERROR: {path}: {_describe(exc)}")
 
+    from fastpersist._inputs import check_input
+
     for path in paths:
-        if not os.path.exists(path):
-            error(path, FileNotFoundError(2, "No such file or directory", path))
+        try:
+            check_input(path, "verify", directory_ok=True)
+        except OSError as exc:  # missing, a link loop, a FIFO, a device: reported, the others still verified
+            error(path, exc)
             continue
         if os.path.isdir(path) and not is_dcp_dir(path):
             tree = collect(path)

@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar, Union
 
+from fastpersist import _sys
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -383,9 +385,9 @@ def clean_stale_temps(directory: str, *, grace: float = FOREIGN_TMP_GRACE_S) -> 
 
 def fsync_path(path: str) -> None:
     """fsync the file at ``path`` (used after writers that do not fsync themselves)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = _sys.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        _sys.fsync(fd, path)
     finally:
         os.close(fd)
 
@@ -396,9 +398,9 @@ def fsync_dir(directory: str) -> None:
     Filesystems that cannot fsync a directory (``EINVAL``/``ENOTSUP``, some network
     and FUSE filesystems) are tolerated with a debug log; other errors raise.
     """
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = _sys.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        os.fsync(fd)
+        _sys.fsync(fd, directory)
     except OSError as e:
         if e.errno in (22, 95):  # EINVAL, EOPNOTSUPP/ENOTSUP
             log.debug("fsync of directory %s not supported: %s", directory, e)
@@ -452,7 +454,7 @@ def atomic_write(path: PathLike, write: Callable[[str], T], *, fsync: bool = Tru
         if not os.path.exists(tmp):
             raise FileNotFoundError(2, "writer did not create the temporary file", tmp)
         _keep_mode(final, tmp)
-        os.rename(tmp, final)
+        _sys.rename(tmp, final)
     except BaseException:
         _remove_quietly(tmp)
         raise
@@ -534,6 +536,7 @@ def exchange_paths(a: str, b: str) -> None:
     """
     import ctypes
 
+    _sys.fault_point("rename", a, b)  # an injected rename fault (fastpersist.testing) fails the exchange too
     fn = _renameat2()
     if fn is None:
         raise OSError(errno.ENOSYS, "renameat2 is not available on this system", a, None, b)

@@ -26,6 +26,7 @@ import re
 import shutil
 from typing import Callable, Optional
 
+from fastpersist import _sys
 from fastpersist.commit import EXCHANGE_REFUSED, TMP_MARKER, exchange_paths, fsync_dir, fsync_path
 
 __all__ = ["LEFTOVER_RE", "carry_over", "clean_leftovers", "fsync_tree", "old_name", "short_name",
@@ -146,7 +147,7 @@ def swap_in(staging: str, target: str, old: str, is_checkpoint_entry: Callable[[
         parents.append(os.path.dirname(staging))
     if not os.path.lexists(target):
         sync_tree(staging)
-        os.rename(staging, target)
+        _sys.rename(staging, target)
         on_visible()
         for d in parents:
             fsync_dir(d)
@@ -162,11 +163,11 @@ def swap_in(staging: str, target: str, old: str, is_checkpoint_entry: Callable[[
         # in. Killed between the two, target is missing and the previous copy waits under
         # .fastpersist-old-NAME-TOKEN; the next save (clean_leftovers) or the user renames it back.
         logger.info("fastpersist: RENAME_EXCHANGE refused (%s); replacing %s with two renames", e, target)
-        os.rename(target, old)
+        _sys.rename(target, old)
         try:
-            os.rename(staging, target)
+            _sys.rename(staging, target)
         except BaseException:
-            os.rename(old, target)
+            os.rename(old, target)  # the undo: not a fault point (an injected fault tests the step it undoes)
             raise
         leftover = old
     else:
@@ -207,7 +208,7 @@ def clean_leftovers(directory: str, restore_to: Callable[[str], Optional[str]], 
             if m["kind"] == "old" and not os.path.lexists(dest):
                 logger.warning("fastpersist: a %s was killed while replacing %s: restoring the previous copy "
                                "from %s", operation, dest, path)
-                os.rename(path, dest)
+                _sys.rename(path, dest)
                 if fsync_after_restore:
                     fsync_dir(os.path.dirname(dest))
             else:

@@ -106,6 +106,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from fastpersist import _sys
 from fastpersist.errors import FastPersistError, UnsupportedLayoutError
 from fastpersist.formats import split
 from fastpersist.formats.zipindex import pread_full
@@ -566,7 +567,7 @@ def _make_probe(directory: str) -> tuple[str, str]:
     name = f"{_PROBE_PREFIX}{os.getpid()}-{host}-{start}-{secrets.token_hex(8)}"
     token = secrets.token_hex(16)
     path = os.path.join(directory, name)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    fd = _sys.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         os.write(fd, token.encode())
     finally:
@@ -925,7 +926,7 @@ def _create_temp(final: str, size: int) -> str:
 
     clean_stale_temps(os.path.dirname(final))
     name = temp_path_for(final)
-    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    fd = _sys.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         _preallocate(fd, size)
     except BaseException:
@@ -1037,7 +1038,7 @@ def _pwrite_runs(path: str, extents: Sequence[split.Extent], fsync: bool) -> Non
     the offset (callers add which save it was, see ``api._naming_final``)."""
     if not extents and not fsync:
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    fd = _sys.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         k = 0
         while k < len(extents):
@@ -1052,12 +1053,12 @@ def _pwrite_runs(path: str, extents: Sequence[split.Extent], fsync: bool) -> Non
             done = 0
             while done < len(data):
                 try:
-                    done += os.pwrite(fd, data[done:], start + done)
+                    done += _sys.pwrite(fd, data[done:], start + done)
                 except OSError as e:
                     raise type(e)(e.errno, f"{e.strerror}: writing CRC fields at offset {start + done} of {path!r}",
                                   path) from e
         if fsync:
-            os.fsync(fd)
+            _sys.fsync(fd, path)
     finally:
         os.close(fd)
 
@@ -1130,7 +1131,7 @@ def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local"
             except OSError as e:  # no hard links here: the previous file cannot be put back
                 log.warning("%s: could not keep the previous %s while committing (%s); if another node's "
                             "commit fails, this node keeps the new file", co.what, final, e)
-        os.rename(tmp, final)
+        _sys.rename(tmp, final)
         state["renamed"] = True
         if cfg.fsync:
             fsync_dir_after_rename(final)  # its error says the new file is in place

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
+from fastpersist._inputs import check_input
 from fastpersist.formats.torchindex import CheckpointFile, TensorInfo, open_checkpoint
 
 __all__ = ["CheckpointReader", "open"]
@@ -158,6 +159,7 @@ def open(path: PathLike, *, config: Any = None) -> CheckpointReader:  # noqa: A0
     cfg = _config(config)
     fspath = os.fsdecode(os.fspath(path))
     _wait_pending(fspath)
+    check_input(fspath, "open")  # a FIFO would block open_checkpoint's open(); a device is no checkpoint
     file = open_checkpoint(fspath, checksum=cfg.checksum)
     return CheckpointReader(file, _handle(cfg, read=True))
 

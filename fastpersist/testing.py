@@ -2,7 +2,12 @@
 
 Every read, write, fsync and open that the engines make goes through one
 syscall layer in the native core, which can be told to fail the Nth matching
-call::
+call. The steps of a save that run in Python (creating the temporary file, the
+commit's fsyncs of the file and its directory, the renames, the CRC-field writes
+of a collective save, DCP's ``.metadata``, the adapters' directory swaps) go
+through :mod:`fastpersist._sys`, which asks the same layer first: a fault reaches
+every system call of every save path (single, async snapshot and lazy, collective,
+DCP, directory commits)::
 
     from fastpersist.testing import inject_fault
 
@@ -50,7 +55,8 @@ def inject_fault(op: str, nth: int, action: str, count: int = 1) -> Iterator[Fau
     """Make the native I/O layer fail calls while the ``with`` block runs.
 
     Args:
-        op: ``"write"``, ``"read"``, ``"fsync"``, ``"open"`` or ``"any"``.
+        op: ``"write"``, ``"read"``, ``"fsync"``, ``"open"``, ``"rename"`` (also
+            ``renameat2`` exchanges) or ``"any"``.
         nth: 1-based index of the first matching call to hit, counted from now
             (for the ``"aio"`` engine, a write or read is one AIO completion).
         action: an errno name (``"EIO"``, ``"ENOSPC"``, ``"EACCES"``, ...) to fail

@@ -122,6 +122,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import fastpersist
 from fastpersist import dircommit
+from fastpersist.errors import CheckpointFormatError, ChecksumError
 from fastpersist.commit import fsync_dir
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
@@ -134,6 +135,12 @@ _SWITCH = "FASTPERSIST_PATCH_TORCH_SAVE"
 _MARK = "_fastpersist_original"
 _ENABLED_ATTR = "_fastpersist_enabled"
 
+# The files of the load_state running in this thread/task that were corrupt or unreadable
+# (None: none running). Accelerate 1.15's load_accelerator_state catches *every* exception
+# of the RNG file's load, logs "Could not load random states" at INFO and resumes with the
+# RNG state not restored; the wrapper raises what it swallowed (see _wrap_load_state).
+_load_failures: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("fastpersist_accelerate_load",
+                                                                               default=None)
 # The settings of the save_state/load_state running in this thread/task (None: not ours).
 _active: contextvars.ContextVar[Optional["_Settings"]] = contextvars.ContextVar("fastpersist_accelerate", default=None)
 _originals: dict[str, Any] = {}
@@ -199,6 +206,11 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
     torch.serialization.add_safe_globals(TORCH_SAFE_GLOBALS)
     try:
         return fastpersist.load(f, map_location=map_location, config=s.config, **kwargs)
+    except (CheckpointFormatError, ChecksumError, OSError) as e:
+        failures = _load_failures.get()
+        if failures is not None and not isinstance(e, FileNotFoundError):  # a missing file: Accelerate's call
+            failures.append((os.fspath(f), e))
+        raise
     finally:
         torch.serialization.clear_safe_globals()
         if old:
@@ -572,11 +584,34 @@ def _wrap_load_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         if s is None:
             return original(self, *args, **kwargs)
         install()
-        with _routing(s):
-            return original(self, *args, **kwargs)
+        failures: list = []
+        token = _load_failures.set(failures)
+        try:
+            with _routing(s):
+                result = original(self, *args, **kwargs)
+        finally:
+            _load_failures.reset(token)
+        if failures:  # load_state returned: Accelerate caught these and went on without the file's state
+            _raise_swallowed(failures)
+        return result
 
     setattr(load_state, _MARK, original)
     return load_state
+
+
+def _raise_swallowed(failures: list) -> None:
+    """A corrupt or unreadable checkpoint file whose error Accelerate's load_state caught
+    (the RNG file: it logs "Could not load random states" at INFO and resumes without
+    it): never skipped quietly. Logged as an error naming every such file, then the first
+    error is raised, so the resume fails instead of continuing from a partial state."""
+    names = ", ".join(path for path, _e in failures)
+    log.error("fastpersist: load_state: Accelerate skipped %d checkpoint file(s) it could not load (%s) and would "
+              "resume without their state; failing the resume instead", len(failures), names)
+    path, error = failures[0]
+    error.add_note(f"fastpersist: Accelerate's load_state caught this error of {path} and went on without that "
+                   "file's state (for random_states_*.pkl: the RNG state not restored); the resume fails instead. "
+                   "Restore the file from a good copy, or resume from an earlier checkpoint")
+    raise error
 
 
 def _instance_settings(accelerator: Any) -> Optional[_Settings]:

@@ -649,3 +649,44 @@ def test_cli_verify_intact_directories(ckpts: dict[str, str], capsys: Any) -> No
     assert cli_main(["verify", ckpts["fp"]]) == 0
     assert "dcp format" in capsys.readouterr().out
     assert cli_main(["verify", ckpts["stock"]]) == 3
+
+
+# --------------------------------------------------------------------------- swapped records, resealed (issue 24, case 8)
+
+
+def _swap_and_reseal(dst: str, writer: str, fqn_a: str, fqn_b: str) -> None:
+    """Swap the storage records (with their CRCs) of two items in ``.metadata`` and seal it
+    again as FastPersistWriter would (fp) or leave it a plain pickle (stock): the seal and the
+    CRCs all agree, only the items' types, shapes and places can tell."""
+    from fastpersist.dcp._metadata import seal
+
+    md = metadata(dst)
+    sd = md.storage_data
+    ka = [k for k in sd if k.fqn == fqn_a][0]
+    kb = [k for k in sd if k.fqn == fqn_b][0]
+    sd[ka], sd[kb] = sd[kb], sd[ka]
+    raw = pickle.dumps(md)
+    with open(os.path.join(dst, ".metadata"), "wb") as f:
+        f.write(seal(raw) if writer == "fp" else raw)
+
+
+TENSOR_ITEMS = ["a", "i", "h", "e"]
+BYTES_ITEMS = ["meta.lr", "meta.name", "step"]
+SWAPS = [(x, y) for n, x in enumerate(TENSOR_ITEMS + BYTES_ITEMS) for y in (TENSOR_ITEMS + BYTES_ITEMS)[n + 1:]
+         if x in TENSOR_ITEMS or y in TENSOR_ITEMS]
+
+
+@pytest.mark.parametrize("pair", SWAPS, ids=[f"{x}<->{y}" for x, y in SWAPS])
+def test_swapped_records_are_reported_by_verify(work: tuple[str, str, str], pair: tuple[str, str]) -> None:
+    """Two items' storage records swapped (a tensor with a tensor of another dtype or shape, or
+    with a bytes item) and resealed: the load refuses the checkpoint (wrong type, shape or
+    dtype), and verify now reports it corrupt too, naming the item, where it said OK."""
+    writer, src, dst = work
+    dst = fresh(src, dst)
+    _swap_and_reseal(dst, writer, *pair)
+    got = load(dst, FastPersistReader)
+    assert isinstance(got, BaseException), f"{pair}: the load returned values"
+    res = fastpersist.verify(dst)
+    assert res.status == "corrupt", (pair, res)
+    assert any(pair[0] in p or pair[1] in p for p in res.problems), res.problems
+    assert any("another item" in p or "not a tensor" in p or "bare tensor" in p for p in res.problems), res.problems

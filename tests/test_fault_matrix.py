@@ -35,6 +35,7 @@ import pytest
 import torch
 
 import fastpersist
+import fastpersist.testing
 from fastpersist import _native
 from fastpersist.commit import TMP_MARKER
 
@@ -611,13 +612,13 @@ class _OsWith:
 
 
 def _with_pwrite(pwrite: Callable[..., int], fn: Callable[[], Any]) -> Any:
-    from fastpersist import distributed as D
+    from fastpersist import _sys
 
-    D.os = _OsWith(pwrite)
+    _sys.os = _OsWith(pwrite)  # the CRC-field writes go through fastpersist._sys (fault injection)
     try:
         return fn()
     finally:
-        D.os = os
+        _sys.os = os
 
 
 def gs_pwrite_eio(rank: int, d: str) -> Any:
@@ -642,6 +643,40 @@ def gs_pwrite_short(rank: int, d: str) -> Any:
 
     _with_pwrite(pwrite, lambda: _gsave(d, "pshort.pt"))
     return len(calls)
+
+
+def gs_commit_faults(rank: int, d: str) -> Any:
+    """Rank 0 fails, one by one, every fsync, rename, open and write of a collective save
+    with fsync on (section 8); rank 1 saves along. Returns rank 0's outcomes."""
+    import torch.distributed as dist
+
+    path = os.path.join(d, "commit.pt")
+    cfg = fastpersist.Config(dist_timeout=20.0, fsync=True, chunk_size=CHUNK)
+    fastpersist.save(_gstate(1), path, group=dist.group.WORLD, config=cfg)
+    before = _digest_path(path) if rank == 0 else None
+    out = []
+    for op in OPS:
+        for nth in range(1, MAX_NTH + 1):
+            if rank == 0:
+                _native.set_fault(op, nth, "EIO")
+            try:
+                fastpersist.save(_gstate(2), path, group=dist.group.WORLD, config=cfg)
+                err = None
+            except Exception as e:  # noqa: BLE001 - recorded
+                err = e
+            hits = _native.fault_hits() if rank == 0 else 0
+            _native.clear_faults()
+            flag = [hits]
+            dist.broadcast_object_list(flag, src=0)
+            if rank == 0 and flag[0]:
+                out.append((op, nth, _classify(err, path, before, d)))
+            if rank == 0:  # the next try starts from the previous checkpoint again
+                fastpersist.save(_gstate(1), path + ".fresh", config=fastpersist.Config(fsync=False))
+                os.replace(path + ".fresh", path)
+            dist.barrier()
+            if not flag[0]:
+                break
+    return out
 
 
 def gs_temps(rank: int, d: str) -> Any:
@@ -682,7 +717,7 @@ def group2(tmp_path_factory):
     fastpersist.save(_gstate(), os.path.join(d, "prev.pt"), config=_gcfg())
     from test_distributed import launch
 
-    names = ["eio_rank1", "short", "eintr", "pwrite_eio", "pwrite_short", "temps"]
+    names = ["eio_rank1", "short", "eintr", "pwrite_eio", "pwrite_short", "commit_faults", "temps"]
     results = launch(2, d, names, limit=120, target=_group_worker)
     return d, results
 
@@ -865,3 +900,195 @@ def test_accelerate_failed_save_state_into_the_same_directory_leaves_it_unchange
     _equal(fastpersist.load(os.path.join(out, "model.safetensors")), old_model)
     got_opt = torch.load(os.path.join(out, "optimizer.bin"), weights_only=True)
     assert torch.equal(got_opt["state"][0]["exp_avg"], old_opt["state"][0]["exp_avg"])
+
+
+# =========================================================================== 8. every Python-side syscall
+
+
+OPS = ("fsync", "rename", "open", "write")
+MAX_NTH = 40
+
+
+def _classify(err: Any, path: str, before: str, directory: str) -> str:
+    """What one save under an injected EIO did: "raised" (an error carrying the EIO, the
+    previous file byte for byte, no temporary left), "dirsync" (DirectorySyncError: the new
+    file is in place, as documented), else a description of what went wrong."""
+    from fastpersist.errors import DirectorySyncError
+
+    leftovers = sorted(n for n in os.listdir(directory) if TMP_MARKER in n)
+    if err is None:
+        return "succeeded though the fault was hit"
+    text = f"{type(err).__name__}: {err}"
+    if errno.errorcode[errno.EIO] not in text and os.strerror(errno.EIO) not in text and \
+            getattr(err, "errno", None) != errno.EIO:
+        return f"error without the EIO: {text}"
+    if leftovers:
+        return f"left {leftovers}"
+    if isinstance(err, DirectorySyncError) or "DirectorySyncError" in text:
+        return "dirsync"
+    if _digest_path(path) != before:
+        return f"previous file changed ({text})"
+    return "raised"
+
+
+def _digest_path(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _every_fault(save: Callable[[], Any], reset: Callable[[], None], path: str, directory: str) -> dict:
+    """Fail, one by one, every call of each op in OPS that ``save`` makes; ``{op: [outcome per call]}``."""
+    out: dict = {}
+    for op in OPS:
+        out[op] = []
+        for nth in range(1, MAX_NTH + 1):
+            reset()
+            before = _digest_path(path)
+            _native.set_fault(op, nth, "EIO")
+            try:
+                save()
+                err = None
+            except Exception as e:  # noqa: BLE001 - classified
+                err = e
+            hits = _native.fault_hits()
+            _native.clear_faults()
+            if not hits:
+                break
+            out[op].append(_classify(err, path, before, directory))
+    return out
+
+
+def _assert_every_fault_reported(outcomes: dict, what: str) -> None:
+    for op in ("fsync", "rename", "open"):
+        assert outcomes[op], f"{what}: no {op} call reached by fault injection ({outcomes})"
+    bad = {op: [o for o in outs if o not in ("raised", "dirsync")] for op, outs in outcomes.items()}
+    assert not any(bad.values()), f"{what}: {bad}"
+
+
+def _single_state() -> dict:
+    return _tensors(3)
+
+
+@pytest.mark.parametrize("how", ["save.pt", "save.safetensors", "async_snapshot.pt", "async_snapshot.safetensors",
+                                 "async_lazy.pt"])
+def test_every_syscall_of_single_and_async_saves_is_a_fault_point(tmp_path, how):
+    """issue 24 case 9: inject_fault("fsync") never reached the commit fsync of save_async
+    (hits=0, the save succeeded). Every fsync, rename, open and write of each save path,
+    failed one at a time: the save raises the EIO, the previous file stays byte for byte
+    (or, for the directory's fsync after the rename, DirectorySyncError with the new file in
+    place), no temporary file is left."""
+    kind, suffix = how.split(".")
+    path = tmp_path / f"ckpt.{suffix}"
+    cfg = _cfg(fsync=True, async_staging_limit=4 << 20)
+
+    def reset() -> None:
+        fastpersist.save(_tensors(1), path, config=_cfg(fsync=False))
+
+    state = _single_state()
+    if kind == "async_lazy":  # a lazy save streams live tensors: an optimizer's, guarded
+        model, opt = _model_opt()
+        fastpersist.guard(opt)
+        _train_step(model, opt)
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+
+    def save() -> None:
+        if kind == "save":
+            fastpersist.save(state, path, config=cfg)
+        else:
+            mode = kind.split("_")[1]
+            fastpersist.save_async(state, path, mode=mode, config=cfg).wait(60)
+
+    outcomes = _every_fault(save, reset, str(path), str(tmp_path))
+    _assert_every_fault_reported(outcomes, how)
+    with fastpersist.testing.inject_fault("fsync", 1, "EIO") as fault:  # the documented helper, as in the issue
+        with pytest.raises(OSError):
+            save()
+    assert fault.hits == 1
+
+
+def test_every_syscall_of_a_dcp_save_is_a_fault_point(tmp_path):
+    """DCP (FastPersistWriter, no process group): each fsync, rename, open and write failed
+    one at a time makes dcp.save raise with the EIO in its message."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastpersist.dcp import FastPersistWriter
+
+    counts: dict = {}
+    for op in OPS:
+        counts[op] = 0
+        for nth in range(1, MAX_NTH + 1):
+            d = tmp_path / f"{op}-{nth}"
+            _native.set_fault(op, nth, "EIO")
+            try:
+                dcp.save({"w": torch.randn(300, 300), "b": torch.arange(10)}, storage_writer=FastPersistWriter(d),
+                         no_dist=True)
+                err = None
+            except BaseException as e:  # noqa: BLE001 - checked below (DCP's CheckpointException is a BaseException)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                err = e
+            hits = _native.fault_hits()
+            _native.clear_faults()
+            if not hits:
+                break
+            counts[op] += 1
+            assert err is not None, f"{op} #{nth}: dcp.save succeeded though the fault was hit"
+            causes = [err, *(getattr(err, "failures", None) or {}).values()]  # DCP's CheckpointException: per rank
+            assert any(getattr(c, "errno", None) == errno.EIO or "Input/output error" in str(c) for c in causes), \
+                f"{op} #{nth}: {err!r}"
+    assert counts["fsync"] and counts["rename"] and counts["open"], counts
+
+
+def test_every_syscall_of_a_directory_commit_is_a_fault_point(tmp_path):
+    """The adapters' directory commit (dircommit.swap_in over an existing checkpoint
+    directory): a failed fsync, rename or open before the new directory is visible leaves the
+    previous one in place; one after it (the parents' fsync) raises with the new one in place."""
+    import logging
+
+    from fastpersist import dircommit
+
+    target = tmp_path / "ckpt"
+    counts: dict = {}
+    for op in ("fsync", "rename", "open"):
+        counts[op] = 0
+        for nth in range(1, MAX_NTH + 1):
+            import shutil
+
+            for p in tmp_path.iterdir():
+                shutil.rmtree(p)
+            target.mkdir()
+            (target / "model.pt").write_bytes(b"old")
+            staging = tmp_path / ".fastpersist-staging-ckpt-x"
+            staging.mkdir()
+            (staging / "model.pt").write_bytes(b"new")
+            visible = []
+            _native.set_fault(op, nth, "EIO")
+            try:
+                dircommit.swap_in(str(staging), str(target), str(tmp_path / ".fastpersist-old-ckpt-x"),
+                                  lambda name: name == "model.pt", what="a test checkpoint",
+                                  logger=logging.getLogger("test"), on_visible=lambda: visible.append(1))
+                err = None
+            except OSError as e:
+                err = e
+            hits = _native.fault_hits()
+            _native.clear_faults()
+            if not hits:
+                break
+            counts[op] += 1
+            assert err is not None and err.errno == errno.EIO, f"{op} #{nth}: {err!r}"
+            want = b"new" if visible else b"old"
+            assert (target / "model.pt").read_bytes() == want, (op, nth, visible)
+    assert counts["fsync"] and counts["rename"], counts
+
+
+def test_every_syscall_of_a_collective_save_is_a_fault_point(group2):
+    d, results = group2
+    got = _outcome(results, "commit_faults", 0)
+    assert got[0] == "ok", got
+    by_op: dict = {}
+    for op, _nth, outcome in got[1]:
+        by_op.setdefault(op, []).append(outcome)
+    for op in ("fsync", "rename", "open"):
+        assert by_op.get(op), f"no {op} of the collective save reached by fault injection: {got[1]}"
+    bad = [(op, n, o) for op, n, o in got[1] if o not in ("raised", "dirsync")]
+    assert not bad, bad

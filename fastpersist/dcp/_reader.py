@@ -29,6 +29,17 @@ def _align_up(x: int, a: int = _ALIGN) -> int:
     return (x + a - 1) // a * a
 
 
+def _bare_tensor(raw: memoryview) -> bool:
+    """Whether ``raw`` is a torch.save'd bare tensor (read with ``skip_data``: no payload copied)."""
+    if bytes(raw[:4]) != b"PK\x03\x04":
+        return False
+    try:
+        with torch.serialization.skip_data():
+            return isinstance(torch.load(io.BytesIO(bytes(raw)), map_location="cpu", weights_only=True), torch.Tensor)
+    except Exception:  # noqa: BLE001 - not loadable weights-only: not a bare tensor; load_bytes decides
+        return False
+
+
 def narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     for dim, (off, n) in enumerate(zip(offsets, lengths)):
         if off != 0 or n != t.size(dim):
@@ -316,6 +327,10 @@ class FastPersistReader(FileSystemReader):
                  + (f" at [{info.offset}, {info.offset + info.length})" if info is not None else ""))
         off = getattr(info, "offset", None)
         if req.type == LoadItemType.BYTE_IO:
+            if _bare_tensor(raw):  # DCP stores every tensor as a tensor item: a record swapped in .metadata
+                raise CheckpointFormatError(f"{where}: a bytes item whose record holds a bare tensor, as a tensor "
+                                            f"item's does: .metadata's records were swapped or edited; {ADVICE}",
+                                            path, off)
             try:
                 planner.load_bytes(req, io.BytesIO(bytes(raw)))
             except FastPersistError:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from fastpersist import _compat
+from fastpersist import _sys
 from fastpersist.commit import clean_stale_temps, fsync_dir, fsync_dir_after_rename, temp_path_for
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
 from fastpersist.dcp._metadata import load_metadata, seal
@@ -297,7 +298,7 @@ class FastPersistWriter(FileSystemWriter):
                                                   truncate=True, fsync=self.sync_files))
             slot_crcs = [f.result() for f in futures]
             for _name, final, tmp, _lay in files:
-                os.rename(tmp, final)
+                _sys.rename(tmp, final)
         except BaseException:
             for f in futures:  # every op finished before its temporary file is removed
                 f.wait()
@@ -332,16 +333,16 @@ class FastPersistWriter(FileSystemWriter):
         final = os.path.join(directory, self._metadata_name())
         tmp = temp_path_for(final)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            fd = _sys.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[_sys.write(fd, view, tmp):]
                 if self.sync_files:
-                    os.fsync(fd)
+                    _sys.fsync(fd, tmp)
             finally:
                 os.close(fd)
-            os.replace(tmp, final)
+            _sys.replace(tmp, final)
         except BaseException:
             try:
                 os.unlink(tmp)

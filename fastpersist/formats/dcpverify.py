@@ -13,6 +13,11 @@ written with ``use_collectives=False``) is a DCP checkpoint. Checked:
   sizes, chunks inside their tensor) and every tensor chunk and bytes entry of
   ``state_dict_metadata`` has a storage record; every record names an existing file in the directory and a byte
   range inside it, not overlapping another record's;
+* every record holds what its item needs, as the reader checks when it delivers
+  it: a tensor chunk's record is a torch.save'd tensor of the item's dtype and chunk
+  shape (read with ``skip_data``: the header and pickle only), a bytes item's record
+  is not a bare tensor (records swapped in ``.metadata`` and resealed pass the seal
+  and every CRC-32: only this tells);
 * every record's bytes are read (natively, not kept) and their CRC-32 compared
   with the one :class:`fastpersist.dcp.FastPersistWriter` recorded on it.
 
@@ -30,9 +35,10 @@ nor reported, and the next save that commits removes them
 from __future__ import annotations
 
 import glob
+import io
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from fastpersist import _compat
 from fastpersist.dcp._metadata import ADVICE, MetadataUnpickler, item_name, load_metadata, table_problems
@@ -96,13 +102,14 @@ def check_dcp(directory: str, handle: Any) -> DcpCheck:
         bad = table_problems(md.storage_data, mpath)
         check.problems.extend(p[3] for p in bad)
         skip = {id(p[0]) for p in bad}
+        kinds = _expected_kinds(md)
         for index, info in md.storage_data.items():
             if _compat.dcp_storage_crc(info) is None:
                 without_crc += 1
             else:
                 with_crc += 1
             if id(index) not in skip:
-                per_file.setdefault(info.relative_path, []).append((index, info))
+                per_file.setdefault(info.relative_path, []).append((index, info, kinds.get(index)))
     check.records = with_crc + without_crc
     if with_crc and without_crc:
         check.problems.append(f"{directory}: {without_crc} of {check.records} items have no CRC-32")
@@ -112,20 +119,104 @@ def check_dcp(directory: str, handle: Any) -> DcpCheck:
     return check
 
 
-def _check_file(path: str, items: list[tuple[Any, Any]], handle: Any, check: DcpCheck, read: bool) -> None:
+def _expected_kinds(md: Any) -> dict[Any, Any]:
+    """What each storage record must hold, from ``state_dict_metadata``: for a tensor
+    chunk ``(dtype, chunk sizes)``, for a bytes item ``None``; keyed by MetadataIndex."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    out: dict[Any, Any] = {}
+    for fqn, item in (getattr(md, "state_dict_metadata", None) or {}).items():
+        if isinstance(item, TensorStorageMetadata):
+            for chunk in item.chunks:
+                out[MetadataIndex(fqn, chunk.offsets)] = (item.properties.dtype, tuple(chunk.sizes))
+        elif isinstance(item, BytesStorageMetadata):
+            out[MetadataIndex(fqn)] = None
+    return out
+
+
+class _RangeFile(io.RawIOBase):
+    """The bytes ``[offset, offset + length)`` of an open file, as a seekable file object
+    (torch.load of one item without reading the rest of the file)."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.base, self.length, self.pos = fd, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + offset
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        data = os.pread(self.fd, n, self.base + self.pos) if n else b""
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _kind_problem(path: str, fd: int, index: Any, info: Any, want: Any) -> Optional[str]:
+    """Whether the record ``info`` holds what its item needs, checked as the reader does
+    when it delivers it (:meth:`fastpersist.dcp.FastPersistReader._deliver`): a tensor item's
+    record is a torch.save'd tensor of the item's dtype and chunk shape (its bytes are not
+    read: ``skip_data``); a bytes item's record is no such tensor of another item. None: fine."""
+    import torch
+
+    where = f"{path}: item {_name(index)} at [{info.offset}, {info.offset + info.length})"
+    try:
+        with torch.serialization.skip_data():
+            obj = torch.load(_RangeFile(fd, info.offset, info.length), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load of damaged bytes raises anything
+        if want is None:
+            return None  # a bytes item may hold any pickle (weights_only=False at load): its CRC speaks for it
+        return f"{where} is not a tensor saved by torch.save ({type(e).__name__}: {e}); {ADVICE}"
+    if want is None:
+        if isinstance(obj, torch.Tensor):
+            return (f"{where}: a bytes item whose record holds a bare tensor ({obj.dtype}, {tuple(obj.shape)}), "
+                    f"as a tensor item's does: .metadata's records were swapped or edited; {ADVICE}")
+        return None
+    dtype, sizes = want
+    if not isinstance(obj, torch.Tensor):
+        return f"{where} holds a {type(obj).__name__}, not a tensor; {ADVICE}"
+    if obj.dtype != dtype or tuple(obj.shape) != sizes:
+        return (f"{where} holds a tensor of {obj.dtype} and shape {tuple(obj.shape)}, .metadata describes "
+                f"{dtype} and shape {sizes}: the record belongs to another item; {ADVICE}")
+    return None
+
+
+def _check_file(path: str, items: list[tuple[Any, Any, Any]], handle: Any, check: DcpCheck, read: bool) -> None:
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
         check.problems.append(f"{path}: missing ({len(items)} items of the checkpoint are stored in it); {ADVICE}")
         return
     good = []
-    for index, info in sorted(items, key=lambda it: (it[1].offset, it[1].length)):
+    kinds = {}
+    for index, info, kind in sorted(items, key=lambda it: (it[1].offset, it[1].length)):
         off, n = info.offset, info.length
         if off + n > size:
             check.problems.append(f"{path}: item {_name(index)} at [{off}, {off + n}) lies outside the file "
                                   f"({size} bytes): truncated, or .metadata belongs to another checkpoint")
             continue
         good.append((index, info))
+        kinds[id(index)] = kind
+    if good:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for index, info in good:
+                problem = _kind_problem(path, fd, index, info, kinds[id(index)])
+                if problem is not None:
+                    check.problems.append(problem)
+        finally:
+            os.close(fd)
     if not read or not good:
         return
     extents = [(info.offset, 0, info.length, slot) for slot, (_i, info) in enumerate(good) if info.length]

@@ -650,6 +650,7 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
     f.native_order = order is None or load.read_small(order) == sys.byteorder.encode()
     if not f.native_order:
         raise UnsupportedLayoutError("records in the other byte order")
+    load.check_unread_headers(storages=False)  # the index must agree with itself (storages: when read)
     reader = _IndexReader(f, load)
     # The unpickler allocates several tracked objects per tensor; cyclic collections in
     # the middle would walk them again and again (as in torchload).

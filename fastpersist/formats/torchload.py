@@ -47,7 +47,14 @@ import torch
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats import crcpolicy, fastunpickle
 from fastpersist.formats.picklescan import data_free, scan_pickle
-from fastpersist.formats.zipindex import CentralEntry, fd_reader, parse_zip_index, pread_full, read_central_directory
+from fastpersist.formats.zipindex import (
+    CentralEntry,
+    check_local_fields,
+    fd_reader,
+    parse_zip_index,
+    pread_full,
+    read_central_directory,
+)
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
 
 log = logging.getLogger(__name__)
@@ -58,6 +65,7 @@ _PAGE = 4096
 _LOCAL_HEADER = 30
 _FLAG_ENCRYPTED = 0x0001
 _FLAG_DESCRIPTOR = 0x0008
+_LOCAL_FIELDS = struct.Struct("<4s5H3L2H")  # a local file header (APPNOTE 4.3.7)
 
 
 def fast_load_supported() -> bool:
@@ -249,7 +257,8 @@ class _Load:
         self.records: list[_Record] = []
         self.by_short: dict[str, _Record] = {}
         self.arena = _Arena()
-        self.headers_checked = False
+        self.headers_checked = False  # every local header was read and checked (the exact index)
+        self.header_ok: set[str] = set()  #: records whose local header was checked
         self.entries: list[CentralEntry] = []  #: the central directory, in its order
         self._ours: Optional[bool] = None
 
@@ -266,14 +275,21 @@ class _Load:
             raise _bad(self.path, None, f"unreadable zip index ({e})") from e
         if not entries:
             raise _bad(self.path, cd_off, "the archive has no records")
+        unsupported = None
         for e in entries:
             if e.flags & _FLAG_ENCRYPTED:
-                raise UnsupportedLayoutError(f"encrypted record {e.name!r}")
-            if e.method != 0:
-                raise UnsupportedLayoutError(f"compressed record {e.name!r} (method {e.method})")
+                unsupported = f"encrypted record {e.name!r}"
+            elif e.method != 0:
+                unsupported = f"compressed record {e.name!r} (method {e.method})"
         prefix = _prefix(self.path, entries)
-        if any(e.name == prefix + "constants.pkl" for e in entries):
-            raise UnsupportedLayoutError("TorchScript archive")
+        if unsupported is None and any(e.name == prefix + "constants.pkl" for e in entries):
+            unsupported = "TorchScript archive"
+        if unsupported is not None:
+            # Handed to torch.load, which believes the central directory alone: first every
+            # local header must agree with it (as verify requires), or a directory saying
+            # "deflated" over stored bytes comes back as heap memory torch never filled.
+            parse_zip_index(fd_reader(self.fd, self.path), self.size, self.path)
+            raise UnsupportedLayoutError(unsupported)
         offsets = None if exact else _predict(entries, cd_off)
         if offsets is None:
             cd_off, offsets, entries = _exact(self.fd, self.path, self.size)
@@ -324,23 +340,38 @@ class _Load:
         e = r.entry
         if len(header) < _LOCAL_HEADER or bytes(header[:4]) != b"PK\x03\x04":
             raise _bad(self.path, e.header_offset, f"bad local header for {e.name!r}")
-        method = int.from_bytes(header[8:10], "little")
-        flags = int.from_bytes(header[6:8], "little")
-        nlen = int.from_bytes(header[26:28], "little")
-        xlen = int.from_bytes(header[28:30], "little")
-        if method != 0 or flags & _FLAG_ENCRYPTED:
-            # The central directory (checked in index()) says stored and not encrypted: a
-            # local header saying otherwise is a file at odds with itself, not a layout to
-            # hand to torch.load (which reads the directory's word, skips the CRC-32 check
-            # and, with other damage, returns memory it never filled as values).
-            raise _bad(self.path, e.header_offset + 6, f"the local header of {e.name!r} says flags {flags:#06x} "
-                       f"method {method}, the central directory flags {e.flags:#06x} method {e.method}")
+        _sig, _v, flags, method, _t, _d, crc, csize, usize, nlen, xlen = _LOCAL_FIELDS.unpack(header[:_LOCAL_HEADER])
+        # The central directory (checked in index()) says stored and not encrypted: a
+        # local header saying otherwise (or other sizes, CRC-32, flags) is a file at odds
+        # with itself, refused as verify refuses it; not a layout to hand to torch.load
+        # (which reads the directory's word, skips the CRC-32 check and, with other
+        # damage, returns memory it never filled as values).
+        check_local_fields(self.path, e.header_offset, e.name, (flags, method, crc, csize, usize),
+                           (e.flags, e.method, e.crc32, e.compressed_size, e.uncompressed_size))
         if _LOCAL_HEADER + nlen + xlen != len(header):
             raise _HeaderMismatch(e.name)
         if bytes(header[_LOCAL_HEADER : _LOCAL_HEADER + nlen]) != e.name.encode("utf-8") and \
                 bytes(header[_LOCAL_HEADER : _LOCAL_HEADER + nlen]) != _cp437(e.name):
             raise _bad(self.path, e.header_offset, f"local header names {bytes(header[30:30 + nlen])!r}, "
                        f"the central directory {e.name!r}")
+        self.header_ok.add(r.short)
+
+    def check_unread_headers(self, storages: bool = True) -> None:
+        """The local headers of the records the load did not read (``.format_version``,
+        ``version``, storages nothing refers to): a file whose own index disagrees with
+        itself is refused whatever the load needed (``verify`` reports it corrupt).
+        A few small reads; none after an exact index (every header was checked).
+        ``storages=False``: the other records only (a lazy reader checks each storage's
+        header when it reads it)."""
+        if self.headers_checked:
+            return
+        for r in self.records:
+            if r.short in self.header_ok or (not storages and r.short.startswith("data/")):
+                continue
+            h = r.entry.header_offset
+            raw = bytearray(r.data_offset - h)
+            _pread_into(self.fd, self.path, memoryview(raw), h)
+            self._check_header(r, memoryview(raw))
 
     # -- the bulk read ---------------------------------------------------------
 
@@ -378,12 +409,12 @@ class _Load:
         """Local headers of the bulk-read records, then their CRCs (with ``only``: of the
         records it accepts; the others were read but nothing uses them, as torch.load
         never looks at them)."""
+        arena = memoryview(self.arena.buffer).cast("B")
+        for r in bulk:  # every header read (they are in memory): the index must agree with itself
+            self._check_header(r, arena[r.header_pos : r.header_pos + r.data_offset - r.entry.header_offset])
         if only is not None:
             kept = [(r, c) for r, c in zip(bulk, crcs) if only(r)]
             bulk, crcs = [r for r, _c in kept], [c for _r, c in kept]
-        arena = memoryview(self.arena.buffer).cast("B")
-        for r in bulk:
-            self._check_header(r, arena[r.header_pos : r.header_pos + r.data_offset - r.entry.header_offset])
         if not self.checksum:
             return
         problems = [
@@ -589,6 +620,17 @@ def _load_fd(
 
     load = _Load(path, fd, size, checksum, _wants_pinned(map_location))
     load.index(exact)
+    result = _load_records(load, path, fd, handle, map_location, pickle_module, private_load,
+                           weights_only=weights_only, **pickle_load_args)
+    load.check_unread_headers()
+    return result
+
+
+def _load_records(
+    load: _Load, path: str, fd: int, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
+    weights_only: bool, **pickle_load_args: Any,
+) -> Any:
+    """The rest of :func:`_load_fd` once the index is read: the pickle, the bulk read, the unpickling."""
     pkl = load.read_small(load.record("data.pkl"))
     order = load.by_short.get("byteorder")
     native_order = order is None or load.read_small(order) == sys.byteorder.encode()

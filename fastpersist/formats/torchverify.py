@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import stat
 import re
 import sys
 import warnings
@@ -459,9 +460,16 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
 
     Never raises for bad content (every problem is in ``problems``); ``OSError`` for I/O.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    # O_NONBLOCK: a FIFO put at the path after verify's stat must not block the open
+    # (it has no effect on the reads of a regular file).
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            from fastpersist._inputs import special_file_error
+
+            raise special_file_error(path, st.st_mode, "verify")
+        size = st.st_size
         read_at = fd_reader(fd, path)
         head = read_at(0, len(_LEGACY_MAGIC))
         if size == 0:

@@ -196,7 +196,9 @@ def stream_save_torch(
             raise _DeviceStorageFound()
         return _host_bytes(storage, keepalive)
 
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    from fastpersist import _sys
+
+    fd = _sys.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     os.close(fd)
     submitted: list[tuple[int, list[int]]] = []  # (op id, payload index per slot)
     crcs: dict[int, int] = {}

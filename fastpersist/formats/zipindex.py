@@ -353,6 +353,30 @@ def central_directory_names(read_at: ReadAt, size: int, path: str = "<buffer>") 
     return [(e.name, e.cd_offset) for e in entries]
 
 
+def check_local_fields(
+    path: str, header_offset: int, name: str, local: tuple[int, int, int, int, int], central: tuple[int, int, int, int, int]
+) -> None:
+    """Raise :class:`ZipFormatError` unless a local header's ``(flags, method, CRC-32,
+    compressed size, size)`` say what its central directory entry says.
+
+    The local CRC and sizes may be 0 when the record has a data descriptor (flag bit 3),
+    and a size may be 0xFFFFFFFF (zip64: the real value is in the extra field). Every
+    reader applies this one rule, so that a file ``verify`` calls inconsistent is never
+    loaded (nor handed to ``torch.load``, which believes the central directory alone).
+    """
+    lflags, lmethod = local[0], local[1]
+    flags, method = central[0], central[1]
+    if lflags != flags or lmethod != method:
+        raise _fail(
+            path, header_offset + 6, f"local header of {name!r} says flags {lflags:#06x} method {lmethod}, the central "
+            f"directory flags {flags:#06x} method {method}"
+        )
+    for what, lv, cv in zip(("CRC-32", "compressed size", "size"), local[2:], central[2:]):
+        ok = lv == cv or (lflags & _FLAG_DESCRIPTOR and lv == 0) or (what != "CRC-32" and lv == _U32_MAX)
+        if not ok:
+            raise _fail(path, header_offset + 14, f"local header of {name!r} says {what} {lv}, the central directory {cv}")
+
+
 def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIndex:
     """Parse the index of a zip archive of ``size`` bytes readable through ``read_at``.
 
@@ -374,20 +398,10 @@ def parse_zip_index(read_at: ReadAt, size: int, path: str = "<buffer>") -> ZipIn
         lname = _read_exact(read_at, path, hoff + _LOCAL.size, lnlen, f"local name of {name!r}")
         if lname != raw_name:
             raise _fail(path, hoff + _LOCAL.size, f"local header names {lname!r}, the central directory {raw_name!r}")
-        if lflags != flags or lmethod != method:
-            raise _fail(
-                path, hoff + 6, f"local header of {name!r} says flags {lflags:#06x} method {lmethod}, the central "
-                f"directory flags {flags:#06x} method {method}"
-            )
+        check_local_fields(path, hoff, name, (lflags, lmethod, lcrc, lcsize, lusize), (flags, method, crc, csize, usize))
         data_off = hoff + _LOCAL.size + lnlen + lxlen
         if data_off + csize > cd_off:
             raise _fail(path, data_off, f"data of {name!r} ({csize} bytes) runs past the central directory at {cd_off}")
-        lvalues = (lcrc, lcsize, lusize)
-        cvalues = (crc, csize, usize)
-        for what, lv, cv in zip(("CRC-32", "compressed size", "size"), lvalues, cvalues):
-            ok = lv == cv or (lflags & _FLAG_DESCRIPTOR and lv == 0) or (what != "CRC-32" and lv == _U32_MAX)
-            if not ok:
-                raise _fail(path, hoff + 14, f"local header of {name!r} says {what} {lv}, the central directory {cv}")
         crc_fields: tuple[int, ...]
         desc_off: Optional[int] = None
         desc_size = 0

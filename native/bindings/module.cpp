@@ -237,6 +237,7 @@ NB_MODULE(_native, m) {
   m.def("set_fault", &sys::set_fault, nb::arg("op"), nb::arg("nth"), nb::arg("action"), nb::arg("count") = 1);
   m.def("clear_faults", &sys::clear_faults);
   m.def("fault_hits", &sys::fault_hits);
+  m.def("fault_errno", &sys::fault_errno, nb::arg("op"));
 
   nb::class_<Handle>(m, "Handle")
       .def(nb::init<std::string, size_t, unsigned, unsigned, bool, unsigned, bool, std::string>(),

@@ -15,16 +15,14 @@ class PsyncEngine final : public Engine {
  public:
   explicit PsyncEngine(unsigned threads) {
     if (threads == 0) threads = 1;
-    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
-  }
-  ~PsyncEngine() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
+    try {
+      for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+    } catch (...) {  // no thread left joinable when workers_ goes (thread_pool.cpp)
+      stop_and_join();
+      throw;
     }
-    cv_work_.notify_all();
-    for (auto& t : workers_) t.join();
   }
+  ~PsyncEngine() override { stop_and_join(); }
   const char* name() const override { return "psync"; }
 
   void submit(const IoReq& r) override {
@@ -51,6 +49,16 @@ class PsyncEngine final : public Engine {
   }
 
  private:
+  void stop_and_join() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stop_ = true;
+    }
+    cv_work_.notify_all();
+    for (auto& t : workers_) {
+      if (t.joinable()) t.join();
+    }
+  }
   void run() {
     for (;;) {
       IoReq r;

@@ -66,16 +66,25 @@ Handle::~Handle() {
 
 Handle::State::State(Handle* h, unsigned threads, size_t chunk_size, unsigned max_async, uint64_t g)
     : owner(h), gen(g), pool(threads), cache(chunk_size) {
-  for (unsigned i = 0; i < max_async; ++i) workers.emplace_back([this] { worker(); });
+  try {
+    for (unsigned i = 0; i < max_async; ++i) workers.emplace_back([this] { worker(); });
+  } catch (...) {  // no thread left joinable when `workers` goes (thread_pool.cpp)
+    stop_and_join();
+    throw;
+  }
 }
 
-Handle::State::~State() {
+Handle::State::~State() { stop_and_join(); }
+
+void Handle::State::stop_and_join() {
   {
     std::lock_guard<std::mutex> lk(mu);
     stop = true;
   }
   cv_work.notify_all();
-  for (auto& t : workers) t.join();
+  for (auto& t : workers) {
+    if (t.joinable()) t.join();
+  }
 }
 
 Handle::State& Handle::state() {

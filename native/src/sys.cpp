@@ -44,8 +44,9 @@ int parse_op(const std::string& op) {
   if (op == "read") return op_bit(Op::Read);
   if (op == "fsync") return op_bit(Op::Fsync);
   if (op == "open") return op_bit(Op::Open);
-  if (op == "any") return 0xF;
-  throw ArgError("fault op must be write, read, fsync, open or any, not '" + op + "'");
+  if (op == "rename") return op_bit(Op::Rename);
+  if (op == "any") return 0x1F;
+  throw ArgError("fault op must be write, read, fsync, open, rename or any, not '" + op + "'");
 }
 
 struct ErrnoName {
@@ -181,6 +182,18 @@ Fault check_fault(Op op) {
     return s.action;
   }
   return {};
+}
+
+int fault_errno(const std::string& op) {
+  Op o;
+  if (op == "write") o = Op::Write;
+  else if (op == "read") o = Op::Read;
+  else if (op == "fsync") o = Op::Fsync;
+  else if (op == "open") o = Op::Open;
+  else if (op == "rename") o = Op::Rename;
+  else throw ArgError("fault_errno op must be write, read, fsync, open or rename, not '" + op + "'");
+  Fault f = check_fault(o);
+  return f.kind == Fault::Errno ? f.err : 0;
 }
 
 ssize_t pwrite(int fd, const void* buf, size_t n, uint64_t off) {

@@ -4,16 +4,29 @@ namespace fastpersist {
 
 ThreadPool::ThreadPool(unsigned threads) {
   if (threads == 0) threads = 1;
-  for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  try {
+    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  } catch (...) {
+    // A thread that cannot be created (EAGAIN: the process or system thread limit)
+    // throws std::system_error; the threads already started must be stopped and joined
+    // before workers_ is destroyed, or ~std::thread of a joinable thread calls
+    // std::terminate ("terminate called without an active exception").
+    stop_and_join();
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_and_join(); }
+
+void ThreadPool::stop_and_join() {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  for (auto& t : workers_) t.join();
+  for (auto& t : workers_) {
+    if (t.joinable()) t.join();
+  }
 }
 
 void ThreadPool::submit(std::function<void()> task) {

@@ -124,6 +124,7 @@ class Handle {
     State(const State&) = delete;
     State& operator=(const State&) = delete;
     void worker();
+    void stop_and_join();
 
     Handle* owner;
     const uint64_t gen;  // fork_generation() of the process that built it

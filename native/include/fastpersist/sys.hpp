@@ -14,7 +14,7 @@
 
 namespace fastpersist::sys {
 
-enum class Op { Write, Read, Fsync, Open };
+enum class Op { Write, Read, Fsync, Open, Rename };
 
 // What an injected fault does to one call.
 struct Fault {
@@ -29,6 +29,11 @@ void clear_faults();
 long fault_hits();
 // Count one call of `op` and return the fault to apply to it (usually None).
 Fault check_fault(Op op);
+// For system calls made outside the native core (Python's os.fsync, os.open,
+// os.rename in the commit steps): counts the call as one of `op` ("write", "read",
+// "fsync", "open", "rename") and returns the errno an active fault assigns it, else 0
+// ("short" and "eintr" faults: 0, the caller's retrying call is the real one).
+int fault_errno(const std::string& op);
 
 ssize_t pwrite(int fd, const void* buf, size_t n, uint64_t off);
 ssize_t pread(int fd, void* buf, size_t n, uint64_t off);

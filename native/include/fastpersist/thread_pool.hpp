@@ -22,6 +22,7 @@ class ThreadPool {
 
  private:
   void run();
+  void stop_and_join();
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
