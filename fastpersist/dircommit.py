@@ -29,34 +29,58 @@ from typing import Callable, Optional
 from fastpersist import _sys
 from fastpersist.commit import EXCHANGE_REFUSED, TMP_MARKER, exchange_paths, fsync_dir, fsync_path
 
-__all__ = ["LEFTOVER_RE", "carry_over", "clean_leftovers", "fsync_tree", "old_name", "short_name",
+__all__ = ["LEFTOVER_RE", "parse_leftover", "carry_over", "clean_leftovers", "fsync_tree", "old_name", "short_name",
            "staging_name", "swap_in", "why_not_staged"]
 
 STAGING_PREFIX = ".fastpersist-staging-"
 OLD_PREFIX = ".fastpersist-old-"
-#: ``.fastpersist-staging-NAME-TOKEN`` (a save's directory while it is written) and
-#: ``.fastpersist-old-NAME-TOKEN`` (the previous directory, moved aside where RENAME_EXCHANGE is refused)
-LEFTOVER_RE = re.compile(r"\.fastpersist-(?P<kind>staging|old)-(?P<name>.+)-(?P<token>[0-9a-f]{16})", re.DOTALL)
-NAME_ROOM = 200  #: bytes of a name kept by :func:`short_name` (NAME_MAX is 255 on common filesystems)
+#: ``.fastpersist-staging-ENC-TOKEN`` (a save's directory while it is written) and
+#: ``.fastpersist-old-ENC-TOKEN`` (the previous directory, moved aside where RENAME_EXCHANGE is
+#: refused). ENC is the directory's name, each byte as two letters a-p: no part of the name and
+#: no digit appears, so code that lists the parent and parses names (Lightning's ``hpc_ckpt_N``,
+#: ``checkpoint_N``, ``epoch=N``) never takes a staging directory for a checkpoint, and a killed
+#: save's leftovers can still be given back to their name.
+LEFTOVER_RE = re.compile(r"\.fastpersist-(?P<kind>staging|old)-(?P<enc>(?:[a-p]{2})+)-(?P<token>[0-9a-f]{16})")
+#: the names of earlier releases, ``.fastpersist-staging-NAME-TOKEN`` (cleaned up only)
+_PLAIN_LEFTOVER_RE = re.compile(r"\.fastpersist-(?P<kind>staging|old)-(?P<name>.+)-(?P<token>[0-9a-f]{16})", re.DOTALL)
+NAME_ROOM = 100  #: bytes of a name kept by :func:`short_name` (encoded twice as long; NAME_MAX is 255)
 
 
 def short_name(name: str) -> str:
     """``name`` as it may appear in a staging name: itself, or (too long for NAME_MAX with the
-    prefix and token) a prefix of it, ``~`` and 16 hex digits of its SHA-256."""
+    prefix, encoding and token) a prefix of it, ``~`` and 16 hex digits of its SHA-256."""
     raw = os.fsencode(name)
     if len(raw) <= NAME_ROOM:
         return name
     return os.fsdecode(raw[:NAME_ROOM - 17]).rstrip("\udcff") + "~" + hashlib.sha256(raw).hexdigest()[:16]
 
 
+def _encode(name: str) -> str:
+    return "".join(chr(97 + (b >> 4)) + chr(97 + (b & 15)) for b in os.fsencode(name))
+
+
+def _decode(enc: str) -> str:
+    return os.fsdecode(bytes(((ord(enc[i]) - 97) << 4) | (ord(enc[i + 1]) - 97) for i in range(0, len(enc), 2)))
+
+
 def staging_name(name: str, token: str) -> str:
-    """``.fastpersist-staging-NAME-TOKEN`` (``name`` as given: shorten it first if needed)."""
-    return f"{STAGING_PREFIX}{name}-{token}"
+    """``.fastpersist-staging-ENC-TOKEN`` (``name`` as given: shorten it first if needed)."""
+    return f"{STAGING_PREFIX}{_encode(name)}-{token}"
 
 
 def old_name(name: str, token: str) -> str:
-    """``.fastpersist-old-NAME-TOKEN`` (``name`` as given: shorten it first if needed)."""
-    return f"{OLD_PREFIX}{name}-{token}"
+    """``.fastpersist-old-ENC-TOKEN`` (``name`` as given: shorten it first if needed)."""
+    return f"{OLD_PREFIX}{_encode(name)}-{token}"
+
+
+def parse_leftover(entry: str) -> Optional[tuple[str, str]]:
+    """``(kind, name)`` of a staging (``"staging"``) or moved-aside (``"old"``) directory
+    name of this or an earlier release, or None for any other name."""
+    m = LEFTOVER_RE.fullmatch(entry)
+    if m is not None:
+        return m["kind"], _decode(m["enc"])
+    m = _PLAIN_LEFTOVER_RE.fullmatch(entry)
+    return None if m is None else (m["kind"], m["name"])
 
 
 def why_not_staged(target: str, stage_parent: Optional[str] = None) -> Optional[str]:
@@ -197,15 +221,15 @@ def clean_leftovers(directory: str, restore_to: Callable[[str], Optional[str]], 
         return
     changed = False
     for entry in entries:
-        m = LEFTOVER_RE.fullmatch(entry)
-        dest = None if m is None else restore_to(m["name"])
-        if m is None or dest is None:
+        parsed = parse_leftover(entry)
+        dest = None if parsed is None else restore_to(parsed[1])
+        if parsed is None or dest is None:
             continue
         path = os.path.join(directory, entry)
         if os.path.islink(path) or not os.path.isdir(path):
             continue
         try:
-            if m["kind"] == "old" and not os.path.lexists(dest):
+            if parsed[0] == "old" and not os.path.lexists(dest):
                 logger.warning("fastpersist: a %s was killed while replacing %s: restoring the previous copy "
                                "from %s", operation, dest, path)
                 _sys.rename(path, dest)

@@ -252,38 +252,58 @@ def test_clean_leftovers_touches_only_our_own_names(tmp_path):
 
 
 def test_names_and_leftover_pattern():
-    s, o = dircommit.staging_name("ckpt-1", TOKEN), dircommit.old_name("ckpt-1", TOKEN)
-    assert (s, o) == (".fastpersist-staging-ckpt-1-" + TOKEN, ".fastpersist-old-ckpt-1-" + TOKEN)
+    s, o = dircommit.staging_name("hpc_ckpt_3.ckpt", TOKEN), dircommit.old_name("hpc_ckpt_3.ckpt", TOKEN)
+    assert s.startswith(".fastpersist-staging-") and o.startswith(".fastpersist-old-")
     for kind, name in (("staging", s), ("old", o)):
-        m = dircommit.LEFTOVER_RE.fullmatch(name)
-        assert m is not None and (m["kind"], m["name"], m["token"]) == (kind, "ckpt-1", TOKEN)
+        assert dircommit.parse_leftover(name) == (kind, "hpc_ckpt_3.ckpt")
+        # no part of the name and no digit before the token: Lightning's hpc_ckpt_N parsing,
+        # checkpoint_N / epoch=N patterns never take a staging directory for a checkpoint
+        assert "hpc_ckpt" not in name and "ckpt" not in name
+        assert not any(c.isdigit() for c in name[: -len(TOKEN)])
+    # earlier releases' names (the name in plain) are still recognised, for cleanup
+    assert dircommit.parse_leftover(".fastpersist-staging-ckpt-1-" + TOKEN) == ("staging", "ckpt-1")
+    assert dircommit.parse_leftover(".fastpersist-old-checkpoint_3-" + TOKEN) == ("old", "checkpoint_3")
+    assert dircommit.parse_leftover(".fastpersist-staging-ckpt-" + TOKEN[:-1]) is None
     assert dircommit.short_name("last") == "last"
     long_a, long_b = "é" * 150 + "a", "é" * 150 + "b"
     sa, sb = dircommit.short_name(long_a), dircommit.short_name(long_b)
     assert sa != sb and sa == dircommit.short_name(long_a)
     assert len(os.fsencode(sa)) <= dircommit.NAME_ROOM and sa.startswith("é" * 10)
     assert len(os.fsencode(dircommit.staging_name(sa, TOKEN))) <= 255
+    assert dircommit.parse_leftover(dircommit.old_name(sa, TOKEN)) == ("old", sa)
 
 
-def test_adapters_keep_their_names(tmp_path):
-    """The names both adapters produced before the shared module: leftovers of earlier saves stay recognised."""
+def test_lightning_hpc_listing_ignores_a_staging_leftover(tmp_path):
+    """A killed directory save of hpc_ckpt_3.ckpt (Lightning's DeepSpeed strategy saves a
+    directory per checkpoint) leaves its staging directory until the next save; Lightning's
+    HPC resume parses every name holding 'hpc_ckpt_' and must still find hpc_ckpt_1."""
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    (tmp_path / "hpc_ckpt_1.ckpt").mkdir()
+    (tmp_path / dircommit.staging_name("hpc_ckpt_3.ckpt", TOKEN)).mkdir()
+    assert _CheckpointConnector._CheckpointConnector__max_ckpt_version_in_folder(str(tmp_path)) == 1
+
+
+def test_adapters_use_the_shared_names(tmp_path):
+    """Both adapters name their staging and moved-aside directories with dircommit's names
+    (shortened first where too long), so one cleanup recognises both."""
     from fastpersist.integrations import accelerate as fpa
     from fastpersist.integrations import deepspeed as fpd
 
     out = tmp_path / "out"
     layout = fpa._Layout(types.SimpleNamespace(project_dir=None), str(out), False)
-    assert layout.staging(TOKEN) == str(tmp_path / f".fastpersist-staging-out-{TOKEN}")
-    assert layout.old(TOKEN) == str(tmp_path / f".fastpersist-old-out-{TOKEN}")
+    assert layout.staging(TOKEN) == str(tmp_path / dircommit.staging_name("out", TOKEN))
+    assert layout.old(TOKEN) == str(tmp_path / dircommit.old_name("out", TOKEN))
     auto = fpa._Layout(types.SimpleNamespace(project_dir=str(tmp_path)), str(tmp_path / "checkpoints" / "checkpoint_2"),
                        True)
-    assert auto.staging(TOKEN) == str(tmp_path / f".fastpersist-staging-checkpoint_2-{TOKEN}")
+    assert auto.staging(TOKEN) == str(tmp_path / dircommit.staging_name("checkpoint_2", TOKEN))
     tag = "t" * 300
     stage = fpd._Stage(types.SimpleNamespace(save_dir=str(tmp_path), tag=tag), TOKEN, True)
     import hashlib
 
-    short = "t" * 183 + "~" + hashlib.sha256(tag.encode()).hexdigest()[:16]
-    assert stage.staging == str(tmp_path / f".fastpersist-staging-{short}-{TOKEN}")
-    assert stage.old == str(tmp_path / f".fastpersist-old-{short}-{TOKEN}")
+    short = "t" * 83 + "~" + hashlib.sha256(tag.encode()).hexdigest()[:16]
+    assert stage.staging == str(tmp_path / dircommit.staging_name(short, TOKEN))
+    assert stage.old == str(tmp_path / dircommit.old_name(short, TOKEN))
 
 
 def test_why_not_staged(tmp_path, monkeypatch):

@@ -343,6 +343,15 @@ def _worker(mode: str, stage: int, root: str, port: str) -> None:
 if __name__ == "__main__" and "--worker" in sys.argv:
     i = sys.argv.index("--worker")
     _worker(sys.argv[i + 1], int(sys.argv[i + 2]), sys.argv[i + 3], sys.argv[i + 4])
+    # The results are written and every rank passed the last barrier: leave without
+    # finalizing the interpreter. torch's gloo worker thread (ProcessGroupGloo::runLoop) can
+    # free a tensor while Python finalizes; taking the GIL then ends the thread with a forced
+    # unwind and std::terminate aborts the rank ("terminate called without an active
+    # exception", issue 24 case 5: torch's, pytorch/pytorch PR 179291; backtrace in
+    # docs/reliability.md). fastpersist's own threads were not involved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 DECOUPLED_COMMIT_FAILURE = r"""
@@ -709,6 +718,15 @@ def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
 if __name__ == "__main__" and "--overwrite" in sys.argv:
     i = sys.argv.index("--overwrite")
     _overwrite_worker(*sys.argv[i + 1:i + 5])
+    # The results are written and every rank passed the last barrier: leave without
+    # finalizing the interpreter. torch's gloo worker thread (ProcessGroupGloo::runLoop) can
+    # free a tensor while Python finalizes; taking the GIL then ends the thread with a forced
+    # unwind and std::terminate aborts the rank ("terminate called without an active
+    # exception", issue 24 case 5: torch's, pytorch/pytorch PR 179291; backtrace in
+    # docs/reliability.md). fastpersist's own threads were not involved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 NO_EXCHANGE = r"""
