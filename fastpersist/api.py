@@ -134,7 +134,28 @@ def _native_write(handle: Any, plan: Any, final: str, fsync: bool) -> Callable[[
     )
 
 
-def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] = None, group: Any = None) -> None:
+#: ``__metadata__`` of a ``.safetensors`` file fastpersist.save writes when the caller gives none:
+#: what transformers' ``save_pretrained`` and Accelerate's ``save`` write (transformers 4.x
+#: refuses files whose metadata has no known ``format``; Accelerate warns on files without metadata).
+DEFAULT_SAFETENSORS_METADATA = {"format": "pt"}
+
+
+def safetensors_metadata(metadata: Optional[dict]) -> dict:
+    """The ``__metadata__`` :func:`save` writes for ``metadata``: the caller's entries,
+    with ``"format": "pt"`` added unless they set ``"format"`` themselves.
+
+    Anything but None or a dict is returned as it is, for the planner to refuse with
+    safetensors' error at the point safetensors checks it (after the tensors).
+    """
+    if metadata is not None and not isinstance(metadata, dict):
+        return metadata  # type: ignore[return-value]
+    out = dict(DEFAULT_SAFETENSORS_METADATA)
+    out.update(metadata or {})
+    return out
+
+
+def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] = None, group: Any = None,
+         metadata: Optional[dict] = None) -> None:
     """Save ``obj`` to ``path`` like ``torch.save``, at the speed of the storage.
 
     Args:
@@ -146,6 +167,11 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
         format: ``"torch"`` or ``"safetensors"``; default: by extension.
         group: a ``torch.distributed`` process group whose ranks all call ``save`` with the
             same (replicated) object and write one file together; see :mod:`fastpersist.distributed`.
+        metadata: safetensors only: the file's ``__metadata__`` (str -> str), with
+            ``"format": "pt"`` added unless it sets ``"format"`` (no metadata: ``{"format":
+            "pt"}``, as transformers' ``save_pretrained`` writes; transformers 4.x refuses
+            metadata without a known format). :func:`save_file` writes exactly what
+            ``safetensors.torch.save_file`` would.
 
     The file appears under ``path`` only when complete and durable (temporary file,
     fsync, rename, fsync of the directory). On any error the temporary file is
@@ -158,6 +184,8 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
     result loads with stock ``torch.load`` (or ``safetensors``).
     """
     if group is not None:
+        if metadata is not None:
+            raise TypeError("fastpersist.save(..., group=...) takes no metadata (group saves write {'format': 'pt'})")
         return __import__("fastpersist.distributed").distributed.save(obj, path, group=group, config=config, format=format)
     if not _is_path(path):
         raise TypeError(
@@ -172,13 +200,13 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
     fmt = _format_of(final, format)
     align = _alignment(os.path.dirname(final))
     if fmt == "safetensors":
-        from fastpersist.formats.safetensors import plan_safetensors
-
-        if not isinstance(obj, dict):
-            raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        plan = plan_safetensors(obj, None, align, checksum=cfg.checksum)
+        _save_safetensors(obj, final, safetensors_metadata(metadata), cfg, align)
+        return
     else:
         from fastpersist import _native
+
+        if metadata is not None:
+            raise TypeError(f"metadata= is for safetensors files; {final!r} is saved in torch's format")
 
         def write_stream(tmp: str) -> None:
             # A handle of its own: the stream collects its batches with wait().
@@ -193,8 +221,90 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
             log.debug("fast torch layout not possible for %s (%s); writing with torch's writer", final, e)
             _save_with_torch(obj, final, align, cfg)
         return
+
+
+def _save_safetensors(tensors: Any, final: str, metadata: Optional[dict], cfg: Any, align: int) -> None:
+    """Write ``tensors`` to ``final`` (resolved) as safetensors with exactly ``metadata``
+    (None: no ``__metadata__``)."""
+    from fastpersist.formats.safetensors import plan_safetensors
+
+    plan = plan_safetensors(tensors, metadata, align, checksum=cfg.checksum)
     atomic_write(final, _native_write(_handle(cfg), plan, final, cfg.fsync), fsync=cfg.fsync)
     del plan
+
+
+def save_file(tensors: dict, filename: PathLike, metadata: Optional[dict] = None, *, config: Any = None) -> None:
+    """Drop-in for ``safetensors.torch.save_file``: the same file contents for a reader
+    (names, dtypes, shapes, bytes, and ``__metadata__`` exactly ``metadata``: none when
+    None), the same validation and exception types, written the fastpersist way
+    (aligned O_DIRECT writes, temporary file + fsync + rename, per-tensor CRC-32s in
+    the tensors' entries for :func:`verify`/:func:`load`).
+
+    Differences on purpose: the header is padded with spaces so the data starts at a
+    multiple of 4096 (the bytes of the file differ from safetensors', not what any
+    reader returns); a tensor named ``__metadata__`` is refused (``ValueError``:
+    safetensors writes a file it cannot read back); I/O errors are ``OSError`` subclasses
+    naming the path (safetensors raises ``SafetensorError``).
+
+    Raises:
+        ValueError: not a dict of tensors, a non-contiguous or sparse tensor.
+        RuntimeError: tensors share memory (use ``safetensors.torch.save_model``, which
+            calls ``save_file`` and so works with this one substituted).
+        TypeError: a name or ``metadata`` that is not str (-> str), a path that is not
+            str or os.PathLike.
+        KeyError (an ``UnsupportedDtypeError``, also a ValueError): a dtype safetensors lacks.
+        NotImplementedError: a meta tensor.
+    """
+    if isinstance(filename, bytes) or not _is_path(filename):
+        raise TypeError(f"argument 'filename': expected str or os.PathLike object, not {type(filename).__name__}")
+    cfg = _config(config)
+    final = resolve_target(filename)
+    from fastpersist import asyncsave
+
+    asyncsave.before_blocking_save(final)
+    _save_safetensors(tensors, final, metadata, cfg, _alignment(os.path.dirname(final)))
+
+
+#: ``backend=`` values ``safetensors.torch.load_file`` accepts.
+_ST_BACKENDS = ("mmap", "pread")
+
+
+def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu", *, backend: str = "mmap",
+              config: Any = None) -> dict:
+    """Drop-in for ``safetensors.torch.load_file``: every tensor of a ``.safetensors``
+    file (any writer's) on ``device``, read with fastpersist's parallel reads, with the
+    file's fastpersist CRC-32s checked when it has them (``config.checksum``).
+
+    ``device``: ``"cpu"``, a device string, a CUDA index (``int``) or a
+    ``torch.device``; ``backend``: ``"mmap"`` or ``"pread"`` as safetensors accepts
+    (both read the same way here: the tensors own their memory).
+
+    Raises:
+        FileNotFoundError, OSError: the file cannot be read.
+        fastpersist.formats.safetensors.SafetensorsFormatError: not a valid
+            safetensors file (a ``safetensors.SafetensorError`` and a ``ValueError``).
+        fastpersist.errors.ChecksumError: a tensor does not match its recorded CRC-32.
+        TypeError: ``filename`` is not str or os.PathLike.
+    """
+    from fastpersist.formats.safetensors import SafetensorsValueError, load_safetensors
+
+    if not _is_path(filename) and not isinstance(filename, bytes):
+        raise TypeError(f"argument 'filename': expected str, bytes or os.PathLike object, not {type(filename).__name__}")
+    if backend not in _ST_BACKENDS:
+        raise SafetensorsValueError(f'backend "{backend}" is invalid (expected one of: "mmap", "pread")')
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"
+    try:
+        target = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise SafetensorsValueError(f"device {device} is invalid ({e})") from None
+    fspath = os.fsdecode(os.fspath(filename))
+    cfg = _config(config)
+    if _mmap_wanted(None) and target.type == "cpu":
+        from fastpersist.formats import mmapload
+
+        return mmapload.load_safetensors_mmap(fspath, _handle(cfg, read=True), checksum=cfg.checksum)
+    return load_safetensors(fspath, _handle(cfg, read=True), target, checksum=cfg.checksum)
 
 
 def _save_with_torch(obj: Any, final: str, alignment: int, cfg: Any) -> None:
@@ -202,8 +312,12 @@ def _save_with_torch(obj: Any, final: str, alignment: int, cfg: Any) -> None:
     from fastpersist import _compat
 
     def write(tmp: str) -> None:
-        with _compat.save_storage_alignment(alignment, required=False):
-            torch.serialization.save(obj, tmp)
+        # torch names the archive after a path's file name up to its last dot, and
+        # refuses an empty name ("invalid file name"): a temporary name such as
+        # ".fp-tmp-HASH-..." has none. Given an open file, torch names it "archive",
+        # as for every file object (torch.load reads any name).
+        with open(tmp, "wb") as f, _compat.save_storage_alignment(alignment, required=False):
+            torch.serialization.save(obj, f)
         if cfg.fsync:
             fsync_path(tmp)
 

@@ -481,7 +481,8 @@ def _bytes_plan(obj: Any) -> WritePlan:
                      file_size=n, keepalive=[data])
 
 
-def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any, device_sources: Any = None) -> WritePlan:
+def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any, device_sources: Any = None,
+          metadata: Optional[dict] = None) -> WritePlan:
     """The save's plan; ``device_sources`` (snapshots): CUDA storages recorded, not
     copied, for :func:`fastpersist.cudastage.stream_plan` (see docs/gpu.md)."""
     if fmt == "safetensors":
@@ -489,7 +490,8 @@ def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any, device_sources: 
 
         if not isinstance(obj, dict):
             raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        return plan_safetensors(obj, None, align, checksum=cfg.checksum, device_sources=device_sources)
+        return plan_safetensors(obj, api.safetensors_metadata(metadata), align, checksum=cfg.checksum,
+                                device_sources=device_sources)
     from fastpersist.formats.torchzip import plan_torch
 
     try:
@@ -543,6 +545,7 @@ def save_async(
     config: Any = None,
     format: Optional[str] = None,
     group: Any = None,
+    metadata: Optional[dict] = None,
 ) -> SaveFuture:
     """Save ``obj`` to ``path`` like :func:`fastpersist.save`, in the background.
 
@@ -555,6 +558,7 @@ def save_async(
     Returns once the state is captured (see the module docstring for ``mode``):
     the file will hold exactly the bytes of ``obj`` at this moment. Raises the
     error of an earlier async save that nobody collected, before starting.
+    ``metadata``: for ``.safetensors`` files, as :func:`fastpersist.save`'s.
 
     Raises:
         LazySaveError: ``mode="lazy"`` without a :func:`guard`-ed optimizer, or
@@ -569,6 +573,8 @@ def save_async(
     if not api._is_path(path):
         raise TypeError(f"fastpersist.save_async writes to a file path (str or os.PathLike), got {type(path).__name__}")
     cfg = api._config(config)
+    if metadata is not None and (group is not None or api._format_of(os.fspath(path), format) != "safetensors"):
+        raise TypeError("metadata= is for safetensors files saved without group= (as fastpersist.save)")
     _hook_multiprocessing_exit()
     if group is not None:
         import torch.distributed as dist
@@ -593,7 +599,7 @@ def save_async(
         from fastpersist import cudastage
 
         device = cudastage.is_cuda_storage if mode == "snapshot" else None
-        plan = _plan(obj, final, fmt, align, cfg, device)  # GC paused inside, restored on return
+        plan = _plan(obj, final, fmt, align, cfg, device, metadata)  # GC paused inside, restored on return
         if mode == "lazy":
             keep, owners = _lazy_split(plan, cfg.async_staging_limit, final)
             with _lock:

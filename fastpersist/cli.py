@@ -246,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_outputs(p, plot="write a bar chart (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the files of the last round")
     p.set_defaults(func=cmd_bench_dist)
+
+    from fastpersist.bench import stream_bench  # -- bench stream (fastpersist.bench.stream_bench) --
+
+    stream_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
     return parser
 
 
@@ -400,8 +404,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     those found in the directories named (:mod:`fastpersist.verifytree`), a line each.
     One exit status: 1 if any FAILED, else 2 if any could not be read (or a directory held
     no checkpoint), else 3 if any is UNCHECKED, else 0 (every one OK)."""
-    from fastpersist.formats.dcpverify import looks_like_dcp
-    from fastpersist.verifytree import collect
+    from fastpersist.verifytree import collect, is_dcp_dir
 
     paths = list(args.paths)
     single = len(paths) == 1 and not os.path.isdir(paths[0])
@@ -431,7 +434,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if not os.path.exists(path):
             error(path, FileNotFoundError(2, "No such file or directory", path))
             continue
-        if os.path.isdir(path) and not looks_like_dcp(path):
+        if os.path.isdir(path) and not is_dcp_dir(path):
             tree = collect(path)
             targets = tree.targets
             for p, reason in tree.skipped:

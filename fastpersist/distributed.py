@@ -690,7 +690,8 @@ def _plan(obj: Any, final: str, fmt: str, cfg: Any) -> tuple[Optional[split.Layo
 
         if not isinstance(obj, dict):
             raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        return split.Layout(plan_safetensors(obj, None, align, checksum=cfg.checksum), fmt), align
+        return split.Layout(plan_safetensors(obj, api.safetensors_metadata(None), align, checksum=cfg.checksum),
+                            fmt), align
     from fastpersist.formats.torchzip import plan_torch
 
     try:

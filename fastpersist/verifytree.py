@@ -54,9 +54,13 @@ def fastpersist_temp_reason(name: str) -> str | None:
 
 def is_dcp_dir(path: str) -> bool:
     """Whether ``path`` is a directory holding a DCP checkpoint (damaged ones too)."""
-    from fastpersist.formats.dcpverify import looks_like_dcp
-
-    return os.path.isdir(path) and looks_like_dcp(path)
+    if not os.path.isdir(path):
+        return False  # a file: no need of the DCP layer (which needs a newer torch than the file formats)
+    try:
+        from fastpersist.formats.dcpverify import looks_like_dcp
+    except ImportError:  # this torch has no DCP layer for fastpersist: DCP's own marker file
+        return os.path.isfile(os.path.join(path, ".metadata"))
+    return looks_like_dcp(path)
 
 
 def _starts_like_zip(path: str) -> bool:

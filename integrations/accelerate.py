@@ -18,9 +18,9 @@ What goes through fastpersist, for an enabled Accelerator: every file
 ``pytorch_model.bin``), the optimizer, scheduler, sampler, dataloader, GradScaler
 and RNG files and ``save_state``'s custom objects. The directory layout, the file
 names and formats are Accelerate's own, so stock Accelerate (without fastpersist)
-loads the result, and fastpersist loads stock checkpoints. One difference in the
-bytes: ``model.safetensors`` carries no ``{"format": "pt"}`` metadata entry
-(``safetensors`` and Accelerate do not need it).
+loads the result, and fastpersist loads stock checkpoints. ``model.safetensors``
+carries Accelerate's ``{"format": "pt"}`` metadata (``fastpersist.save``'s default for
+``.safetensors``), which transformers 4.x requires to load it.
 
 How (the hook points): :mod:`accelerate.checkpointing` calls the module globals
 ``save``, ``load``, ``load_model`` and ``torch.save`` for every file.

@@ -260,7 +260,7 @@ def _documented_commands() -> list[tuple[str, str]]:
             text = f.read()
         cmds = re.findall(r"`(fastpersist (?:info|verify|bench)[^`]*)`", text)
         for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S):
-            for line in block.splitlines():
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():  # continuation lines, as the shell joins them
                 m = re.search(r"(?:^|\s)(fastpersist (?:info|verify|bench)\b.*)$", line.strip())
                 if m:
                     cmds.append(m.group(1).split(" #")[0])

@@ -175,8 +175,9 @@ def test_file_writer_without_alignment_argument_falls_back(tmp_path, caplog, fre
     real = torch._C.PyTorchFileWriter
 
     def old_writer(f, *args):
-        # torch 2.6: no storage_alignment; here only torch.save's own call (a file name) works
-        if not isinstance(f, str):
+        # torch 2.6: no storage_alignment; here only torch.save's own calls work (a file
+        # name, or the real file the fallback opens), not fastpersist's probe and sinks
+        if not isinstance(f, (str, io.BufferedWriter)):
             raise TypeError("__init__(): incompatible constructor arguments")
         return real(f, *args)
 

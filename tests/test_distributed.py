@@ -708,7 +708,7 @@ def test_split_pieces_reassemble_the_file(tmp_path: Any, n: int, fmt: str) -> No
     obj = state() if fmt == "torch" else tensors()
     ref = str(tmp_path / ("ref." + ("pt" if fmt == "torch" else "safetensors")))
     fastpersist.save(obj, ref, config=cfg())
-    plan = plan_torch(obj, 4096) if fmt == "torch" else plan_safetensors(obj, None, 4096)
+    plan = plan_torch(obj, 4096) if fmt == "torch" else plan_safetensors(obj, fastpersist.api.safetensors_metadata(None), 4096)
     h = _native.Handle()
     bounds = split.slice_bounds(plan.file_size, n, 4096)
     assert all(lo % 4096 == 0 for lo, _ in bounds) and bounds[-1][1] == plan.file_size
@@ -738,7 +738,7 @@ def test_slices_written_before_the_crcs_are_known_reassemble_the_file(tmp_path: 
     obj = state() if fmt == "torch" else tensors()
     ref = str(tmp_path / ("ref." + ("pt" if fmt == "torch" else "safetensors")))
     fastpersist.save(obj, ref, config=cfg())
-    plan = plan_torch(obj, 4096) if fmt == "torch" else plan_safetensors(obj, None, 4096)
+    plan = plan_torch(obj, 4096) if fmt == "torch" else plan_safetensors(obj, fastpersist.api.safetensors_metadata(None), 4096)
     h = _native.Handle()
     out = str(tmp_path / "out")
     with open(out, "wb") as f:

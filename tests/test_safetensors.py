@@ -128,17 +128,77 @@ def _bad_inputs() -> list[tuple[str, Callable[[], tuple[Any, Any]]]]:
         ("reshaped view", lambda: ({"a": base, "b": base.view(2, 5)}, None)),
         ("metadata value not str", lambda: ({"a": torch.zeros(1)}, {"x": 1})),
         ("metadata key not str", lambda: ({"a": torch.zeros(1)}, {1: "x"})),
-    ]
+        ("metadata value None", lambda: ({"a": torch.zeros(1)}, {"x": None})),
+        ("metadata a list", lambda: ({"a": torch.zeros(1)}, [("x", "y")])),
+        ("metadata a str", lambda: ({"a": torch.zeros(1)}, "xy")),
+        ("meta tensor", lambda: ({"a": torch.zeros(2, device="meta")}, None)),
+        ("complex128", lambda: ({"a": torch.zeros(2, dtype=torch.complex128)}, None)),
+        ("non-contiguous and bad metadata", lambda: ({"a": torch.zeros(3, 4).t()}, {"x": 1})),
+    ] + ([("0-d float4", lambda: ({"a": torch.empty((), dtype=torch.float4_e2m1fn_x2)}, None))]
+         if hasattr(torch, "float4_e2m1fn_x2") else [])  # torch 2.7 has no float4
 
 
 @pytest.mark.parametrize("label,make", _bad_inputs(), ids=[b[0] for b in _bad_inputs()])
 def test_invalid_input_raises_like_safetensors(label: str, make: Callable[[], tuple[Any, Any]]) -> None:
+    """Every exception safetensors raises for bad input is one ours is an instance of
+    (ours may also be another type: e.g. ValueError besides safetensors' KeyError)."""
     tensors, metadata = make()
     with pytest.raises(Exception) as theirs:
         st.save(tensors, metadata=metadata)
     with pytest.raises(Exception) as ours:
         fst.plan_safetensors(tensors, metadata, 4096)
-    assert type(ours.value) is type(theirs.value), (ours.value, theirs.value)
+    assert isinstance(ours.value, type(theirs.value)), (ours.value, theirs.value)
+    if label == "meta tensor":
+        assert "Cannot copy out of meta tensor" in str(ours.value)
+
+
+def test_save_file_stand_in_raises_like_safetensors(tmp_path: Path) -> None:
+    """fastpersist.save_file and safetensors.torch.save_file on the same bad input."""
+    import fastpersist
+
+    for label, make in _bad_inputs():
+        tensors, metadata = make()
+        with pytest.raises(Exception) as theirs:
+            st.save_file(tensors, str(tmp_path / "s.safetensors"), metadata=metadata)
+        with pytest.raises(Exception) as ours:
+            fastpersist.save_file(tensors, tmp_path / "f.safetensors", metadata=metadata)
+        assert isinstance(ours.value, type(theirs.value)), (label, ours.value, theirs.value)
+        # the messages safetensors' own tests check word for word
+        if label in ("not a dict", "non-tensor value", "sparse"):
+            assert str(ours.value) == str(theirs.value)
+    for bad in (3, b"x.safetensors"):
+        with pytest.raises(TypeError):
+            st.save_file({"a": torch.zeros(1)}, bad)
+        with pytest.raises(TypeError):
+            fastpersist.save_file({"a": torch.zeros(1)}, bad)
+    assert not list(tmp_path.iterdir())
+
+
+def test_load_file_stand_in_raises_like_safetensors(tmp_path: Path) -> None:
+    import fastpersist
+
+    path = tmp_path / "a.safetensors"
+    st.save_file({"a": torch.arange(3)}, str(path))
+    garbage = tmp_path / "g.safetensors"
+    garbage.write_bytes(b"garbage!garbage")
+    empty = tmp_path / "e.safetensors"
+    empty.write_bytes(b"")
+    cases = [
+        ("missing", lambda f: f(str(tmp_path / "missing.safetensors"))),
+        ("garbage", lambda f: f(str(garbage))),
+        ("empty", lambda f: f(str(empty))),
+        ("bad device", lambda f: f(str(path), device="bogus")),
+        ("bad backend", lambda f: f(str(path), backend="bogus")),
+        ("int path", lambda f: f(3)),
+    ]
+    for label, call in cases:
+        with pytest.raises(Exception) as theirs:
+            call(st.load_file)
+        with pytest.raises(Exception) as ours:
+            call(fastpersist.load_file)
+        assert isinstance(ours.value, type(theirs.value)), (label, ours.value, theirs.value)
+    for backend in ("mmap", "pread"):
+        assert torch.equal(fastpersist.load_file(str(path), backend=backend)["a"], torch.arange(3))
 
 
 def test_shared_error_names_tensors_and_gives_advice() -> None:
@@ -151,9 +211,11 @@ def test_shared_error_names_tensors_and_gives_advice() -> None:
 def test_unsupported_dtype_and_reserved_name_are_refused() -> None:
     with pytest.raises(ValueError, match="complex128"):
         fst.plan_safetensors({"a": torch.zeros(2, dtype=torch.complex128)}, None, 4096)
+    with pytest.raises(KeyError, match="complex128"):  # what safetensors raises
+        fst.plan_safetensors({"a": torch.zeros(2, dtype=torch.complex128)}, None, 4096)
     with pytest.raises(ValueError, match="__metadata__"):
         fst.plan_safetensors({"__metadata__": torch.zeros(2)}, None, 4096)
-    with pytest.raises(ValueError, match="meta device"):
+    with pytest.raises(NotImplementedError, match="meta device"):
         fst.plan_safetensors({"a": torch.zeros(2, device="meta")}, None, 4096)
 
 
@@ -206,20 +268,80 @@ def test_data_section_starts_aligned(tmp_path: Path, handle: Any, alignment: int
     _same(fst.load_safetensors(path, handle)["w"], st.load_file(str(path))["w"])
 
 
-def test_metadata_preserved_and_crc_key_reserved(tmp_path: Path, handle: Any) -> None:
+def test_metadata_is_exactly_the_callers(tmp_path: Path, handle: Any) -> None:
+    """__metadata__ holds the caller's entries only (keys named like fastpersist's own
+    included); the CRCs are in the tensors' entries."""
     path = tmp_path / "m.safetensors"
-    meta = {"format": "pt", "ünïcode": "line\nbreak \"quoted\"", fst.CRC_METADATA_KEY: "stale"}
+    meta = {"format": "pt", "ünïcode": "line\nbreak \"quoted\"", fst.CRC_METADATA_KEY: "user value"}
     _write(handle, path, {"w": torch.ones(3)}, meta)
     with safetensors.safe_open(str(path), framework="pt") as f:
-        got = f.metadata()
-    assert got["format"] == "pt" and got["ünïcode"] == meta["ünïcode"]
-    assert got[fst.CRC_METADATA_KEY] == f"{zlib.crc32(_raw(torch.ones(3))):08x}"
+        assert f.metadata() == meta
+    head = _header(path)[1]
+    assert head["w"][fst.ENTRY_CRC_KEY] == f"{zlib.crc32(_raw(torch.ones(3))):08x}"
+    assert fst.verify_safetensors(path, handle) == []
 
     _write(handle, path, {"w": torch.ones(3)}, meta, checksum=False)
     with safetensors.safe_open(str(path), framework="pt") as f:
-        assert f.metadata() == {"format": "pt", "ünïcode": meta["ünïcode"]}
-    _write(handle, path, {"w": torch.ones(3)}, None, checksum=False)
-    assert "__metadata__" not in _header(path)[1]
+        assert f.metadata() == meta
+    assert fst.ENTRY_CRC_KEY not in _header(path)[1]["w"]
+    assert fst.check_safetensors(path, handle).checked is False  # the caller's key is not a legacy CRC list
+    assert fst.verify_safetensors(path, handle) == []
+    for checksum in (True, False):
+        _write(handle, path, {"w": torch.ones(3)}, None, checksum=checksum)
+        assert "__metadata__" not in _header(path)[1]
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            assert f.metadata() is None
+        _write(handle, path, {"w": torch.ones(3)}, {}, checksum=checksum)
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            assert f.metadata() == {}
+
+
+@pytest.mark.parametrize("metadata", [None, {}, {"Something": "more"}, {"format": "np", "k": "v"}])
+def test_save_file_metadata_equals_stock(tmp_path: Path, metadata: Optional[dict]) -> None:
+    """safe_open(...).metadata(), keys and tensors: fastpersist.save_file as stock save_file."""
+    import fastpersist
+
+    tensors = {"w": torch.randn(4, 3), "b": torch.arange(5, dtype=torch.int16), "e": torch.zeros(0)}
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    fastpersist.save_file(tensors, ours, metadata=None if metadata is None else dict(metadata))
+    st.save_file(tensors, str(theirs), metadata=metadata)
+    with safetensors.safe_open(str(ours), framework="pt") as f, safetensors.safe_open(str(theirs), "pt") as g:
+        assert f.metadata() == g.metadata() == metadata
+        assert sorted(f.keys()) == sorted(g.keys())
+    loaded = fastpersist.load_file(ours)
+    for name, t in tensors.items():
+        _same(loaded[name], t)
+        _same(st.load_file(str(ours))[name], t)
+    assert fastpersist.verify(ours).status == "ok"
+
+
+def test_fastpersist_save_writes_format_pt(tmp_path: Path) -> None:
+    """fastpersist.save of a .safetensors path writes {"format": "pt"} (what transformers'
+    save_pretrained writes) plus the caller's metadata; the caller's "format" wins."""
+    import fastpersist
+
+    path = tmp_path / "m.safetensors"
+    cases = [(None, {"format": "pt"}), ({"step": "3"}, {"format": "pt", "step": "3"}),
+             ({"format": "np"}, {"format": "np"})]
+    for given, expected in cases:
+        fastpersist.save({"w": torch.ones(2)}, path, metadata=given)
+        with safetensors.safe_open(str(path), framework="pt") as f:
+            assert f.metadata() == expected
+        assert fastpersist.verify(path).status == "ok"
+    fastpersist.save({"w": torch.ones(2)}, tmp_path / "x.bin", format="safetensors")
+    with safetensors.safe_open(str(tmp_path / "x.bin"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    with pytest.raises(TypeError):
+        fastpersist.save({"w": torch.ones(2)}, path, metadata={"k": 1})
+    with pytest.raises(TypeError, match="safetensors"):
+        fastpersist.save({"w": torch.ones(2)}, tmp_path / "x.pt", metadata={"k": "v"})
+    for given, expected in cases:
+        fastpersist.save_async({"w": torch.ones(2)}, tmp_path / "a.safetensors", metadata=given).wait()
+        with safetensors.safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+            assert f.metadata() == expected
+        assert fastpersist.verify(tmp_path / "a.safetensors").status == "ok"
+    with pytest.raises(TypeError, match="safetensors"):
+        fastpersist.save_async({"w": torch.ones(2)}, tmp_path / "a.pt", metadata={"k": "v"})
 
 
 def test_empty_dict_and_only_empty_tensors(tmp_path: Path, handle: Any) -> None:
@@ -379,9 +501,110 @@ def test_damaged_checksum_field_is_reported(tmp_path: Path, handle: Any) -> None
     path = tmp_path / "d.safetensors"
     _write(handle, path, {"w": torch.ones(4)}, None)
     raw = path.read_bytes()
-    at = raw.index(fst.CRC_METADATA_KEY.encode()) + len(fst.CRC_METADATA_KEY) + 3
+    at = raw.index(b'"' + fst.ENTRY_CRC_KEY.encode() + b'":"') + len(fst.ENTRY_CRC_KEY) + 4
     data = bytearray(raw)
     data[at] = ord("g") if data[at] != ord("g") else ord("h")  # not a hex digit any more
     path.write_bytes(bytes(data))
     problems = fst.verify_safetensors(path, handle)
     assert problems and "'w'" in problems[0] and "8 hex digits" in problems[0]
+
+
+def _edit_header(path: Path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (same length) in the header of ``path``."""
+    assert len(old) == len(new)
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    assert data[8 : 8 + n].count(old) == 1, old
+    path.write_bytes(data.replace(old, new, 1))
+
+
+@pytest.mark.parametrize(
+    "old,new,what",
+    [
+        (b'"shape":[2,3]', b'"shape":[3,2]', "header"),  # a shape, same bytes
+        (b'"dtype":"I32"', b'"dtype":"U32"', "header"),  # a dtype of the same width
+        (b'"step":"7"', b'"step":"8"', "header"),  # the caller's metadata
+        (b'"fastpersist.header_crc32"', b'"fastpersist.header_crc3X"', "fastpersist.header_crc32"),
+        (b'[24,40],"fastpersist.crc32":"', b'[24,40],"fastpersist.crc3X":"', "no recorded checksum"),
+    ],
+)
+def test_altered_header_is_detected(tmp_path: Path, handle: Any, old: bytes, new: bytes, what: str) -> None:
+    """The header CRC in the first entry covers names, dtypes, shapes, offsets and the
+    whole __metadata__; a stray or missing fastpersist key is reported too."""
+    import fastpersist
+
+    path = tmp_path / "h.safetensors"
+    fastpersist.save_file({"w": torch.randn(2, 3), "i": torch.arange(4, dtype=torch.int32)}, path,
+                          metadata={"step": "7"})
+    assert fastpersist.verify(path).status == "ok"
+    _edit_header(path, old, new)
+    result = fastpersist.verify(path)
+    assert result.status == "corrupt" and what in "\n".join(result.problems), result.problems
+    with pytest.raises(ChecksumError):
+        fastpersist.load(path)
+    with pytest.raises(ChecksumError):
+        fastpersist.load_file(path)
+
+
+def test_legacy_metadata_crcs_are_still_verified(tmp_path: Path, handle: Any) -> None:
+    """Files of earlier fastpersist versions (CRCs in __metadata__) verify and load checked."""
+    import fastpersist
+
+    tensors = {"w": torch.randn(5), "i": torch.arange(3)}
+    path = tmp_path / "legacy.safetensors"
+    st.save_file(tensors, str(path))  # then rewritten with the old header layout
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8 : 8 + n])
+    body = data[8 + n :]
+    order = sorted((k for k in head), key=lambda k: head[k]["data_offsets"][0])
+    meta = {fst.CRC_METADATA_KEY: ",".join(
+        f"{zlib.crc32(body[head[k]['data_offsets'][0]:head[k]['data_offsets'][1]]):08x}" for k in order)}
+    meta[fst.HEADER_CRC_METADATA_KEY] = f"{fst.header_crc32({k: (e['dtype'], e['shape'], e['data_offsets']) for k, e in head.items()}, meta):08x}"
+    text = json.dumps({"__metadata__": meta, **head}).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + body)
+    assert fastpersist.verify(path).status == "ok"
+    _flip(path, 8 + len(text) + 2)
+    assert fastpersist.verify(path).status == "corrupt"
+
+
+@pytest.mark.parametrize("crc_value", [123, None, ["00000000"], {"a": 1}, "ABCDEF01", "0000000"])
+def test_entry_checksum_of_the_wrong_type_is_reported(tmp_path: Path, crc_value: Any) -> None:
+    """A hostile header: an entry's fastpersist.crc32 that is not 8 lowercase hex digits
+    is a problem of verify and a ChecksumError of load, never a crash; safetensors
+    itself ignores the key and loads the file."""
+    import fastpersist
+
+    tensors = {"w": torch.randn(3), "i": torch.arange(2)}
+    path = tmp_path / "x.safetensors"
+    fastpersist.save_file(tensors, path)
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8 : 8 + n])
+    head["w"][fst.ENTRY_CRC_KEY] = crc_value
+    text = json.dumps(head).encode()
+    assert len(text) <= n
+    path.write_bytes(data[:8] + text + b" " * (n - len(text)) + data[8 + n :])
+    result = fastpersist.verify(path)
+    assert result.status == "corrupt" and "'w'" in "\n".join(result.problems), result.problems
+    with pytest.raises(ChecksumError):
+        fastpersist.load_file(path)
+    assert torch.equal(st.load_file(str(path))["w"], tensors["w"])
+
+
+def test_header_checksum_in_two_entries_is_reported(tmp_path: Path) -> None:
+    import fastpersist
+
+    path = tmp_path / "x.safetensors"
+    fastpersist.save_file({"w": torch.randn(3), "i": torch.arange(2)}, path)
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    head = json.loads(data[8 : 8 + n])
+    first = next(k for k in head if fst.ENTRY_HEADER_CRC_KEY in head[k])
+    other = next(k for k in head if k != first)
+    head[other][fst.ENTRY_HEADER_CRC_KEY] = head[first][fst.ENTRY_HEADER_CRC_KEY]
+    text = json.dumps(head).encode()
+    path.write_bytes(data[:8] + text + b" " * (n - len(text)) + data[8 + n :])
+    result = fastpersist.verify(path)
+    assert result.status == "corrupt" and fst.ENTRY_HEADER_CRC_KEY in "\n".join(result.problems)

@@ -446,3 +446,24 @@ def test_property_random_state_dicts(spec, assert_same):
         tmp = pathlib.Path(d)
         check_roundtrip(obj, tmp, assert_same, weights_only=True)
         assert fastpersist.verify(tmp / "ckpt.pt").ok
+
+
+def test_fallback_to_torchs_writer_round_trips(tmp_path, monkeypatch, assert_same):
+    """A save the fast layout cannot take (UnsupportedLayoutError: an old torch, an
+    object the planner refuses) is written by torch's own writer into the temporary
+    file. torch names a path's archive after the file name up to its last dot and
+    refuses an empty one, which the temporary names (.fp-tmp-HASH-...) would give:
+    every fallback save failed with "invalid file name" on every torch."""
+    import fastpersist.api as api
+    from fastpersist.errors import UnsupportedLayoutError
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedLayoutError("refused by the test")
+
+    monkeypatch.setattr(api.torchzip, "stream_save_torch", refuse)
+    obj = {"w": torch.randn(3, 5), "step": 7, "view": torch.arange(10)[2:6]}
+    path = tmp_path / "ckpt.pt"
+    fastpersist.save(obj, path)
+    assert_same(torch.load(path, weights_only=True), obj)
+    assert_same(fastpersist.load(path, weights_only=True), obj)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]

@@ -10,17 +10,23 @@ What fastpersist adds, within the format:
 * the header is padded with spaces so that the data section starts at a multiple
   of the O_DIRECT alignment (4096 or the device's block size). The tensors stay
   back to back, as the format requires, so only the first tensor is aligned;
-* when checksums are on, ``__metadata__["fastpersist.crc32"]`` holds one CRC-32
-  (8 lowercase hex digits, comma-separated) per tensor, in data order. The native
-  writer fills them in while it streams the data (``PATCH_HEX8`` patches), so the
-  file is written in one pass. ``__metadata__["fastpersist.header_crc32"]`` holds a
-  CRC-32 of the header's meaning (tensor names, dtypes, shapes, offsets, other
-  metadata; :func:`header_crc32`), so a changed header is detected too. Both keys
-  are reserved: user metadata entries of those names are dropped.
+* when checksums are on, every tensor's entry carries one more key,
+  ``"fastpersist.crc32"``: the CRC-32 of its bytes (8 lowercase hex digits). The
+  native writer fills them in while it streams the data (``PATCH_HEX8`` patches), so
+  the file is written in one pass. The first entry (in data order) also carries
+  ``"fastpersist.header_crc32"``, a CRC-32 of the header's meaning (tensor names,
+  dtypes, shapes, offsets and the whole ``__metadata__``; :func:`entries_header_crc32`),
+  so a changed header is detected too. safetensors (its Rust ``TensorInfo`` has no
+  ``deny_unknown_fields``), huggingface_hub, torch's DCP HF reader and every reader
+  that picks ``dtype``/``shape``/``data_offsets`` by name ignore the extra keys, and
+  ``__metadata__`` stays exactly the caller's: ``safe_open(...).metadata()`` returns
+  what ``safetensors.torch.save_file`` would have written (``None`` without metadata),
+  so transformers' check of ``metadata["format"]`` sees the caller's metadata only.
+  A file with no tensors has no entry to carry checksums: it is "unchecked".
 
-Tensors are written in the order ``safetensors.torch.save_file`` uses (wider dtypes
-first, then by name), so without metadata, checksums and extra alignment the bytes
-are identical to safetensors' own.
+Files written by earlier fastpersist versions kept the CRCs in ``__metadata__``
+(``"fastpersist.crc32"``: comma-separated, data order; ``"fastpersist.header_crc32"``);
+they are still read and verified (:data:`CRC_METADATA_KEY`).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import math
 import os
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
@@ -41,6 +47,12 @@ from fastpersist.formats.zipindex import pread_full
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
 
 __all__ = [
+    "ENTRY_CRC_KEY",
+    "ENTRY_HEADER_CRC_KEY",
+    "SafetensorsInputError",
+    "UnsupportedDtypeError",
+    "MetaTensorError",
+    "entries_header_crc32",
     "CRC_METADATA_KEY",
     "HEADER_CRC_METADATA_KEY",
     "DTYPE_CODES",
@@ -55,7 +67,13 @@ __all__ = [
     "SafetensorsCheck",
 ]
 
-#: ``__metadata__`` key holding the per-tensor CRC-32s written by fastpersist.
+#: Key of a tensor's entry holding the CRC-32 of its bytes (8 lowercase hex digits).
+ENTRY_CRC_KEY = "fastpersist.crc32"
+#: Key of the first entry (data order) holding :func:`entries_header_crc32` of the header.
+ENTRY_HEADER_CRC_KEY = "fastpersist.header_crc32"
+
+#: Legacy (files of earlier fastpersist versions): ``__metadata__`` key holding the
+#: per-tensor CRC-32s, comma-separated, in data order.
 CRC_METADATA_KEY = "fastpersist.crc32"
 #: ``__metadata__`` key holding a CRC-32 of the header's meaning (see :func:`header_crc32`):
 #: tensor names, dtypes, shapes, offsets and the other metadata entries.
@@ -64,7 +82,7 @@ _RESERVED_KEYS = (CRC_METADATA_KEY, HEADER_CRC_METADATA_KEY)
 
 
 def header_crc32(entries: dict[str, tuple[str, list[int], list[int]]], metadata: Optional[dict[str, str]]) -> int:
-    """CRC-32 of a canonical JSON of ``name -> (dtype, shape, data_offsets)`` and the
+    """Legacy header CRC (``__metadata__[HEADER_CRC_METADATA_KEY]``): CRC-32 of a canonical JSON of ``name -> (dtype, shape, data_offsets)`` and the
     metadata entries other than fastpersist's own: whitespace and key order do not
     count, every value torch would see does."""
     import zlib
@@ -73,6 +91,18 @@ def header_crc32(entries: dict[str, tuple[str, list[int], list[int]]], metadata:
     tensors = {name: [dtype, list(shape), list(offsets)] for name, (dtype, shape, offsets) in entries.items()}
     text = json.dumps({"m": meta, "t": tensors}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return zlib.crc32(text.encode("ascii"))
+
+def entries_header_crc32(entries: dict[str, tuple[str, list[int], list[int]]], metadata: Optional[dict[str, str]]) -> int:
+    """CRC-32 of a canonical JSON of ``name -> (dtype, shape, data_offsets)`` and the
+    whole ``__metadata__`` (``None`` and ``{}`` differ): whitespace and key order do not
+    count, every value a reader would see does. fastpersist's own entry keys are not
+    part of it (they are checked on their own)."""
+    import zlib
+
+    tensors = {name: [dtype, list(shape), list(offsets)] for name, (dtype, shape, offsets) in entries.items()}
+    text = json.dumps({"m": metadata, "t": tensors}, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return zlib.crc32(text.encode("ascii"))
+
 
 #: Largest header safetensors accepts (bytes of JSON).
 MAX_HEADER_SIZE = 100_000_000
@@ -121,11 +151,44 @@ del _rank, _code, _attr, _bits, _dt
 _PACKED = "F4"  # the one sub-byte dtype: header shape's last dim is twice torch's
 
 
-class SafetensorsFormatError(CheckpointFormatError):
-    """A file is not a valid safetensors file; ``path`` names it."""
+try:  # the exception safetensors raises for invalid files, devices, 0-d float4 ...
+    from safetensors import SafetensorError as _StockError
+except ImportError:  # safetensors is optional: a stand-in with the same role
+
+    class _StockError(Exception):  # type: ignore[no-redef]
+        """Stands for ``safetensors.SafetensorError`` when safetensors is not installed."""
+
+
+class SafetensorsFormatError(CheckpointFormatError, _StockError):
+    """A file is not a valid safetensors file; ``path`` names it. Also a
+    ``safetensors.SafetensorError`` (what safetensors raises for the same file) when
+    safetensors is installed, and a ``ValueError``."""
 
     def __init__(self, message: str, path: Optional[str] = None, offset: Optional[int] = None) -> None:
         super().__init__(message, path, offset)
+
+
+class SafetensorsInputError(ValueError, TypeError):
+    """``tensors`` is not a dict: ``ValueError`` as safetensors raises it, and the
+    ``TypeError`` earlier fastpersist versions raised."""
+
+
+class UnsupportedDtypeError(ValueError, KeyError):
+    """A tensor's dtype has no safetensors code: a ``ValueError``, and the ``KeyError``
+    safetensors raises (its dtype table lookup) for the same tensor."""
+
+    def __str__(self) -> str:  # not KeyError's repr() of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class MetaTensorError(NotImplementedError, ValueError):
+    """A meta tensor has no bytes to save: ``NotImplementedError`` (a ``RuntimeError``)
+    as torch's copy out of a meta tensor raises inside safetensors, and a ``ValueError``."""
+
+
+class SafetensorsValueError(ValueError, _StockError):
+    """An argument safetensors refuses with ``SafetensorError`` (a 0-d float4 tensor, an
+    unknown device or backend); also a ``ValueError``."""
 
 
 class _Reader(Protocol):
@@ -168,52 +231,86 @@ class SafetensorsHeader:
     metadata: Optional[dict[str, str]]
     data_start: int  # file offset of the first data byte: 8 + header length
     file_size: int
+    #: name -> the raw value of its entry's :data:`ENTRY_CRC_KEY` (absent names: no such key)
+    entry_crcs: dict[str, Any] = field(default_factory=dict)
+    #: the raw values of :data:`ENTRY_HEADER_CRC_KEY` found in entries (name, value)
+    entry_header_crcs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def legacy(self) -> bool:
+        """The CRCs are in ``__metadata__`` (files of earlier fastpersist versions, which
+        wrote both legacy keys). Not when the tensors' entries carry fastpersist keys, nor
+        for a caller's metadata that happens to use one of those names (checksums off)."""
+        return not self.entry_crcs and not self.entry_header_crcs and self.metadata is not None \
+            and CRC_METADATA_KEY in self.metadata and HEADER_CRC_METADATA_KEY in self.metadata
 
     @property
     def crcs(self) -> Optional[list[Optional[int]]]:
         """CRC-32 per tensor (data order) recorded by fastpersist, ``None`` if absent.
 
-        An entry is ``None`` if it cannot be parsed; the list may have the wrong
-        length in a damaged file (see :func:`verify_safetensors`).
+        An entry is ``None`` if it is missing or cannot be parsed; a legacy list may
+        have the wrong length in a damaged file (see :func:`verify_safetensors`).
         """
-        if self.metadata is None or CRC_METADATA_KEY not in self.metadata:
+        if self.entry_crcs or self.entry_header_crcs:
+            return [_hex8(self.entry_crcs.get(e.name)) for e in self.tensors]
+        if not self.legacy:
             return None
+        assert self.metadata is not None
         text = self.metadata[CRC_METADATA_KEY]
         if text == "":
             return []
-        out: list[Optional[int]] = []
-        for item in text.split(","):
-            ok = len(item) == 8 and all(c in "0123456789abcdef" for c in item)
-            out.append(int(item, 16) if ok else None)
-        return out
+        return [_hex8(item) for item in text.split(",")]
+
+
+def _hex8(item: Any) -> Optional[int]:
+    ok = isinstance(item, str) and len(item) == 8 and all(c in "0123456789abcdef" for c in item)
+    return int(item, 16) if ok else None
 
 
 # ---------------------------------------------------------------------------
 # Planning a write.
 
 
-def _check_inputs(tensors: Any, metadata: Any) -> None:
+def _check_inputs(tensors: Any) -> None:
+    """safetensors' first checks, in its order: a dict, of tensors, dense."""
     if not isinstance(tensors, dict):
-        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+        raise SafetensorsInputError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
     for name, value in tensors.items():
-        if not isinstance(name, str):
-            raise TypeError(f"safetensors tensor names must be str, got {type(name).__name__} {name!r}")
-        if name == "__metadata__":
-            raise ValueError("'__metadata__' is reserved by the safetensors format and cannot name a tensor")
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"Key `{name}` is invalid, expected torch.Tensor but received {type(value)}")
     sparse = [name for name, value in tensors.items() if value.layout != torch.strided]
     if sparse:
         raise ValueError(
-            f"You are trying to save sparse tensors: {sparse}, which safetensors does not support. "
-            "Make them dense with `.to_dense()` first (the file may be much larger)."
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not support."
+            " You can make it a dense tensor before saving with `.to_dense()` but be aware this might"
+            " make a much larger file than needed."
         )
+
+
+def _check_names(tensors: dict[Any, torch.Tensor]) -> None:
+    """Tensor names: str (safetensors' ``TypeError`` otherwise), never ``__metadata__``."""
+    for name in tensors:
+        if not isinstance(name, str):
+            raise TypeError(f"argument 'tensor_dict': safetensors tensor names must be str, got "
+                            f"{type(name).__name__} {name!r}")
+        if name == "__metadata__":
+            # safetensors writes such a file, and then cannot read it back
+            raise ValueError("'__metadata__' is reserved by the safetensors format and cannot name a tensor")
+
+
+def check_metadata(metadata: Any) -> None:
+    """safetensors' rule for ``metadata``: None or a dict of str to str.
+
+    Raises:
+        TypeError: anything else (as safetensors raises it).
+    """
     if metadata is not None:
         if not isinstance(metadata, dict):
-            raise TypeError(f"metadata must be a dict of str to str or None, not {type(metadata).__name__}")
+            raise TypeError(f"argument 'metadata': metadata must be a dict of str to str or None, "
+                            f"not {type(metadata).__name__}")
         for key, value in metadata.items():
             if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(f"metadata must map str to str; got {key!r}: {value!r}")
+                raise TypeError(f"argument 'metadata': metadata must map str to str; got {key!r}: {value!r}")
 
 
 def _find_shared(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
@@ -248,9 +345,8 @@ def _find_shared(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
 def _prepare(name: str, t: torch.Tensor, keep_device: Any = None) -> torch.Tensor:
     """Validate one tensor and return a CPU tensor whose memory holds exactly its bytes
     (a tensor on its own device when ``keep_device(storage)`` says so: a device source)."""
-    if t.dtype not in DTYPE_CODES:
-        supported = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
-        raise ValueError(f"Tensor `{name}` has dtype {t.dtype}, which safetensors cannot store (supported: {supported})")
+    # safetensors' order: contiguity, then the copy to CPU (torch refuses meta tensors),
+    # then its dtype table
     if not t.is_contiguous():
         raise ValueError(
             f"You are trying to save a non contiguous tensor: `{name}`, which safetensors does not allow. "
@@ -258,7 +354,12 @@ def _prepare(name: str, t: torch.Tensor, keep_device: Any = None) -> torch.Tenso
             "otherwise call `.contiguous()` on it before saving."
         )
     if t.device.type == "meta":
-        raise ValueError(f"Tensor `{name}` is on the meta device and has no data to save")
+        raise MetaTensorError(f"Cannot copy out of meta tensor; no data! (tensor `{name}` is on the meta device "
+                              "and has no data to save)")
+    if t.dtype not in DTYPE_CODES:
+        supported = ", ".join(str(d).replace("torch.", "") for d in DTYPE_CODES)
+        raise UnsupportedDtypeError(
+            f"Tensor `{name}` has dtype {t.dtype}, which safetensors cannot store (supported: {supported})")
     t = t.detach()
     if t.device.type != "cpu" and not (keep_device is not None and keep_device(t.untyped_storage())):
         t = t.to("cpu")  # staged; the native writer reads host memory
@@ -273,7 +374,8 @@ def _header_shape(code: str, t: torch.Tensor) -> list[int]:
     shape = list(t.shape)
     if code == _PACKED:
         if not shape:
-            raise ValueError("a 0-d float4_e2m1fn_x2 tensor cannot be stored in safetensors (two values per byte)")
+            raise SafetensorsValueError("a 0-d float4_e2m1fn_x2 tensor cannot be stored in safetensors "
+                                       "(two values per byte)")
         shape[-1] *= 2
     return shape
 
@@ -288,17 +390,19 @@ def plan_safetensors(
 ) -> WritePlan:
     """Lay out a safetensors file for the native writer, copying no tensor bytes.
 
-    Validation matches ``safetensors.torch.save_file``: a dict of str to dense,
-    contiguous tensors; tensors that share memory are refused (save one of them, or
-    use ``safetensors.torch.save_model``); ``metadata`` maps str to str. Non-CPU
-    tensors are copied to CPU first.
+    Validation matches ``safetensors.torch.save_file`` (same checks, same order, same
+    exception types): a dict of str to dense, contiguous tensors; tensors that share
+    memory are refused (save one of them, or use ``safetensors.torch.save_model``);
+    ``metadata`` maps str to str. Non-CPU tensors are copied to CPU first.
 
     Args:
         tensors: name -> tensor.
-        metadata: free-form ``__metadata__`` (preserved, except the reserved
-            :data:`CRC_METADATA_KEY`).
+        metadata: the file's ``__metadata__``, written exactly as given (``None``: no
+            ``__metadata__``, as ``save_file`` does; ``fastpersist.save`` passes
+            ``{"format": "pt"}`` by default, see :func:`fastpersist.api.safetensors_metadata`).
         alignment: the data section starts at a multiple of ``lcm(alignment, 8)``.
-        checksum: record a CRC-32 per tensor in ``__metadata__[CRC_METADATA_KEY]``.
+        checksum: record a CRC-32 per tensor in its entry (:data:`ENTRY_CRC_KEY`) and
+            one of the header in the first entry (:data:`ENTRY_HEADER_CRC_KEY`).
         device_sources: a predicate on storages (e.g.
             :func:`fastpersist.cudastage.is_cuda_storage`): tensors it accepts are not
             copied to CPU but recorded in a :class:`fastpersist.cudastage.DeviceSources`
@@ -310,12 +414,14 @@ def plan_safetensors(
         non-empty tensors in data order (``slot_names``).
 
     Raises:
-        ValueError, TypeError: invalid input (as safetensors raises them).
+        ValueError, TypeError, NotImplementedError, KeyError: invalid input, as
+            safetensors raises them (see :class:`SafetensorsInputError`,
+            :class:`UnsupportedDtypeError`, :class:`MetaTensorError`).
         RuntimeError: tensors share memory.
     """
     if not isinstance(alignment, int) or alignment <= 0:
         raise ValueError(f"alignment must be a positive int, not {alignment!r}")
-    _check_inputs(tensors, metadata)
+    _check_inputs(tensors)
     shared = _find_shared(tensors)
     if shared:
         raise RuntimeError(
@@ -326,6 +432,8 @@ def plan_safetensors(
         )
 
     prepared = {name: _prepare(name, t, device_sources) for name, t in tensors.items()}
+    _check_names(tensors)
+    check_metadata(metadata)
     sources: Any = None
     if device_sources is not None:
         from fastpersist.cudastage import DeviceSources
@@ -345,21 +453,30 @@ def plan_safetensors(
         offset += nbytes
     data_size = offset
 
-    head: dict[str, Any] = {}
-    if checksum or metadata is not None:
-        meta: dict[str, str] = {}
+    # The JSON, member by member, so that the byte position of each CRC placeholder is known.
+    def dumps(value: Any) -> bytes:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+    members: list[bytes] = []
+    if metadata is not None:
+        members.append(b'"__metadata__":' + dumps(dict(metadata)))
+    header_crc = b""
+    if checksum and entries:
+        crc = entries_header_crc32({n: (e["dtype"], e["shape"], e["data_offsets"]) for n, e in entries.items()},
+                                   None if metadata is None else dict(metadata))
+        header_crc = dumps(ENTRY_HEADER_CRC_KEY) + b':"' + f"{crc:08x}".encode() + b'"'
+    crc_at: dict[str, int] = {}  # name -> offset of its 8 placeholder digits in the JSON text
+    position = 1  # after "{"
+    for index, name in enumerate(order):
+        member = dumps(name) + b":" + dumps(entries[name])[:-1]  # without the closing "}"
         if checksum:
-            meta[CRC_METADATA_KEY] = ",".join("0" * 8 for _ in layout)
-            meta[HEADER_CRC_METADATA_KEY] = "0" * 8  # filled in below, once the entries are known
-        for key, value in (metadata or {}).items():
-            if key not in _RESERVED_KEYS:
-                meta[key] = value
-        if checksum:
-            crc = header_crc32({n: (e["dtype"], e["shape"], e["data_offsets"]) for n, e in entries.items()}, meta)
-            meta[HEADER_CRC_METADATA_KEY] = f"{crc:08x}"
-        head["__metadata__"] = meta
-    head.update(entries)
-    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+            member += b"," + dumps(ENTRY_CRC_KEY) + b':"'
+            crc_at[name] = position + sum(len(m) + 1 for m in members) + len(member)
+            member += b'00000000"'
+            if index == 0:
+                member += b"," + header_crc
+        members.append(member + b"}")
+    text = b"{" + b",".join(members) + b"}"
 
     unit = alignment * 8 // math.gcd(alignment, 8)
     data_start = -(-(_LEN.size + len(text)) // unit) * unit
@@ -370,12 +487,7 @@ def plan_safetensors(
     extents: list[tuple[int, int, int, int]] = [(0, header_t.data_ptr(), data_start, -1)]
     patches: list[tuple[int, int, int]] = []
     slot_names: list[str] = []
-    crc_at = 0
-    if checksum:
-        prefix = json.dumps({"__metadata__": {CRC_METADATA_KEY: ""}}, separators=(",", ":")).encode()[:-3]
-        assert text.startswith(prefix)
-        crc_at = _LEN.size + len(prefix)
-    for index, (name, t, begin, nbytes) in enumerate(layout):
+    for name, t, begin, nbytes in layout:
         if nbytes == 0:
             continue  # its CRC is 0: the placeholder already says 00000000
         slot = len(slot_names) if checksum else -1
@@ -384,7 +496,7 @@ def plan_safetensors(
             ptr = sources.add(t.reshape(-1).view(torch.uint8))
         extents.append((data_start + begin, ptr, nbytes, slot))
         if checksum:
-            patches.append((crc_at + 9 * index, slot, PATCH_HEX8))
+            patches.append((_LEN.size + crc_at[name], slot, PATCH_HEX8))
             slot_names.append(name)
 
     return WritePlan(
@@ -459,6 +571,8 @@ def parse_header(path: str, header_json: bytes, file_size: int) -> SafetensorsHe
         raise bad("__metadata__ is not an object of strings")
 
     entries: list[TensorEntry] = []
+    entry_crcs: dict[str, Any] = {}
+    entry_header_crcs: list[tuple[str, Any]] = []
     for name, info in head.items():
         if not isinstance(info, dict):
             raise bad(f"the entry of tensor {name!r} is not an object")
@@ -478,6 +592,10 @@ def parse_header(path: str, header_json: bytes, file_size: int) -> SafetensorsHe
         if bits % 8 or bits // 8 != end - begin or (code == _PACKED and (not shape or shape[-1] % 2)):
             raise bad(f"tensor {name!r}: {code} of shape {shape} does not fill data_offsets {offsets}")
         entries.append(TensorEntry(name, code, tuple(shape), begin, end))
+        if ENTRY_CRC_KEY in info:
+            entry_crcs[name] = info[ENTRY_CRC_KEY]
+        if ENTRY_HEADER_CRC_KEY in info:
+            entry_header_crcs.append((name, info[ENTRY_HEADER_CRC_KEY]))
 
     entries.sort(key=lambda e: (e.begin, e.end))
     expected = 0
@@ -491,7 +609,8 @@ def parse_header(path: str, header_json: bytes, file_size: int) -> SafetensorsHe
             f"the tensors end at byte {data_start + expected} but the file has {file_size} bytes "
             "(truncated, or trailing bytes)"
         )
-    return SafetensorsHeader(path, tuple(entries), metadata, data_start, file_size)
+    return SafetensorsHeader(path, tuple(entries), metadata, data_start, file_size, entry_crcs,
+                             tuple(entry_header_crcs))
 
 
 def read_header(path: Union[str, os.PathLike]) -> SafetensorsHeader:
@@ -576,23 +695,35 @@ def _crc_problems(header: SafetensorsHeader, slots: list[TensorEntry], crcs: Seq
             )
         ]
     expected = {e.name: r for e, r in zip(header.tensors, recorded)}
-    problems = []
+    problems: list[tuple[str, str]] = []
     meta = header.metadata or {}
-    if HEADER_CRC_METADATA_KEY in meta:
+    altered = "it was altered after fastpersist wrote it"
+    meaning = {e.name: (e.dtype, list(e.shape), [e.begin, e.end]) for e in header.tensors}
+    want_h: Any = None
+    if not header.legacy:
+        if len(header.entry_header_crcs) != 1:
+            problems.append((ENTRY_HEADER_CRC_KEY, f"{header.path}: {len(header.entry_header_crcs)} tensor entries "
+                             f"carry {ENTRY_HEADER_CRC_KEY} where fastpersist writes it in one; the header was "
+                             "altered after fastpersist wrote it"))
+        else:
+            want_h = header.entry_header_crcs[0][1]
+            got_h = entries_header_crc32(meaning, header.metadata)
+    elif HEADER_CRC_METADATA_KEY in meta:
         want_h = meta[HEADER_CRC_METADATA_KEY]
-        got_h = header_crc32({e.name: (e.dtype, list(e.shape), [e.begin, e.end]) for e in header.tensors}, meta)
-        if want_h != f"{got_h:08x}":
-            problems.append(
-                (
-                    HEADER_CRC_METADATA_KEY,
-                    f"{header.path}: the header (tensor names, dtypes, shapes, offsets or metadata) does not match "
-                    f"its recorded CRC-32 ({got_h:08x}, recorded {want_h[:8]!r}); it was altered after fastpersist "
-                    "wrote it",
-                )
+        got_h = header_crc32(meaning, meta)
+    if want_h is not None and want_h != f"{got_h:08x}":
+        problems.append(
+            (
+                ENTRY_HEADER_CRC_KEY if not header.legacy else HEADER_CRC_METADATA_KEY,
+                f"{header.path}: the header (tensor names, dtypes, shapes, offsets or metadata) does not match "
+                f"its recorded CRC-32 ({got_h:08x}, recorded {str(want_h)[:8]!r}); {altered}",
             )
+        )
     for entry in header.tensors:
         if expected[entry.name] is None:
-            problems.append((entry.name, f"{header.path}: tensor {entry.name!r}: recorded checksum is not 8 hex digits"))
+            what = "has no recorded checksum (other tensors have one)" if not header.legacy and \
+                entry.name not in header.entry_crcs else "recorded checksum is not 8 hex digits"
+            problems.append((entry.name, f"{header.path}: tensor {entry.name!r}: {what}"))
         elif entry.nbytes == 0 and expected[entry.name] != 0:
             problems.append(
                 (entry.name, f"{header.path}: tensor {entry.name!r} is empty but its recorded CRC-32 is not 00000000")
