@@ -472,8 +472,10 @@ def test_sigkill_during_automatic_save_state(fresh_accelerate, tmp_path):
     assert sorted(os.listdir(ckpts)) == ["checkpoint_0"]
     a = json.loads((tmp_path / "a.json").read_text())
     assert _hashes(ckpts / "checkpoint_0") == a["hashes"]
+    from fastpersist import dircommit
+
     staged = _staging_leftovers(tmp_path / "proj")  # the killed save's half-written directory, hidden
-    assert len(staged) == 1 and staged[0].startswith(".fastpersist-staging-checkpoint_1-"), staged
+    assert len(staged) == 1 and staged[0].startswith(dircommit.staging_name("checkpoint_1", "")), staged
 
     expected = _expected_a(tmp_path)
     acc, model, opt, sched, counter = _build(str(tmp_path / "proj"), total_limit=None)

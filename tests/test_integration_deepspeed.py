@@ -446,8 +446,10 @@ def test_sigkill_during_save_into_existing_tag(route, tmp_path):
     a = json.loads((tmp_path / "a.json").read_text())
     assert _tree_hashes(os.path.join(save_dir, tag)) == a["hashes"]
     assert open(os.path.join(save_dir, "latest")).read() == tag
+    from fastpersist import dircommit
+
     staged = _leftovers(save_dir)  # the killed save's files, hidden; the next save removes them
-    assert len(staged) == 1 and staged[0].startswith(f".fastpersist-staging-{tag}-"), staged
+    assert len(staged) == 1 and staged[0].startswith(dircommit.staging_name(tag, "")), staged
     _run([sys.executable, HERE, "--overwrite", "resume", route, root, str(_free_port())], _env(), root)
     res = json.loads((tmp_path / "resume.json").read_text())
     assert res == {"loaded_a": True, "leftovers_after": [], "files": a["files"], "loaded_c": True,
@@ -504,6 +506,7 @@ def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
     import deepspeed.comm as dist
 
     import fastpersist
+    from fastpersist import dircommit
     from fastpersist.integrations import deepspeed as fpd
 
     if mode != "multi":
@@ -671,7 +674,7 @@ def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
         for fut in list(dec.checkpoint_engine._pending):
             fut.wait()  # the files are written; not committed yet
         d = {"before_commit_is_a": _tree_hashes(os.path.join(dec_dir, "last")) == a_hashes,
-             "staged": any(n.startswith(".fastpersist-staging-last-") for n in os.listdir(dec_dir))}
+             "staged": any(n.startswith(dircommit.staging_name("last", "")) for n in os.listdir(dec_dir))}
         train(dec, seed=3)  # DeepSpeed commits the decoupled checkpoint before this step's update
         after = _tree_hashes(os.path.join(dec_dir, "last"))
         d["after_commit_changed"] = sorted(after) == sorted(a_hashes) and all(a_hashes[k] != after[k] for k in after)
