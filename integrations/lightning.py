@@ -42,7 +42,7 @@ version counter, ``_find_last_checkpoints``, the HPC folder listing, a stock
 ``TorchCheckpointIO``'s load and remove, ``cloud_io._load`` behind
 ``load_from_checkpoint``) so that they first wait for this process's pending saves of
 that path or directory (:func:`fastpersist.asyncsave.wait_for_path`); see
-docs/compat.d/lightning.md. :func:`remove_lightning_guards` undoes it.
+docs/compat.md (Lightning). :func:`remove_lightning_guards` undoes it.
 
 The classes are module-level names (``FastPersistCheckpointIO``..., and
 ``PLFastPersistCheckpointIO``... for ``pytorch_lightning``), so a Trainer holding them
