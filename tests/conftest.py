@@ -92,3 +92,23 @@ def _assert_same(got: Any, want: Any, path: str) -> None:
 def assert_same() -> Any:
     """``assert_same(got, want)``: see :func:`assert_same_object`."""
     return assert_same_object
+
+
+@pytest.fixture
+def slow_finisher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every async save stays pending (its file not yet renamed into place) for about 1 s,
+    so that code checking, listing or loading the path certainly runs while it is in flight."""
+    import threading
+
+    import fastpersist
+    from fastpersist import asyncsave
+
+    original = asyncsave._finish
+
+    def finish(job: Any) -> None:
+        threading.Event().wait(1.0)
+        original(job)
+
+    monkeypatch.setattr(asyncsave, "_finish", finish)
+    yield
+    fastpersist.wait_all()

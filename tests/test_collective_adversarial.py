@@ -31,7 +31,8 @@ import pytest
 import torch
 
 import fastpersist
-from test_distributed import _free_port, rank_results, state, temps
+import test_distributed
+from test_distributed import rank_results, state, temps
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="no gloo backend"
@@ -217,20 +218,7 @@ def spawn_ranks(world: int, target: Any, args: tuple, limit: float) -> list[Any]
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "fastpersist", "fastpersist.distributed",
                                 "test_collective_adversarial"])
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + limit
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    codes = []
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-        codes.append(p.exitcode)
-    return codes
+    return test_distributed.spawn_ranks(world, target, args, limit, ctx)
 
 
 # --------------------------------------------------------------------------- the contract

@@ -416,13 +416,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(world: int, target: Callable[..., None], args: tuple, limit: float) -> list[Optional[int]]:
+def spawn_ranks(world: int, target: Callable[..., None], args: tuple, limit: float, ctx: Any = None) -> list[Optional[int]]:
     """Start ``world`` spawned processes running ``target(rank, world, port, *args)`` (a fresh
     TCP port for gloo's rendezvous), wait up to ``limit`` seconds for all of them, kill the
-    ones still running; their exit codes (negative: the signal that ended them)."""
+    ones still running; their exit codes (negative: the signal that ended them). ``ctx``: the
+    multiprocessing context (default: torch's "spawn")."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = ctx or mp.get_context("spawn")
     port = _free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
     for p in procs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import threading
 import warnings
 
 import pytest
@@ -23,21 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 
 import fastpersist  # noqa: E402
-from fastpersist import asyncsave  # noqa: E402
 from fastpersist.integrations import lightning as fpl  # noqa: E402
-
-
-@pytest.fixture
-def slow_finisher(monkeypatch):
-    original = asyncsave._finish
-
-    def finish(job):
-        threading.Event().wait(1.0)
-        original(job)
-
-    monkeypatch.setattr(asyncsave, "_finish", finish)
-    yield
-    fastpersist.wait_all()
 
 
 def _trainer(root, epochs: int, callbacks=(), plugins=None, **kw) -> pl.Trainer:

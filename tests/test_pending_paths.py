@@ -19,20 +19,6 @@ import fastpersist
 from fastpersist import asyncsave
 
 
-@pytest.fixture
-def slow_finisher(monkeypatch):
-    """Every async save stays pending (file not yet renamed into place) for about 1 s."""
-    original = asyncsave._finish
-
-    def finish(job):
-        threading.Event().wait(1.0)
-        original(job)
-
-    monkeypatch.setattr(asyncsave, "_finish", finish)
-    yield
-    fastpersist.wait_all()
-
-
 def _state(step: int) -> dict:
     return {"w": torch.arange(64, dtype=torch.float32) * step, "step": step}
 
