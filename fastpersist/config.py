@@ -545,7 +545,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "FASTPERSIST_DEEPSPEED", None, parse_bool, "boolean",
         "When true, every DeepSpeed engine checkpoints through fastpersist's CheckpointEngine "
         "(`fastpersist.integrations.deepspeed.install_from_env()`, run by the start-up hook when "
-        "`deepspeed.runtime.engine` is imported). Unset: follows FASTPERSIST_PATCH_TORCH_SAVE.",
+        "`deepspeed.runtime.engine` is imported). Unset: follows FASTPERSIST_PATCH_TORCH_SAVE. "
+        "An engine whose DeepSpeed config has a top-level `\"fastpersist\"` key follows that key "
+        "instead (`true`/`false`, or `{\"enabled\", \"decoupled\", \"split_replicated\", \"config\"}`; "
+        "README, DeepSpeed row).",
         default="unset",
     ),
     EnvVar(
