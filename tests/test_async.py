@@ -576,8 +576,9 @@ def test_bad_arguments(tmp_path):
 def test_bench_train_smoke(tmp_path):
     from fastpersist.bench.train_bench import plot_train, print_train_report, run_train_bench
 
+    # fastpersist's own methods against torch.save (the peers: tests/test_train_bench.py)
     res = run_train_bench(str(tmp_path), steps=4, every=2, layers=1, d_model=32, heads=2, vocab=64, seq=8, batch=2,
-                          progress=False)
+                          progress=False, methods=["torch.save", "fastpersist.save", "async-snapshot", "async-lazy"])
     assert sorted(r.method for r in res.runs) == sorted(["none", "torch.save", "fastpersist.save", "async-snapshot",
                                                           "async-lazy"])
     assert all(r.error is None for r in res.runs), [r.error for r in res.runs]

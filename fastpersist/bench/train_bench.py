@@ -246,7 +246,7 @@ class TrainBenchResult:
         for r, rd in zip(self.runs, d["runs"]):
             rd["median_step_s"] = r.median_step_s
         d["summary"] = self.summary()
-        others = [m for m in METHODS if m not in ("none", "torch.save")]
+        others = [m for m in self.methods if m not in ("none", "torch.save")]
         d["ratios_vs_torch_save"] = {m: self.ratio(m) for m in others}
         d["ratios_vs_torch_save_vs_baseline"] = {m: self.ratio_vs_baseline(m) for m in others}
         d["vs_best_async_peer"] = self.vs_best_peer()
