@@ -24,7 +24,7 @@ How it works (docs/streaming.md has the design):
   and safetensors files) with the native parallel reader, ``O_DIRECT`` (never the
   page cache: ``read_mode="direct"``), each record's CRC-32 checked where the file
   has one (torch zip files: every record; safetensors files written by fastpersist:
-  ``__metadata__["fastpersist.crc32"]``). A block whose read fails raises
+  a ``"fastpersist.crc32"`` field in each tensor's header entry). A block whose read fails raises
   :class:`StreamingError` from its pre-hook, before its forward runs: no output is
   computed from bytes that were not checked.
 * Reads run on one background thread per model (the native reader releases the
@@ -185,7 +185,8 @@ class Streamer:
         self.nslots = min(prefetch + 1, len(blocks))
         self.bytes_read = 0
         self.read_seconds = 0.0
-        self.reads = 0
+        self.reads = 0  #: block reads completed (counted on the reading thread)
+        self.submitted = 0  #: block reads submitted (counted by the ring, on the caller's thread)
         self._cuda = device.type == "cuda"
         self._host = [_pinned(self.slot_bytes, self._cuda) for _ in range(self.nslots)]
         self._dev = ([torch.empty(self.slot_bytes, dtype=torch.uint8, device=device) for _ in range(self.nslots)]
@@ -269,6 +270,7 @@ class Streamer:
 
     def _submit(self, i: int) -> None:
         slot = self._free.pop(0)
+        self.submitted += 1
         released, self._released[slot] = self._released[slot], None
         self._inflight[i] = (slot, self._pool.submit(self._read, i, slot, released))
 

@@ -107,8 +107,7 @@ def test_forward_and_generate_bit_identical(models: dict, arch: str, kind: str, 
 def test_single_safetensors_file_with_checksums(tmp_path) -> None:
     ref = _reference("llama")
     path = _write(ref, "safetensors", str(tmp_path))
-    with fastpersist.open(path) as f:
-        assert "fastpersist.crc32" in (f.metadata() or {})
+    assert fastpersist.verify(path).status == "ok"  # the file carries CRC-32s ("unchecked" without)
     model = fastpersist.stream_weights(_empty("llama"), path, prefetch=2)
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, ref(IDS).logits)
@@ -318,7 +317,8 @@ def test_ring_order_prefetch_and_out_of_order_calls(models: dict) -> None:
     s = streamer_of(model)
     with torch.no_grad():
         model(IDS)
-    assert s.reads == 4 + 2 and sorted(s._inflight) == [0, 1] and not s._bound
+    # submitted, not completed: the two prefetched reads of the next pass may still be running
+    assert s.submitted == 4 + 2 and sorted(s._inflight) == [0, 1] and not s._bound
     assert len(s._free) + len(s._inflight) == s.nslots == 3
     h = torch.randn(1, 5, 64)
     pos = torch.arange(5)[None]
