@@ -12,8 +12,13 @@ the filesystem refuses RENAME_EXCHANGE the previous directory is renamed to
 the two renames leaves no directory, its previous copy under that name, which
 :func:`clean_leftovers` (run by the next save) renames back.
 
-What counts as a checkpoint entry, where the staging directory goes, who commits
-(ranks) and what a failure before the swap removes stay with each adapter.
+:class:`StagedDir` bundles these steps for one directory (its staging and moved-aside
+names, the checks, the cleanup, the swap and the removal of the previous copy);
+:func:`rebase` maps paths between the final and the staging directory.
+
+What counts as a checkpoint entry, where the staging directory goes (the
+``stage_parent`` of :class:`StagedDir`), who commits (ranks) and what a failure before
+the swap removes stay with each adapter.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from typing import Callable, Optional
 from fastpersist import _sys
 from fastpersist.commit import EXCHANGE_REFUSED, TMP_MARKER, exchange_paths, fsync_dir, fsync_path
 
-__all__ = ["LEFTOVER_RE", "parse_leftover", "carry_over", "clean_leftovers", "fsync_tree", "old_name", "short_name",
-           "staging_name", "swap_in", "why_not_staged"]
+__all__ = ["LEFTOVER_RE", "StagedDir", "parse_leftover", "carry_over", "clean_leftovers", "fsync_tree",
+           "fsync_tree_and_parent", "old_name", "rebase", "short_name", "staging_name", "swap_in", "why_not_staged"]
 
 STAGING_PREFIX = ".fastpersist-staging-"
 OLD_PREFIX = ".fastpersist-old-"
@@ -116,6 +121,28 @@ def fsync_tree(directory: str) -> None:
             if os.path.isfile(path) and not os.path.islink(path):
                 fsync_path(path)
         fsync_dir(root)
+
+
+def fsync_tree_and_parent(directory: str) -> None:
+    """:func:`fsync_tree` of ``directory``, then fsync its parent (so that ``directory``'s
+    own entry is durable too)."""
+    fsync_tree(directory)
+    fsync_dir(os.path.dirname(os.path.abspath(directory)))
+
+
+def rebase(path: "os.PathLike[str] | str", root: str, new_root: str) -> Optional[str]:
+    """``path`` moved from under ``root`` to the same relative place under ``new_root``:
+    ``new_root`` for ``root`` itself, ``new_root/REL`` for ``root/REL``, None for a path
+    outside ``root``. Both ``path`` and ``root`` are compared as absolute paths (symbolic
+    links not resolved)."""
+    p = os.path.abspath(os.fspath(path))
+    r = os.path.abspath(root)
+    if p == r:
+        return new_root
+    prefix = r.rstrip(os.sep) + os.sep
+    if p.startswith(prefix):
+        return os.path.join(new_root, p[len(prefix):])
+    return None
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -244,3 +271,87 @@ def clean_leftovers(directory: str, restore_to: Callable[[str], Optional[str]], 
     if changed:
         with contextlib.suppress(OSError):
             fsync_dir(directory)
+
+
+class StagedDir:
+    """A save that replaces the directory ``final`` in one step, through a staging directory.
+
+    ``target`` is ``final`` with symbolic links resolved (what is renamed or swapped: a
+    symlinked checkpoint directory keeps its link); ``parent`` and ``name`` are its parent
+    and name, ``short`` the name as staging names carry it (:func:`short_name`). The
+    staging directory for a save's ``token`` (16 hex digits every rank of the save agrees
+    on) is :meth:`staging` in ``stage_parent``, which defaults to ``parent``; the adapter
+    chooses another (same filesystem) where the parent is a directory its framework lists.
+    """
+
+    def __init__(self, final: str, stage_parent: Optional[str] = None) -> None:
+        self.final = final
+        self.target = os.path.realpath(final)
+        self.parent, self.name = os.path.split(self.target)
+        self.short = short_name(self.name)
+        self._given_stage_parent = stage_parent
+        self.stage_parent = self.parent if stage_parent is None else stage_parent
+
+    def staging(self, token: str) -> str:
+        """The staging directory of the save ``token``."""
+        return os.path.join(self.stage_parent, staging_name(self.short, token))
+
+    def old(self, token: str) -> str:
+        """Where the previous directory goes when RENAME_EXCHANGE is refused."""
+        return os.path.join(self.stage_parent, old_name(self.short, token))
+
+    def why_not_staged(self) -> Optional[str]:
+        """None where the save can be staged and committed by rename; else the reason
+        (:func:`why_not_staged`; a ``stage_parent`` given is checked to be on the same
+        filesystem)."""
+        return why_not_staged(self.target, self._given_stage_parent)
+
+    def clean_leftovers(self, *, operation: str, logger: logging.Logger, fsync_after_restore: bool,
+                        restore_other: Optional[Callable[[str], Optional[str]]] = None) -> None:
+        """:func:`clean_leftovers` in ``stage_parent`` for the leftovers of this directory
+        (NAME is :attr:`short`, restored to :attr:`target`) and of the names for which
+        ``restore_other(NAME)`` gives a path (where they are restored to)."""
+
+        def restore_to(name: str) -> Optional[str]:
+            if name == self.short:
+                return self.target
+            return None if restore_other is None else restore_other(name)
+
+        clean_leftovers(self.stage_parent, restore_to, operation=operation, logger=logger,
+                        fsync_after_restore=fsync_after_restore)
+
+    def discard(self, token: str) -> bool:
+        """Remove the staging directory of ``token`` (a failed or empty save; the target is
+        untouched) and fsync ``stage_parent`` (errors ignored). Returns whether there was
+        one (a directory, not a symbolic link)."""
+        staging = self.staging(token)
+        if not os.path.isdir(staging) or os.path.islink(staging):
+            return False
+        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            fsync_dir(self.stage_parent)
+        return True
+
+    def commit(self, token: str, is_checkpoint_entry: Callable[[str], object], *, what: str, operation: str,
+               logger: logging.Logger, on_visible: Callable[[], object] = lambda: None,
+               sync_tree: Callable[[str], None] = fsync_tree) -> None:
+        """Make the staging directory of ``token`` the target in one step (:func:`swap_in`,
+        same arguments), then remove the previous copy and fsync ``stage_parent``.
+
+        Failing to remove the previous copy (an NFS ``.nfsXXXX`` file, a read-only
+        subdirectory) does not fail the commit: the new directory is in place; it is logged
+        as a warning, and the copy, under one of our names, goes with the next save's
+        :meth:`clean_leftovers`. ``operation`` names that save in the warning. An exception
+        before ``on_visible()`` leaves the target as it was and the staging directory in
+        place (the caller removes it: :meth:`discard`).
+        """
+        previous = swap_in(self.staging(token), self.target, self.old(token), is_checkpoint_entry, what=what,
+                           logger=logger, on_visible=on_visible, sync_tree=sync_tree)
+        if previous is None:
+            return
+        try:
+            shutil.rmtree(previous)
+            fsync_dir(self.stage_parent)
+        except OSError as e:
+            logger.warning("fastpersist: %s is in place; could not remove the previous copy %s (%s); the next "
+                           "%s removes it", self.target, previous, e, operation)

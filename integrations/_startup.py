@@ -37,7 +37,9 @@ line to stderr saying the switches are off.
 """
 
 # No "from __future__ import annotations" and no typing: each import costs start-up time
-# in every interpreter of the environment.
+# in every interpreter of the environment. The adapters are imported by their installed
+# name through importlib: this module runs as the top-level ``_fastpersist_startup``,
+# where a relative import has no package to resolve against.
 import os
 import sys
 
@@ -138,9 +140,9 @@ def wrap_deepspeed_engine(module: object) -> None:
             result = original(self, *args, **kwargs)
             params = getattr(getattr(self, "_config", None), "_param_dict", None)
             if isinstance(params, dict) and DEEPSPEED_CONFIG_KEY in params:
-                from fastpersist.integrations import deepspeed
+                import importlib
 
-                deepspeed.apply_config(self)
+                importlib.import_module("fastpersist.integrations.deepspeed").apply_config(self)
             return result
 
         _configure_checkpointing.__name__ = original.__name__
@@ -165,8 +167,9 @@ def _deepspeed_hooks(env_installer):
 
 def _strategy_factory(package: str, class_name: str):
     def make(**kwargs: object) -> object:
-        from fastpersist.integrations import lightning
+        import importlib
 
+        lightning = importlib.import_module("fastpersist.integrations.lightning")
         return getattr(lightning.classes_for(package), class_name)(**kwargs)
 
     make.__name__ = make.__qualname__ = class_name

@@ -120,10 +120,14 @@ import types
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
 
+import torch
+
 import fastpersist
 from fastpersist import dircommit
-from fastpersist.errors import CheckpointFormatError, ChecksumError
 from fastpersist.commit import fsync_dir
+from fastpersist.envflags import adapter_enabled
+from fastpersist.errors import CheckpointFormatError, ChecksumError
+from fastpersist.replicated import save_replicated
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
 
@@ -131,7 +135,6 @@ log = logging.getLogger(__name__)
 
 #: The variable that turns the adapter on for every Accelerator of a process.
 ENV_VAR = "FASTPERSIST_ACCELERATE"
-_SWITCH = "FASTPERSIST_PATCH_TORCH_SAVE"
 _MARK = "_fastpersist_original"
 _ENABLED_ATTR = "_fastpersist_enabled"
 
@@ -185,9 +188,8 @@ def _save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization:
     ):
         import torch.distributed as dist
 
-        from fastpersist.integrations._replicated import save_replicated
-
-        save_replicated(obj, f, group=dist.group.WORLD, writer=writer, format=fmt, config=s.config)
+        save_replicated(obj, f, group=dist.group.WORLD, writer=writer, format=fmt, config=s.config,
+                        save=fastpersist.save)
     elif writer:
         fastpersist.save(obj, f, format=fmt, config=s.config)
 
@@ -198,7 +200,6 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
         return _originals["load"](f, map_location=map_location, **kwargs)
     # accelerate.utils.load's semantics: weights_only by default, with Accelerate's
     # safe globals (numpy arrays and dtypes of the RNG states) allowed for the call.
-    import torch
     from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
     old = torch.serialization.get_safe_globals()
@@ -309,14 +310,6 @@ def _checkpoint_number(folder: str) -> int:
     return list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0]
 
 
-def _fsync_tree(directory: str) -> None:
-    """fsync every file and directory under ``directory`` (bottom-up), then its parent.
-    Files fastpersist wrote are clean already; this also covers files written by
-    other paths (FSDP/DeepSpeed engines, user hooks)."""
-    dircommit.fsync_tree(directory)
-    fsync_dir(os.path.dirname(os.path.abspath(directory)))
-
-
 # ---------------------------------------------------------------- directory-level commit
 # The staging/swap mechanics are fastpersist.dircommit's; what is Accelerate's is where the
 # staging directory goes (_Layout) and which entries belong to a checkpoint.
@@ -332,83 +325,56 @@ _CHECKPOINT_ENTRY_RE = re.compile(
     r"|scaler\.pt|random_states_[0-9]+\.pkl|custom_checkpoint_[0-9]+\.pkl")
 
 
-class _Layout:
-    """Where one save_state stages and commits.
+class _Layout(dircommit.StagedDir):
+    """Where one save_state stages and commits (the mechanics: :class:`fastpersist.dircommit.StagedDir`).
 
-    ``final``: the path stock Accelerate writes (and returns); ``target``: the same with
-    symbolic links resolved (what is renamed or swapped: a symlinked output_dir keeps its
-    link); ``stage_parent``: where the hidden staging directory goes. That is the parent of
-    ``target`` (same filesystem, so the commit is a rename), except where the parent is the
-    project's ``checkpoints/`` directory: Accelerate parses every entry there as a
+    ``final``: the path stock Accelerate writes (and returns). The staging directory goes
+    beside ``target`` (same filesystem, so the commit is a rename), except where the parent
+    is the project's ``checkpoints/`` directory: Accelerate parses every entry there as a
     checkpoint number (``load_state()`` takes the largest, retention deletes the smallest, a
     name without a number makes both raise), so the staging directory goes one level up,
     into the project directory, which Accelerate never scans."""
 
     def __init__(self, acc: Any, final: str, auto: bool) -> None:
-        self.final = final
         self.auto = auto
-        self.target = os.path.realpath(final)
-        self.parent = os.path.dirname(self.target)
-        self.name = os.path.basename(self.target)
+        target = os.path.realpath(final)
+        parent = os.path.dirname(target)
         ckpts = None
         if getattr(acc, "project_dir", None):
             ckpts = os.path.realpath(os.path.join(acc.project_dir, "checkpoints"))
-        self.stage_parent = os.path.dirname(self.parent) if auto or self.parent == ckpts else self.parent
+        super().__init__(final, os.path.dirname(parent) if auto or parent == ckpts else parent)
 
-    def staging(self, token: str) -> str:
-        # the name shortened, so that a long output_dir name still fits NAME_MAX with our prefix
-        return os.path.join(self.stage_parent, dircommit.staging_name(dircommit.short_name(self.name), token))
-
-    def old(self, token: str) -> str:
-        return os.path.join(self.stage_parent, dircommit.old_name(dircommit.short_name(self.name), token))
-
-    def why_not_staged(self) -> Optional[str]:
-        """None where the save can be staged and committed by rename; else the reason."""
-        return dircommit.why_not_staged(self.target, self.stage_parent)
-
-    def clean_leftovers(self) -> None:
+    def clean_leftovers(self) -> None:  # type: ignore[override]
         """Remove the staging directories of killed saves of this name (any
         ``checkpoint_N`` with automatic naming); give back a previous directory that a
         killed fallback commit had moved aside and not replaced."""
 
-        def restore_to(name: str) -> Optional[str]:
-            if name == dircommit.short_name(self.name):
-                return self.target
+        def restore_other(name: str) -> Optional[str]:
             if self.auto and _AUTO_NAME_RE.fullmatch(name):
                 return os.path.join(self.parent, name)
             return None
 
-        dircommit.clean_leftovers(self.stage_parent, restore_to, operation="save_state", logger=log,
-                                  fsync_after_restore=True)
+        super().clean_leftovers(operation="save_state", logger=log, fsync_after_restore=True,
+                                restore_other=restore_other)
 
-    def commit(self, staging: str, token: str, done: list) -> None:
-        """Make ``staging`` visible as ``target`` in one step; ``done`` gets True once it is.
-        Entries of the previous directory that are no part of an Accelerate checkpoint (a
-        user's config.json, logs) are carried over, as stock save_state leaves them in place;
-        stale checkpoint files the new save did not write go with the previous copy."""
-        previous = dircommit.swap_in(staging, self.target, self.old(token), _CHECKPOINT_ENTRY_RE.fullmatch,
-                                     what="an Accelerate checkpoint", logger=log,
-                                     on_visible=lambda: done.append(True), sync_tree=_fsync_tree)
-        if previous is not None:
-            # The new checkpoint is in place: failing to remove the previous copy (an NFS
-            # .nfsXXXX file, a read-only subdirectory) must not fail the save. It keeps our
-            # staging name, so the next save_state removes it.
-            try:
-                shutil.rmtree(previous)
-                fsync_dir(self.stage_parent)
-            except OSError as e:
-                log.warning("fastpersist: %s is in place; could not remove the previous copy %s (%s); the next "
-                            "save_state removes it", self.target, previous, e)
+    def commit(self, token: str, done: list) -> None:  # type: ignore[override]
+        """Make the staging directory visible as ``target`` in one step; ``done`` gets True
+        once it is. Entries of the previous directory that are no part of an Accelerate
+        checkpoint (a user's config.json, logs) are carried over, as stock save_state leaves
+        them in place; stale checkpoint files the new save did not write go with the
+        previous copy."""
+        super().commit(token, _CHECKPOINT_ENTRY_RE.fullmatch, what="an Accelerate checkpoint",
+                       operation="save_state", logger=log, on_visible=lambda: done.append(True),
+                       sync_tree=dircommit.fsync_tree_and_parent)
 
 
 def _final_location(location: Any, staging: str, final: str) -> Any:
     """What stock save_state returns (``save_accelerator_state``'s ``Path(output_dir)``),
     with the staging directory replaced by the final one."""
     path = os.fspath(location)
-    if os.path.abspath(path) == os.path.abspath(staging):
-        path = final
-    elif os.path.abspath(path).startswith(os.path.abspath(staging) + os.sep):
-        path = os.path.join(final, os.path.relpath(path, staging))
+    moved = dircommit.rebase(path, staging, final)
+    if moved is not None:
+        path = moved
     return pathlib.Path(path) if isinstance(location, pathlib.PurePath) else path
 
 
@@ -457,7 +423,7 @@ def _save_in_place(self: Any, original: Callable[..., Any], s: _Settings, output
             pc.total_limit = limit
     self.wait_for_everyone()  # every rank's files are durable
     if self.is_main_process:
-        _fsync_tree(os.fspath(location))
+        dircommit.fsync_tree_and_parent(os.fspath(location))
         _retain(self, limit, os.fspath(location))
     self.wait_for_everyone()
     return location
@@ -544,7 +510,7 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
             # -> (the error, whether the new checkpoint is visible under its final name)
             done: list = []
             try:
-                layout.commit(staging, token, done)
+                layout.commit(token, done)
             except BaseException as e:  # noqa: BLE001 - reported to every rank below
                 if not done:  # nothing visible changed: the previous checkpoint stays, as does iteration
                     log.error("fastpersist: committing %s failed (%s); removing its staging directory", final, e)
@@ -665,8 +631,6 @@ def _class_settings(accelerator: Any) -> Optional[_Settings]:
 def env_enabled() -> bool:
     """``FASTPERSIST_ACCELERATE`` if set, else ``FASTPERSIST_PATCH_TORCH_SAVE``
     (booleans: 1/0, true/false, on/off, yes/no; anything else raises ValueError)."""
-    from fastpersist.integrations._env import adapter_enabled
-
     return adapter_enabled(ENV_VAR)
 
 

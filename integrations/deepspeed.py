@@ -104,6 +104,9 @@ from typing import Any, Optional
 import fastpersist
 from fastpersist import dircommit
 from fastpersist.commit import atomic_write, fsync_dir
+from fastpersist.envflags import adapter_enabled
+from fastpersist.ranks import all_gather, global_rank, world_size
+from fastpersist.replicated import save_replicated
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]
@@ -114,7 +117,6 @@ ENV_VAR = "FASTPERSIST_DEEPSPEED"
 #: Top-level key of the DeepSpeed config (JSON file or dict) read by :func:`apply_config`.
 CONFIG_KEY = "fastpersist"
 _CONFIG_FIELDS = ("enabled", "decoupled", "split_replicated", "config")
-_SWITCH = "FASTPERSIST_PATCH_TORCH_SAVE"
 ENGINE_NAME = "FastPersistCheckpointEngine"
 _MARK = "_fastpersist_original"
 _REPLICATED = re.compile(r"mp_rank_\d+_model_states\.pt")
@@ -183,7 +185,7 @@ def _make_engine_class() -> type:
         def _committer(self) -> bool:
             """Whether this rank swaps the staging directory in: global rank 0, or with
             node-local storage each node's local rank 0."""
-            return self.local_rank == 0 if self.node_local else _global_rank() == 0
+            return self.local_rank == 0 if self.node_local else global_rank() == 0
 
         def _plan_stage(self, info: Any) -> Optional[_Stage]:
             """Every rank: whether this save is staged (the tag directory exists on some rank,
@@ -193,8 +195,8 @@ def _make_engine_class() -> type:
                 stage.clean_leftovers()
             exists = os.path.lexists(stage.target)
             veto = stage.why_not_staged(self.nvme_offload) if exists else None
-            token = secrets.token_hex(8) if _global_rank() == 0 else None
-            votes = _gather((exists, veto, token))
+            token = secrets.token_hex(8) if global_rank() == 0 else None
+            votes = all_gather((exists, veto, token))
             if not any(v[0] for v in votes):
                 return None  # a new tag directory: files go straight into it; 'latest' is the commit
             why = next((v[1] for v in votes if v[1] is not None), None)
@@ -238,11 +240,9 @@ def _make_engine_class() -> type:
             if self.replica_group is not None and _REPLICATED.fullmatch(os.path.basename(path)):
                 import torch.distributed as dist
 
-                from fastpersist.integrations._replicated import save_replicated
-
                 writer = dist.get_rank(self.replica_group) == 0
                 save_replicated(state_dict, path, group=self.replica_group, writer=writer, format="torch",
-                                config=self.config)
+                                config=self.config, save=fastpersist.save)
             elif self.decoupled:
                 self._pending.append(fastpersist.save_async(state_dict, path, config=self.config, format="torch"))
             else:
@@ -277,7 +277,7 @@ def _make_engine_class() -> type:
                 fsync_dir(os.path.abspath(info.save_dir))
             except BaseException as e:  # reported to every rank below
                 error = e
-            outcomes = _gather((None if error is None else repr(error), stage is not None and stage.used))
+            outcomes = all_gather((None if error is None else repr(error), stage is not None and stage.used))
             failed = [r for r, (o, _) in enumerate(outcomes) if o is not None]
             self._commit_info = None
             self._stage = None
@@ -293,7 +293,7 @@ def _make_engine_class() -> type:
                     self._commit_staged(stage, info)
                 elif stage.committer:
                     stage.discard()  # nothing of this save went into the tag directory (save_16bit_model)
-            if getattr(info, "save_latest", False) and _global_rank() == 0:
+            if getattr(info, "save_latest", False) and global_rank() == 0:
                 _write_latest(info.save_dir, str(info.tag))
             return True
 
@@ -302,8 +302,8 @@ def _make_engine_class() -> type:
             (node-local storage) every other node's local rank 0, each phase's outcome reaching
             every rank. On a shared filesystem the first swap takes the staging directory
             away and the others find nothing to do."""
-            rank = _global_rank()
-            phases = (True, False) if self.node_local and _world_size() > 1 else (True,)
+            rank = global_rank()
+            phases = (True, False) if self.node_local and world_size() > 1 else (True,)
             for first in phases:
                 error: Optional[BaseException] = None
                 if stage.committer and (rank == 0) == first:
@@ -311,7 +311,7 @@ def _make_engine_class() -> type:
                         stage.swap_in()
                     except BaseException as e:  # noqa: BLE001 - reported to every rank below
                         error = e
-                failed = [r for r, o in enumerate(_gather(None if error is None else repr(error))) if o is not None]
+                failed = [r for r, o in enumerate(all_gather(None if error is None else repr(error))) if o is not None]
                 if failed:
                     if stage.committer and error is None:
                         stage.discard()
@@ -347,31 +347,9 @@ def _make_engine_class() -> type:
     return FastPersistCheckpointEngine
 
 
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _gather(value: Any) -> list[Any]:
-    """Every rank's ``value`` (picklable), on every rank, in rank order."""
-    import torch.distributed as dist
-
-    if _world_size() == 1:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 class _Stage:
-    """One save into an existing tag directory, staged beside it.
+    """One save into an existing tag directory, staged beside it (the mechanics:
+    :class:`fastpersist.dircommit.StagedDir`).
 
     ``tag_dir``: the tag directory as DeepSpeed spells it (``save_dir/tag``, absolute): every
     path DeepSpeed hands to ``save``/``makedirs`` under it is redirected to the same relative
@@ -384,12 +362,12 @@ class _Stage:
         self.save_dir = os.fspath(info.save_dir)
         self.tag = str(info.tag)
         self.tag_dir = os.path.abspath(os.path.join(self.save_dir, self.tag))
-        self.target = os.path.realpath(self.tag_dir)
-        self.parent, self.name = os.path.split(self.target)
         # long tags are shortened in the staging names (NAME_MAX), with a digest of the whole tag
-        self.short = dircommit.short_name(self.name)
-        self.staging = os.path.join(self.parent, dircommit.staging_name(self.short, token))
-        self.old = os.path.join(self.parent, dircommit.old_name(self.short, token))
+        self.dir = dircommit.StagedDir(self.tag_dir)
+        self.target = self.dir.target
+        self.token = token
+        self.staging = self.dir.staging(token)
+        self.old = self.dir.old(token)
         self.committer = committer
         self.used = False  #: whether this rank redirected a path (the checkpoint's files are staged)
 
@@ -398,35 +376,27 @@ class _Stage:
 
     def redirect(self, path: Any) -> Optional[str]:
         """The staging path for a path in the tag directory; None for any other path."""
-        p = os.path.abspath(os.fspath(path))
-        if p == self.tag_dir:
-            rel = ""
-        elif p.startswith(self.tag_dir.rstrip(os.sep) + os.sep):
-            rel = p[len(self.tag_dir.rstrip(os.sep)) + 1:]
-        else:
-            return None
-        self.used = True
-        return os.path.join(self.staging, rel) if rel else self.staging
+        staged = dircommit.rebase(path, self.tag_dir, self.staging)
+        if staged is not None:
+            self.used = True
+        return staged
 
     def why_not_staged(self, nvme_offload: bool) -> Optional[str]:
         """None where this save can be staged and swapped in; else the reason."""
         if nvme_offload:
             return "DeepSpeed copies the NVMe-offload files into the tag directory itself"
-        return dircommit.why_not_staged(self.target)
+        return self.dir.why_not_staged()
 
     def clean_leftovers(self) -> None:
         """Remove the staging directories of killed saves into this tag; give back a previous
         tag directory that a killed fallback commit had moved aside and not replaced."""
-        dircommit.clean_leftovers(self.parent, lambda name: self.target if name == self.short else None,
-                                  operation="save_checkpoint", logger=log, fsync_after_restore=False)
+        self.dir.clean_leftovers(operation="save_checkpoint", logger=log, fsync_after_restore=False)
 
     def discard(self) -> None:
         """Remove the staging directory (a failed or empty save); the tag directory is untouched."""
         if os.path.isdir(self.staging) and not os.path.islink(self.staging):
             log.info("fastpersist: removing the staging directory %s (%s is untouched)", self.staging, self.target)
-            shutil.rmtree(self.staging, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                fsync_dir(self.parent)
+            self.dir.discard(self.token)
 
     def swap_in(self) -> None:
         """Make the staging directory the tag directory in one step (RENAME_EXCHANGE, then the
@@ -440,20 +410,12 @@ class _Stage:
         done: list[bool] = []
         try:
             # the tag directory may have been removed since create(): then a plain rename
-            leftover = dircommit.swap_in(self.staging, self.target, self.old, _DS_ENTRY_RE.fullmatch,
-                                         what="a DeepSpeed checkpoint", logger=log,
-                                         on_visible=lambda: done.append(True))
+            self.dir.commit(self.token, _DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
+                            operation="save_checkpoint", logger=log, on_visible=lambda: done.append(True))
         except BaseException:
             if not done:
                 self.discard()
             raise
-        if leftover is None:
-            return
-        try:
-            shutil.rmtree(leftover)
-            fsync_dir(self.parent)
-        except OSError as e:  # the new checkpoint is in place; the next save removes the old copy
-            log.warning("fastpersist: could not remove the previous copy of %s (%s): %s", self.target, leftover, e)
 
 
 def _write_latest(save_dir: str, tag: str) -> None:
@@ -593,8 +555,6 @@ def disable() -> None:
 def env_enabled() -> bool:
     """``FASTPERSIST_DEEPSPEED`` if set, else ``FASTPERSIST_PATCH_TORCH_SAVE``
     (booleans: 1/0, true/false, on/off, yes/no; anything else raises ValueError)."""
-    from fastpersist.integrations._env import adapter_enabled
-
     return adapter_enabled(ENV_VAR)
 
 

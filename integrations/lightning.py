@@ -57,18 +57,31 @@ supported: :func:`classes_for` builds the classes for either package.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import logging
 import os
+import pickle
+import sys
 import threading
 import types
+import warnings
 import weakref
+from pathlib import Path
 from typing import Any, Callable, Optional
+
+import torch
 
 import fastpersist
 import fastpersist.asyncsave
-from fastpersist.integrations import _startup
-from fastpersist.integrations._replicated import group_save_available, save_replicated
+from fastpersist.dcp import FastPersistWriter
+from fastpersist.distributed import ReplicasDifferError
+from fastpersist.localpath import is_local, local_path
+from fastpersist.ranks import world_group
+from fastpersist.replicated import group_save_available
+
+from . import _startup
 
 log = logging.getLogger(__name__)
 
@@ -90,36 +103,14 @@ HAS_GROUP_SAVE = group_save_available()
 
 
 def _dcp_writer() -> Optional[type]:
-    try:
-        from fastpersist.dcp import FastPersistWriter
-    except ImportError:
-        return None
     return FastPersistWriter
 
-
-_LOCAL_PROTOCOLS = ("file", "local")
 
 # Every FastPersistCheckpointIO alive, so that ModelCheckpoint's link of last.ckpt can
 # finish their pending saves first.
 _instances: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _classes: dict[str, types.SimpleNamespace] = {}
 _classes_lock = threading.Lock()
-
-
-def _is_local(path: Any) -> bool:
-    if isinstance(path, os.PathLike):
-        return True
-    text = str(path)
-    protocol, sep, _ = text.partition("://")
-    return not sep or protocol in _LOCAL_PROTOCOLS
-
-
-def _local_path(path: Any) -> str:
-    text = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
-    for protocol in _LOCAL_PROTOCOLS:
-        if text.startswith(protocol + "://"):
-            return text[len(protocol) + 3 :]
-    return text
 
 
 def finish_pending() -> None:
@@ -164,13 +155,13 @@ _guards: list[tuple[Any, str, Any]] = []
 
 
 def _wait_path(path: Any) -> None:
-    if path is not None and _is_local(path):
-        fastpersist.asyncsave.wait_for_path(_local_path(path))
+    if path is not None and is_local(path):
+        fastpersist.asyncsave.wait_for_path(local_path(path))
 
 
 def _wait_dir(path: Any) -> None:
-    if path is not None and _is_local(path):
-        fastpersist.asyncsave.wait_for_dir(_local_path(path))
+    if path is not None and is_local(path):
+        fastpersist.asyncsave.wait_for_dir(local_path(path))
 
 
 def _guard(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
@@ -190,9 +181,6 @@ def _guard(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
 
 def _install_path_guards(package: str, fabric: str) -> None:
     """Make Lightning's checks of checkpoint paths wait for pending async saves (see above)."""
-    import functools
-    import sys
-
     mc = importlib.import_module(f"{package}.callbacks.model_checkpoint").ModelCheckpoint
     connector = importlib.import_module(f"{package}.trainer.connectors.checkpoint_connector")._CheckpointConnector
     torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
@@ -265,15 +253,6 @@ def remove_lightning_guards() -> None:
 _installed: set[str] = set()
 
 
-def _group() -> Any:
-    """The world process group when torch.distributed runs more than one rank, else None."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
-
-
 def _unwrap(io: Any, wrapper_cls: type) -> Any:
     while isinstance(io, wrapper_cls) and io.checkpoint_io is not None:
         io = io.checkpoint_io
@@ -340,11 +319,11 @@ def _define(package: str) -> types.SimpleNamespace:
                 raise TypeError(
                     f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}"
                 )
-            if not _is_local(path):
+            if not is_local(path):
                 self.finalize()
                 self.counts["torch"] += 1
                 return self._fallback.save_checkpoint(checkpoint, path)
-            target = _local_path(path)
+            target = local_path(path)
             os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
             if not self.async_save:
                 fastpersist.save(checkpoint, target, config=self.config)
@@ -406,10 +385,10 @@ def _define(package: str) -> types.SimpleNamespace:
             weights_only: Optional[bool] = None,
         ) -> dict[str, Any]:
             self.finalize()
-            if not _is_local(path):
+            if not is_local(path):
                 self.counts["torch"] += 1
                 return self._fallback.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-            target = _local_path(path)
+            target = local_path(path)
             fastpersist.asyncsave.wait_for_path(target)  # a pending save of another CheckpointIO
             if not os.path.exists(target):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -419,7 +398,7 @@ def _define(package: str) -> types.SimpleNamespace:
         def load_group(self, path: Any, group: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
             """Collective load: the ranks of ``group`` read the file once in total."""
             self.finalize()
-            target = _local_path(path)
+            target = local_path(path)
             fastpersist.asyncsave.wait_for_path(target)
             if not os.path.exists(target):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
@@ -476,13 +455,11 @@ def _define(package: str) -> types.SimpleNamespace:
             self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
         ) -> None:
             io = self._fastpersist_io()
-            group = _group() if HAS_GROUP_SAVE else None
-            if io is None or group is None or storage_options is not None or not _is_local(filepath):
+            group = world_group() if HAS_GROUP_SAVE else None
+            if io is None or group is None or storage_options is not None or not is_local(filepath):
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            target = _local_path(filepath)
+            target = local_path(filepath)
             os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-            from fastpersist.distributed import ReplicasDifferError
-
             # (an earlier background save's uncollected error fails this save on every rank, at its
             # plan step: fastpersist.distributed)
             try:
@@ -499,8 +476,6 @@ def _define(package: str) -> types.SimpleNamespace:
             except ReplicasDifferError as e:
                 why = e.difference or str(e)
             if self.is_global_zero:
-                import warnings
-
                 warnings.warn(
                     f"ddp_fastpersist: the ranks' checkpoints for {target} differ beyond their small parts ({why}); "
                     "rank 0 writes its own checkpoint alone (not split across ranks). Make the replicas equal "
@@ -511,14 +486,9 @@ def _define(package: str) -> types.SimpleNamespace:
             """``checkpoint`` with its small parts (every top-level key but :attr:`_BULK_KEYS`)
             replaced by rank 0's when they differ between ranks, in rank 0's key order; the
             same object when they do not (then every rank writes its own, equal, replica)."""
-            import hashlib
-            import pickle
-
             import torch.distributed as dist
 
             small = {k: v for k, v in checkpoint.items() if k not in self._BULK_KEYS}
-            from fastpersist.distributed import ReplicasDifferError
-
             try:
                 digest = hashlib.blake2b(pickle.dumps((list(checkpoint), small), protocol=4),
                                          digest_size=16).hexdigest()
@@ -541,8 +511,8 @@ def _define(package: str) -> types.SimpleNamespace:
 
         def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
             io = self._fastpersist_io()
-            group = _group() if HAS_GROUP_SAVE else None
-            if io is None or group is None or not _is_local(checkpoint_path):
+            group = world_group() if HAS_GROUP_SAVE else None
+            if io is None or group is None or not is_local(checkpoint_path):
                 return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
             return io.load_group(
                 checkpoint_path, group, map_location=lambda storage, loc: storage, weights_only=weights_only
@@ -588,8 +558,6 @@ def _define(package: str) -> types.SimpleNamespace:
 
             if self.root_device.type != "cpu" or any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
                 return super()._setup_model(model)
-            import torch
-
             fsdp_module = importlib.import_module(f"{package}.strategies.fsdp")
             model = FullyShardedDataParallel(
                 module=model,
@@ -609,8 +577,6 @@ def _define(package: str) -> types.SimpleNamespace:
             writer = _dcp_writer()
             if self._state_dict_type != "sharded" or writer is None or storage_options is not None:
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-            from pathlib import Path
-
             import torch.distributed.checkpoint as dcp
 
             fsdp_module = importlib.import_module(f"{package}.strategies.fsdp")
