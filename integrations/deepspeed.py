@@ -98,7 +98,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 from typing import Any, Optional
 
 import fastpersist

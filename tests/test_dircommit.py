@@ -343,3 +343,164 @@ def test_fsync_tree_syncs_every_file_and_directory_but_not_the_parent(tmp_path, 
     dircommit.fsync_tree(str(root))
     assert sorted(files) == [str(root / "a"), str(root / "sub" / "b")]
     assert dirs == [str(root / "sub"), str(root)]  # bottom-up
+
+
+# ---- StagedDir, rebase, fsync_tree_and_parent: the steps both adapters compose
+
+
+def test_rebase_maps_paths_under_root_only(tmp_path):
+    root, new = str(tmp_path / "tag"), str(tmp_path / ".staging")
+    assert dircommit.rebase(root, root, new) == new
+    assert dircommit.rebase(root + "/", root, new) == new
+    assert dircommit.rebase(os.path.join(root, "a", "b.pt"), root, new) == os.path.join(new, "a", "b.pt")
+    assert dircommit.rebase(os.path.join(root, "a", "..", "c.pt"), root, new) == os.path.join(new, "c.pt")
+    assert dircommit.rebase(root + "2/x.pt", root, new) is None  # a sibling that shares the prefix
+    assert dircommit.rebase(str(tmp_path / "other"), root, new) is None
+    import pathlib
+
+    assert dircommit.rebase(pathlib.Path(root) / "m.pt", root, new) == os.path.join(new, "m.pt")
+
+
+def test_rebase_compares_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert dircommit.rebase("tag/x.pt", str(tmp_path / "tag"), "/new") == "/new/x.pt"
+    assert dircommit.rebase(str(tmp_path / "tag" / "x.pt"), "tag", "/new") == "/new/x.pt"
+
+
+def test_fsync_tree_and_parent_syncs_every_entry_then_the_parent(tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    _write(str(root / "a.pt"), "a")
+    _write(str(root / "sub" / "b.pt"), "b")
+    os.symlink("a.pt", root / "link")
+    files, dirs = [], []
+    monkeypatch.setattr(dircommit, "fsync_path", files.append)
+    monkeypatch.setattr(dircommit, "fsync_dir", dirs.append)
+    dircommit.fsync_tree_and_parent(str(root))
+    assert sorted(files) == [str(root / "a.pt"), str(root / "sub" / "b.pt")]  # not the link
+    assert dirs == [str(root / "sub"), str(root), str(tmp_path)]  # bottom-up, the parent last
+
+
+def test_staged_dir_names(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    os.symlink("real", tmp_path / "link")
+    s = dircommit.StagedDir(str(tmp_path / "link"))
+    assert (s.target, s.parent, s.name) == (os.path.realpath(real), os.path.realpath(tmp_path), "real")
+    assert s.stage_parent == s.parent
+    assert s.staging(TOKEN) == os.path.join(s.parent, dircommit.staging_name("real", TOKEN))
+    assert s.old(TOKEN) == os.path.join(s.parent, dircommit.old_name("real", TOKEN))
+    long = dircommit.StagedDir(str(tmp_path / ("x" * 250)), stage_parent=str(tmp_path / "up"))
+    assert long.short == dircommit.short_name("x" * 250) != "x" * 250
+    assert long.staging(TOKEN) == str(tmp_path / "up" / dircommit.staging_name(long.short, TOKEN))
+
+
+def test_staged_dir_checks_a_given_stage_parent(tmp_path, monkeypatch):
+    tmp_path = type(tmp_path)(os.path.realpath(tmp_path))
+    (tmp_path / "elsewhere").mkdir()
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        st = real_stat(path, *args, **kwargs)
+        if os.fspath(path) == str(tmp_path / "elsewhere"):
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev + 1) + tuple(st)[3:])
+        return st
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert dircommit.StagedDir(str(tmp_path / "ckpt")).why_not_staged() is None
+    why = dircommit.StagedDir(str(tmp_path / "ckpt"), str(tmp_path / "elsewhere")).why_not_staged()
+    assert why == f"{tmp_path} and {tmp_path / 'elsewhere'} are on different filesystems"
+    (tmp_path / "ckpt").write_text("x")
+    assert dircommit.StagedDir(str(tmp_path / "ckpt")).why_not_staged() == f"{tmp_path / 'ckpt'} exists and is not a directory"
+
+
+def test_staged_dir_clean_leftovers_restores_its_own_and_the_other_names(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    s = dircommit.StagedDir(str(ckpts / "checkpoint_4"), stage_parent=str(tmp_path))
+    (tmp_path / dircommit.old_name("checkpoint_4", TOKEN)).mkdir()
+    (tmp_path / dircommit.old_name("checkpoint_2", TOKEN)).mkdir()
+    (tmp_path / dircommit.staging_name("checkpoint_3", TOKEN)).mkdir()
+    (tmp_path / dircommit.staging_name("unrelated", TOKEN)).mkdir()
+    s.clean_leftovers(operation="test save", logger=log, fsync_after_restore=True,
+                      restore_other=lambda name: str(ckpts / name) if name.startswith("checkpoint_") else None)
+    assert sorted(os.listdir(ckpts)) == ["checkpoint_2", "checkpoint_4"]  # both moved-aside copies back
+    assert sorted(os.listdir(tmp_path)) == sorted(["checkpoints", dircommit.staging_name("unrelated", TOKEN)])
+    # without restore_other only its own name is touched
+    (tmp_path / dircommit.staging_name("checkpoint_3", TOKEN)).mkdir()
+    s.clean_leftovers(operation="test save", logger=log, fsync_after_restore=False)
+    assert dircommit.staging_name("checkpoint_3", TOKEN) in os.listdir(tmp_path)
+
+
+def test_staged_dir_discard(tmp_path):
+    s = dircommit.StagedDir(str(tmp_path / "ckpt"))
+    assert s.discard(TOKEN) is False  # nothing staged
+    _write(os.path.join(s.staging(TOKEN), "a.pt"), "a")
+    assert s.discard(TOKEN) is True
+    assert not os.path.lexists(s.staging(TOKEN))
+    (tmp_path / "real").mkdir()
+    os.symlink("real", s.staging(TOKEN))
+    assert s.discard(TOKEN) is False and os.path.islink(s.staging(TOKEN))  # never follows a link
+
+
+def test_staged_dir_commit_into_a_new_directory(tmp_path):
+    s = dircommit.StagedDir(str(tmp_path / "ckpt"))
+    _write(os.path.join(s.staging(TOKEN), "a.pt"), "A new")
+    visible = []
+    s.commit(TOKEN, _is_entry, what="a test checkpoint", operation="test save", logger=log,
+             on_visible=lambda: visible.append(True))
+    assert visible == [True] and _tree(tmp_path / "ckpt") == {"a.pt": "A new"}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_staged_dir_commit_replaces_and_removes_the_previous_copy(tmp_path, monkeypatch, exchange):
+    if exchange and not _exchange_supported(tmp_path):
+        pytest.skip("this filesystem refuses RENAME_EXCHANGE")
+    target, staging, old = _dirs(tmp_path)
+    if not exchange:
+        monkeypatch.setattr(dircommit, "exchange_paths",
+                            lambda a, b: (_ for _ in ()).throw(OSError(errno.EINVAL, "refused", a, None, b)))
+    s = dircommit.StagedDir(target)
+    assert s.staging(TOKEN) == staging and s.old(TOKEN) == old
+    synced = []
+    s.commit(TOKEN, _is_entry, what="a test checkpoint", operation="test save", logger=log,
+             sync_tree=synced.append)
+    assert synced == [staging]
+    assert _tree(target) == {"a.pt": "A new", "notes.txt": "notes"}
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the previous copy is gone
+
+
+def test_staged_dir_commit_survives_a_previous_copy_that_cannot_be_removed(tmp_path, monkeypatch, caplog):
+    import shutil
+
+    target, staging, _old = _dirs(tmp_path)
+    real = shutil.rmtree
+
+    def rmtree(path, *a, **kw):
+        raise OSError(errno.EBUSY, "Device or resource busy (injected)", os.fspath(path))
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    s = dircommit.StagedDir(target)
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        s.commit(TOKEN, _is_entry, what="a test checkpoint", operation="test save", logger=log)
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert _tree(target) == {"a.pt": "A new", "notes.txt": "notes"}
+    leftovers = [n for n in os.listdir(tmp_path) if n != "ckpt"]
+    assert len(leftovers) == 1 and dircommit.parse_leftover(leftovers[0])[1] == "ckpt"
+    assert "could not remove the previous copy" in caplog.text and "the next test save removes it" in caplog.text
+    s.clean_leftovers(operation="test save", logger=log, fsync_after_restore=False)
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_staged_dir_commit_failure_leaves_the_target_and_the_staging_directory(tmp_path, monkeypatch):
+    target, staging, _old = _dirs(tmp_path)
+    monkeypatch.setattr(dircommit, "exchange_paths",
+                        lambda a, b: (_ for _ in ()).throw(OSError(errno.EACCES, "Permission denied", a, None, b)))
+    s = dircommit.StagedDir(target)
+    visible = []
+    with pytest.raises(PermissionError):
+        s.commit(TOKEN, _is_entry, what="a test checkpoint", operation="test save", logger=log,
+                 on_visible=lambda: visible.append(True))
+    assert visible == []
+    assert _tree(target) == {"a.pt": "A old", "stale.pt": "stale", "notes.txt": "notes"}
+    assert os.path.isdir(staging) and s.discard(TOKEN) and not os.path.lexists(staging)

@@ -331,7 +331,7 @@ def test_two_processes(tmp_path):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
     results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(2)]
-    from fastpersist.integrations._replicated import group_save_available
+    from fastpersist.replicated import group_save_available
 
     split = group_save_available()
     for rank, res in enumerate(results):

@@ -80,7 +80,7 @@ def test_two_processes(stage, tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for res in results:
         _check_results(res, stage, world=2)
-    from fastpersist.integrations._replicated import group_save_available
+    from fastpersist.replicated import group_save_available
 
     for rank, res in enumerate(results):
         saves = {name: grouped for name, grouped in res["saves"]}
