@@ -10,19 +10,25 @@ DeepSpeed, which does not broadcast buffers; client state that differs per rank)
 When the replicas differ, the file is written by the rank(s) the framework would
 have used, as the framework would have written it. Used by the Accelerate, DeepSpeed
 and Lightning adapters.
+
+:func:`rank0_if_different` makes small picklable state agree across the ranks (rank 0's
+wins) before a collective save, for state a framework does not keep in sync (callback
+and loop states, a metric logged on one rank).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import os
+import pickle
 from typing import Any, Callable, Optional
 
 from fastpersist import api
 from fastpersist.distributed import ReplicasDifferError
 
-__all__ = ["group_save_available", "save_replicated"]
+__all__ = ["group_save_available", "rank0_if_different", "save_replicated"]
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +81,34 @@ def save_replicated(obj: Any, path: "os.PathLike[str] | str", *, group: Any, wri
     if writer:
         do_save(obj, path, format=format, config=config)
     return False
+
+
+def rank0_if_different(value: Any, group: Any, *, what: str = "the value") -> tuple[bool, Any]:
+    """Every rank of ``group`` calls this with its ``value`` (picklable); the ranks compare
+    a digest of their pickled values.
+
+    Returns ``(False, value)``, this rank's own object, when every rank's digest is equal;
+    else ``(True, rank 0's value)`` on every rank: broadcast from the group's rank 0 and, on
+    rank 0 too, a freshly unpickled copy, so that every rank holds equal objects (pickling
+    them again gives the same bytes, shared references included). When ``value`` does not
+    pickle on some rank, every rank raises
+    :class:`~fastpersist.distributed.ReplicasDifferError` (``what`` names the value in it).
+    """
+    import torch.distributed as dist
+
+    try:
+        digest = hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=16).hexdigest()
+    except Exception as e:  # noqa: BLE001 - cannot be compared nor broadcast
+        digest = f"unpicklable ({type(e).__name__}: {e})"
+    digests: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, digest, group=group)
+    bad = [d for d in digests if d.startswith("unpicklable")]
+    if bad:  # every rank sees it: every rank raises
+        raise ReplicasDifferError(f"{what} do not pickle", f"{what} {bad[0]}")
+    if all(d == digests[0] for d in digests):
+        return False, value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    if dist.get_rank(group) == 0:  # the same unpickled copies as the others hold: the pickle's memo
+        box = pickle.loads(pickle.dumps(box, protocol=pickle.DEFAULT_PROTOCOL))  # (shared objects) agrees
+    return True, box[0]

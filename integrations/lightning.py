@@ -58,11 +58,9 @@ supported: :func:`classes_for` builds the classes for either package.
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import logging
 import os
-import pickle
 import sys
 import threading
 import types
@@ -79,7 +77,7 @@ from fastpersist.dcp import FastPersistWriter
 from fastpersist.distributed import ReplicasDifferError
 from fastpersist.localpath import is_local, local_path
 from fastpersist.ranks import world_group
-from fastpersist.replicated import group_save_available
+from fastpersist.replicated import group_save_available, rank0_if_different
 
 from . import _startup
 
@@ -486,26 +484,11 @@ def _define(package: str) -> types.SimpleNamespace:
             """``checkpoint`` with its small parts (every top-level key but :attr:`_BULK_KEYS`)
             replaced by rank 0's when they differ between ranks, in rank 0's key order; the
             same object when they do not (then every rank writes its own, equal, replica)."""
-            import torch.distributed as dist
-
             small = {k: v for k, v in checkpoint.items() if k not in self._BULK_KEYS}
-            try:
-                digest = hashlib.blake2b(pickle.dumps((list(checkpoint), small), protocol=4),
-                                         digest_size=16).hexdigest()
-            except Exception as e:  # noqa: BLE001 - cannot be compared nor broadcast
-                digest = f"unpicklable ({type(e).__name__}: {e})"
-            digests: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(digests, digest, group=group)
-            bad = [d for d in digests if d.startswith("unpicklable")]
-            if bad:  # every rank sees it: every rank takes the fallback
-                raise ReplicasDifferError("the checkpoint's small parts do not pickle", f"small parts {bad[0]}")
-            if all(d == digests[0] for d in digests):
+            differ, (order, theirs) = rank0_if_different((list(checkpoint), small), group,
+                                                         what="the checkpoint's small parts")
+            if not differ:
                 return checkpoint
-            box = [(list(checkpoint), small)]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-            if dist.get_rank(group) == 0:  # the same unpickled copies as the others hold: the pickle's memo
-                box = pickle.loads(pickle.dumps(box, protocol=pickle.DEFAULT_PROTOCOL))  # (shared objects) agrees
-            order, theirs = box[0]
             log.debug("ddp_fastpersist: the checkpoint's small parts differ between ranks; rank 0's are saved")
             return {k: (theirs[k] if k in theirs else checkpoint[k]) for k in order if k in theirs or k in checkpoint}
 

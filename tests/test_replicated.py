@@ -11,6 +11,7 @@ import torch
 
 import fastpersist
 from fastpersist import replicated
+from fastpersist.distributed import ReplicasDifferError
 
 
 def test_group_save_available():
@@ -87,3 +88,51 @@ def test_one_rank_writes_only_as_the_writer(tmp_path):
     assert not (tmp_path / "n.pt").exists()
     got = torch.load(tmp_path / "w.pt", weights_only=True)
     assert torch.equal(got["w"], state["w"]) and got["step"] == 7
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("cannot pickle this (test)")
+
+
+def _agree_worker(rank: int, world: int, port: int, d: str) -> None:
+    import torch.distributed as dist
+
+    out: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        group = dist.group.WORLD
+        same = {"epoch": 3, "cb": ["a", "b"]}
+        differ, got = replicated.rank0_if_different(same, group)
+        out["same"] = (differ, got is same)  # this rank's own object, untouched
+        shared = [rank]
+        mine = {"metric": float(rank), "x": shared, "y": shared}
+        differ, got = replicated.rank0_if_different(mine, group)
+        out["differ"] = (differ, got, got["x"] is got["y"], got is mine)
+        bad = {"ok": 1} if rank == 0 else {"ok": _Unpicklable()}
+        try:
+            replicated.rank0_if_different(bad, group, what="the test state")
+            out["unpicklable"] = None
+        except ReplicasDifferError as e:
+            out["unpicklable"] = (str(e), e.difference)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        out["error"] = traceback.format_exc()
+    with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
+def test_rank0_if_different(tmp_path):
+    from test_distributed import rank_results, spawn_ranks
+
+    assert spawn_ranks(2, _agree_worker, (str(tmp_path),), 240) == [0, 0]
+    results = rank_results(str(tmp_path), 2)
+    for r in results:
+        assert "error" not in r, r.get("error")
+        assert r["same"] == (False, True)
+        # rank 0's value on every rank, a fresh copy on rank 0 too, its shared references kept
+        assert r["differ"] == (True, {"metric": 0.0, "x": [0], "y": [0]}, True, False)
+        # one rank's value does not pickle: every rank raises, naming it
+        message, difference = r["unpicklable"]
+        assert "the test state do not pickle" in message
+        assert difference.startswith("the test state unpicklable (TypeError: cannot pickle this (test)")
