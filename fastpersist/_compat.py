@@ -152,7 +152,6 @@ __all__ = [
     "check_dill_version",
     "default_store",
     "default_to_weights_only",
-    "fast_pickle_ok",
     "file_reader",
     "file_writer",
     "load_mmap_default",
@@ -167,7 +166,6 @@ __all__ = [
     "skip_data",
     "status",
     "weights_only_unpickler",
-    "zip_layout_ok",
 ]
 
 
@@ -236,7 +234,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=CONFIG_LOCK._after_fork_in_child)
 
 
-def _feature(name: str, fallback: str, level: int = logging.WARNING) -> Callable[[Callable[[], None]], Callable[[], None]]:
+def feature(name: str, fallback: str, level: int = logging.WARNING) -> Callable[[Callable[[], None]], Callable[[], None]]:
     def register(fn: Callable[[], None]) -> Callable[[], None]:
         _FEATURES[name] = _Feature(name, fn, fallback, level)
         return fn
@@ -378,7 +376,7 @@ class _RecordingZip:
         self.metadata[name] = nbytes
 
 
-@_feature("private_save", "saves use torch.save")
+@feature("private_save", "saves use torch.save")
 def _probe_private_save() -> None:
     torch = _torch()
     fn = torch.serialization._save
@@ -407,7 +405,7 @@ def skip_data() -> Any:
     return _torch().serialization.skip_data()
 
 
-@_feature("storage_alignment_config", "saves use torch.save, whose storages keep torch's default alignment")
+@feature("storage_alignment_config", "saves use torch.save, whose storages keep torch's default alignment")
 def _probe_storage_alignment_config() -> None:
     from torch.utils.serialization import config
 
@@ -442,7 +440,7 @@ def save_storage_alignment(alignment: int, *, required: bool = True) -> Iterator
         yield
 
 
-@_feature("file_writer", "saves use torch.save")
+@feature("file_writer", "saves use torch.save")
 def _probe_file_writer() -> None:
     torch = _torch()
     buf = io.BytesIO()
@@ -474,7 +472,7 @@ def _persistent_id_descriptor() -> Any:
     return pickle.Pickler.persistent_id
 
 
-@_feature("pickler_persistent_id", "saves use torch.save")
+@feature("pickler_persistent_id", "saves use torch.save")
 def _probe_pickler_persistent_id() -> None:
     desc = _persistent_id_descriptor()
     setter = getattr(desc, "__set__", None)
@@ -506,36 +504,10 @@ def set_persistent_id(pickler: Any, fn: Callable[[Any], Any]) -> None:
     _persistent_id_descriptor().__set__(pickler, fn)
 
 
-@_feature("zip_layout", "torch's PyTorchFileWriter lays out the zip records (slower)", logging.INFO)
-def _probe_zip_layout() -> None:
-    require("file_writer")
-    from fastpersist.formats import zipwriter
-
-    zipwriter._probe()
-
-
-def zip_layout_ok() -> bool:
-    """Whether ``MinizLayout`` writes the bytes of this torch's writer."""
-    return ok("zip_layout")
-
-
-@_feature("fast_pickle", "torch's Tensor.__reduce_ex__ pickles tensors (slower)", logging.INFO)
-def _probe_fast_pickle() -> None:
-    require("pickler_persistent_id")
-    from fastpersist.formats import torchpickle
-
-    torchpickle._compare_fast_pickling()
-
-
-def fast_pickle_ok() -> bool:
-    """Whether the fast pickler writes torch's ``data.pkl`` byte for byte here."""
-    return ok("fast_pickle")
-
-
 # --------------------------------------------------------------------------- load path
 
 
-@_feature("file_reader", "loads use torch.serialization.load")
+@feature("file_reader", "loads use torch.serialization.load")
 def _probe_file_reader() -> None:
     torch = _torch()
     raw = _saved_bytes({"t": torch.arange(4, dtype=torch.int32)})
@@ -585,7 +557,7 @@ class _DuckReader:
         return self._r.get_storage_from_record(name, nbytes, storage_type)
 
 
-@_feature("private_load", "loads use torch.serialization.load")
+@feature("private_load", "loads use torch.serialization.load")
 def _probe_private_load() -> None:
     torch = _torch()
     params = _params(torch.serialization._load)
@@ -611,7 +583,7 @@ def _probe_private_load() -> None:
             raise Unavailable("torch.serialization._load with overall_storage returned wrong values")
 
 
-@_feature(
+@feature(
     "private_load_weights_only",
     "torch.serialization._load is called without weights_only, as this torch's own torch.load calls it",
     logging.DEBUG,
@@ -645,7 +617,7 @@ def private_load() -> Callable[..., Any]:
     return _load_caller(_torch().serialization._load)
 
 
-@_feature("weights_only_unpickler", "loads use torch.serialization.load")
+@feature("weights_only_unpickler", "loads use torch.serialization.load")
 def _probe_weights_only_unpickler() -> None:
     mod = _torch()._weights_only_unpickler
     if not (callable(getattr(mod, "Unpickler", None)) and callable(getattr(mod, "load", None))):
@@ -660,7 +632,7 @@ def weights_only_unpickler() -> Any:
     return _torch()._weights_only_unpickler
 
 
-@_feature("check_dill_version", "no dill version check before unpickling", logging.DEBUG)
+@feature("check_dill_version", "no dill version check before unpickling", logging.DEBUG)
 def _probe_check_dill_version() -> None:
     _torch().serialization._check_dill_version(pickle)
 
@@ -671,7 +643,7 @@ def check_dill_version(pickle_module: Any) -> None:
         _torch().serialization._check_dill_version(pickle_module)
 
 
-@_feature("default_to_weights_only", "weights_only defaults to (pickle_module is None)", logging.DEBUG)
+@feature("default_to_weights_only", "weights_only defaults to (pickle_module is None)", logging.DEBUG)
 def _probe_default_to_weights_only() -> None:
     got = _torch().serialization._default_to_weights_only(None)
     if not isinstance(got, bool):
@@ -685,7 +657,7 @@ def default_to_weights_only(pickle_module: Any) -> bool:
     return pickle_module is None
 
 
-@_feature("load_mmap_config", "mmap defaults to False", logging.DEBUG)
+@feature("load_mmap_config", "mmap defaults to False", logging.DEBUG)
 def _probe_load_mmap_config() -> None:
     from torch.utils.serialization import config
 
@@ -708,7 +680,7 @@ def load_mmap_default() -> bool:
 _STORE_METHODS = ("set", "get", "check", "add", "compare_set", "delete_key")
 
 
-@_feature(
+@feature(
     "default_store",
     "collective timeouts cannot name the missing ranks, and save_async(group=...) is refused",
 )
@@ -770,7 +742,7 @@ def default_store() -> Any:
 DCP_CRC_ATTR = "fastpersist_crc32"
 
 
-@_feature("dcp_storage_layer", "fastpersist.dcp writes and reads through DCP's stock FileSystemWriter/Reader")
+@feature("dcp_storage_layer", "fastpersist.dcp writes and reads through DCP's stock FileSystemWriter/Reader")
 def _probe_dcp_storage_layer() -> None:
     from torch.distributed.checkpoint import filesystem as fsmod
 

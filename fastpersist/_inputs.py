@@ -15,7 +15,7 @@ import errno
 import os
 import stat
 
-__all__ = ["check_input", "special_file_error"]
+__all__ = ["check_input", "is_path", "special_file_error"]
 
 # (test, errno, what it is): the errno is what the OS answers to the access a
 # checkpoint reader needs: a positioned read of a FIFO or socket is ESPIPE ("Illegal
@@ -26,6 +26,11 @@ _KINDS = (
     (stat.S_ISCHR, errno.ENODEV, "a character device"),
     (stat.S_ISBLK, errno.ENODEV, "a block device"),
 )
+
+
+def is_path(f: object) -> bool:
+    """Whether ``f`` names a file by path (str or os.PathLike), as opposed to a file object."""
+    return isinstance(f, (str, os.PathLike))
 
 
 def special_file_error(path: str, mode: int, action: str) -> OSError:

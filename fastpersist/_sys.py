@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from typing import Any, Callable, Optional
+from fastpersist import _native
 
 __all__ = ["fault_point", "fsync", "open", "pwrite", "rename", "replace", "write"]
 
@@ -23,8 +24,6 @@ def fault_point(op: str, path: Any = None, path2: Any = None) -> None:
     """Raise the ``OSError`` an injected fault gives this call of ``op``, if any."""
     global _check
     if _check is None:
-        from fastpersist import _native
-
         _check = _native.fault_errno
     err = _check(op)
     if err:
@@ -70,3 +69,24 @@ def write(fd: int, data: Any, path: Any = None) -> int:
     """``os.write``, unless an injected ``write`` fault fails it (``path``: named in its error)."""
     fault_point("write", path)
     return os.write(fd, data)
+
+
+def pread_full(fd: int, length: int, offset: int, path: Optional[str] = None) -> bytes:
+    """``length`` bytes at ``offset`` of ``fd`` (``os.pread``, page cache), short reads
+    retried: fewer only where the file ends. An ``OSError`` names ``path``, the offset and
+    the length (the bare one from ``os.pread`` names no file)."""
+    chunks = []
+    while length > 0:
+        try:
+            b = os.pread(fd, length, offset)
+        except OSError as e:
+            if path is None or e.errno is None:
+                raise
+            raise type(e)(e.errno, f"{e.strerror or e} (reading {length} bytes at offset {offset} of {path!r})",
+                          path) from e
+        if not b:
+            break
+        chunks.append(b)
+        offset += len(b)
+        length -= len(b)
+    return b"".join(chunks)

@@ -108,12 +108,14 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import _sys, api
+from fastpersist import _sys, asyncstage, config as config_mod, cudastage, distributed as D, handles, io as fpio, pending
+from fastpersist._inputs import is_path
 from fastpersist.asyncstage import BackgroundCrc, LazyFeed, StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
-from fastpersist.commit import (_keep_mode, _remove_quietly, clean_stale_temps, fsync_dir_after_rename, fsync_path,
+from fastpersist.commit import (keep_mode, remove_quietly, clean_stale_temps, fsync_dir_after_rename, fsync_path,
                                 resolve_target, temp_path_for)
-from fastpersist.errors import UnsupportedLayoutError
-from fastpersist.formats.base import WritePlan
+from fastpersist.errors import DirectorySyncError, UnsupportedLayoutError
+from fastpersist.formats import registry, split
+from fastpersist.plan import WritePlan
 
 log = logging.getLogger(__name__)
 
@@ -200,11 +202,9 @@ class _Job:
 
 # ---- process-wide state (reset in a forked child) ---------------------------------
 
-_lock = threading.Lock()  # _jobs, _unreported, _pool, _finisher
-_copy_lock = threading.Lock()  # one save captures its state at a time (call order = queue order)
+_lock = threading.Lock()  # _jobs, _unreported, _finisher
 _jobs: deque[_Job] = deque()  # not finished, in call order
 _unreported: list[SaveFuture] = []
-_pool: Optional[StagingPool] = None
 _finisher: Optional[threading.Thread] = None
 _finisher_cv = threading.Condition(_lock)
 _guards: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
@@ -213,13 +213,11 @@ _guards: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
 def _reset_in_child() -> None:
     """A forked child inherits none of the parent's pending saves (their writes run in the parent)."""
     _io_handles.clear()
-    global _lock, _copy_lock, _jobs, _unreported, _pool, _finisher, _finisher_cv
+    global _lock, _jobs, _unreported, _finisher, _finisher_cv
     _lock = threading.Lock()
-    _copy_lock = threading.Lock()
     _finisher_cv = threading.Condition(_lock)
     _jobs = deque()
     _unreported = []
-    _pool = None
     _finisher = None
 
 
@@ -346,8 +344,6 @@ def _io_handle(cfg: Any) -> Any:
         h = _io_handles.get(key)
     if h is not None:
         return h
-    from fastpersist import _native
-
     box: dict[str, Any] = {}
 
     def build() -> None:
@@ -357,7 +353,7 @@ def _io_handle(cfg: Any) -> Any:
         except OSError as e:  # pragma: no cover - not allowed here: full priority then
             log.debug("fastpersist: cannot lower the async writer threads' priority (%s)", e)
         try:
-            box["h"] = _native.Handle(**kwargs)
+            box["h"] = fpio.native_module().Handle(**kwargs)
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             box["e"] = e
 
@@ -369,14 +365,6 @@ def _io_handle(cfg: Any) -> Any:
     with _lock:
         h = _io_handles.setdefault(key, box["h"])
     return h
-
-
-def _pool_for(limit: int) -> StagingPool:
-    global _pool
-    with _lock:
-        if _pool is None or _pool.limit != limit:
-            _pool = StagingPool(limit)  # jobs using the old one keep it alive
-        return _pool
 
 
 # ---- background commit ---------------------------------------------------------------
@@ -392,8 +380,6 @@ def _finish_loop() -> None:
 
 
 def _naming(final: str, tmp: str, e: BaseException) -> BaseException:
-    from fastpersist.errors import DirectorySyncError
-
     if isinstance(e, OSError) and e.errno is not None and not isinstance(e, DirectorySyncError):
         err = type(e)(e.errno, f"{e.strerror or e} (async save of {final!r} via temporary file {tmp!r}; "
                       "the previous file at this path is untouched)", final)
@@ -426,19 +412,19 @@ def _finish(job: _Job) -> None:
                 raise job.crc.exc
             patches, nslots, size = job.fields
             if patches:
-                _patch_slice(job.tmp, patches, job.crc.crcs(nslots), 0, size, False)
+                asyncstage.patch_slice(job.tmp, patches, job.crc.crcs(nslots), 0, size, False)
         job.keepalive = None
         if job.feed is not None and job.plan is not None:  # the CRC fields, now that every CRC is known
-            _patch_slice(job.tmp, job.plan.patches, job.feed.crcs(job.plan.nslots), 0, job.plan.file_size, False)
+            asyncstage.patch_slice(job.tmp, job.plan.patches, job.feed.crcs(job.plan.nslots), 0, job.plan.file_size, False)
             job.plan = None
         if job.fsync:
             fsync_path(job.tmp)
-        _keep_mode(fut.path, job.tmp)
+        keep_mode(fut.path, job.tmp)
         _sys.rename(job.tmp, fut.path)
         if job.fsync:
             fsync_dir_after_rename(fut.path)  # its error says the new file is in place
     except BaseException as e:  # noqa: BLE001 - reported through the future
-        _remove_quietly(job.tmp)
+        remove_quietly(job.tmp)
         exc = _naming(fut.path, job.tmp, e)
     _settle(job, exc)
 
@@ -486,16 +472,11 @@ def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any, device_sources: 
     """The save's plan; ``device_sources`` (snapshots): CUDA storages recorded, not
     copied, for :func:`fastpersist.cudastage.stream_plan` (see docs/gpu.md)."""
     if fmt == "safetensors":
-        from fastpersist.formats.safetensors import plan_safetensors
-
         if not isinstance(obj, dict):
             raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        return plan_safetensors(obj, api.safetensors_metadata(metadata), align, checksum=cfg.checksum,
-                                device_sources=device_sources)
-    from fastpersist.formats.torchzip import plan_torch
-
+        return registry.SAFETENSORS.plan(obj, align, cfg, metadata=metadata, device_sources=device_sources)
     try:
-        return plan_torch(obj, align, fast=cfg.fast_pickle, device_sources=device_sources)
+        return registry.TORCH.plan(obj, align, cfg, device_sources=device_sources)
     except UnsupportedLayoutError as e:
         log.debug("fast torch layout not possible for %s (%s); pickling with torch's writer", final, e)
         return _bytes_plan(obj)
@@ -570,34 +551,30 @@ def save_async(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    if not api._is_path(path):
+    if not is_path(path):
         raise TypeError(f"fastpersist.save_async writes to a file path (str or os.PathLike), got {type(path).__name__}")
-    cfg = api._config(config)
-    if metadata is not None and (group is not None or api._format_of(os.fspath(path), format) != "safetensors"):
+    cfg = config_mod.resolve(config)
+    if metadata is not None and (group is not None or registry.format_for(os.fspath(path), format).name != "safetensors"):
         raise TypeError("metadata= is for safetensors files saved without group= (as fastpersist.save)")
     _hook_multiprocessing_exit()
     if group is not None:
         import torch.distributed as dist
 
-        from fastpersist.distributed import _check_group
-
-        _check_group(group)
+        D.check_group(group)
         if dist.get_world_size(group) > 1:
             return _save_async_group(obj, path, mode, cfg, format, group)
     _raise_unreported()
     final = resolve_target(path)
-    fmt = api._format_of(final, format)
+    fmt = registry.format_for(final, format).name
     if mode == "lazy" and not list(_guards.keys()):
         _lazy_split(WritePlan([], [], 0, 0), cfg.async_staging_limit, final)  # raises: no guard
-    align = api._alignment(os.path.dirname(final))
-    handle = api._handle(cfg)  # copies inside the call: full priority
+    align = handles.alignment_for(os.path.dirname(final))
+    handle = handles.handle_for(cfg)  # copies inside the call: full priority
     writer = _io_handle(cfg)  # background writes
     fut = SaveFuture(final, mode)
-    with _copy_lock:
+    with asyncstage.capture_lock():
         # snapshot: CUDA storages become device sources, D2H-copied through the pool
         # (fastpersist.cudastage); lazy: staged to host memory at planning (= call) time
-        from fastpersist import cudastage
-
         device = cudastage.is_cuda_storage if mode == "snapshot" else None
         plan = _plan(obj, final, fmt, align, cfg, device, metadata)  # GC paused inside, restored on return
         if mode == "lazy":
@@ -612,7 +589,7 @@ def save_async(
         try:
             os.close(_sys.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666))
             if mode == "snapshot" and cudastage.device_sources_of(plan) is not None:
-                pool = _pool_for(cfg.async_staging_limit)
+                pool = asyncstage.shared_pool(cfg.async_staging_limit)
                 streamed, job.crc = cudastage.stream_plan(
                     plan, pool, handle, lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False)
                 )
@@ -620,7 +597,7 @@ def save_async(
                 job.fields = (list(plan.patches), plan.nslots, plan.file_size)
                 job.keepalive = pool
             elif mode == "snapshot":
-                pool = _pool_for(cfg.async_staging_limit)
+                pool = asyncstage.shared_pool(cfg.async_staging_limit)
                 job.writes, job.crc = snapshot_plan(
                     plan, pool, handle, lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False)
                 )
@@ -629,7 +606,7 @@ def save_async(
             else:
                 extents, private, _n = copy_private(plan, handle, keep)
                 job.owners = owners
-                pool = _pool_for(cfg.async_staging_limit)
+                pool = asyncstage.shared_pool(cfg.async_staging_limit)
                 feed = LazyFeed(extents, pool, writer, handle,
                                 lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False))
                 job.feed, job.plan = feed, plan
@@ -639,7 +616,7 @@ def save_async(
         except BaseException as e:
             for f in job.writes:
                 f.wait()
-            _remove_quietly(tmp)
+            remove_quietly(tmp)
             raise _naming(final, tmp, e) from e
         with _lock:
             _jobs.append(job)
@@ -651,13 +628,13 @@ def save_async(
 class _GroupCommit:
     """The background part of one ``save_async(group=...)`` on one rank (finisher thread).
 
-    Exchanges go through the rendezvous store only (``distributed._StoreCoordinator``):
+    Exchanges go through the rendezvous store only (``distributed.StoreCoordinator``):
     the finisher thread must not run collectives on a process group the caller's thread
     may be using at the same moment (their order would differ between ranks and the
     collectives would pair up wrongly or hang). Steps, each ending with every rank's
     status: ``crc`` (the capture's outcome and the slice's partial CRC-32s), ``write``
     (the slice is on disk with its CRC fields, fsynced), then the commit of
-    ``distributed._commit``. Any rank's failure raises the same
+    ``distributed.commit_agreed``. Any rank's failure raises the same
     :class:`~fastpersist.distributed.DistributedCheckpointError` on every rank.
     """
 
@@ -672,12 +649,9 @@ class _GroupCommit:
         self.local: Optional[BaseException] = None
 
     def run(self, job: _Job) -> None:
-        from fastpersist import distributed as D
-        from fastpersist.formats import split
-
         co, agreed = self.co, self.agreed
         plan = agreed.layout.plan
-        loc = D._Local()
+        loc = D.Local()
         loc.exc = self.local
         try:
             info = co.gather("crc", (loc.status, self.partial))
@@ -689,7 +663,7 @@ class _GroupCommit:
                     job.consumed()
                     for f in job.writes:
                         f.result()
-                    _patch_slice(self.tmp, plan.patches, crcs, self.lo, self.hi, self.cfg.fsync)
+                    asyncstage.patch_slice(self.tmp, plan.patches, crcs, self.lo, self.hi, self.cfg.fsync)
                 except OSError as e:
                     raise _naming(agreed.final, self.tmp, e) from e
 
@@ -698,48 +672,26 @@ class _GroupCommit:
             wrote = co.gather("write", loc.status)
             co.check("write", wrote, local=loc.exc,
                      after="The temporary files were removed; the previous file at the path is untouched")
-            D._commit(co, agreed, self.tmp, self.cfg, loc)
+            D.commit_agreed(co, agreed, self.tmp, self.cfg, loc)
         except BaseException:
             for f in job.writes:  # nothing may read the sources or the staging windows any more
                 f.wait()
             for t in self.temps:
-                D._remove(t)
+                D.remove_temp(t)
             raise
         finally:
             co.finish()
-
-
-def _patch_slice(tmp: str, patches: list[Any], crcs: list[int], lo: int, hi: int, fsync: bool) -> None:
-    """Write the CRC fields of ``patches`` that fall inside ``[lo, hi)`` into ``tmp`` (after its
-    slice's O_DIRECT writes completed), then fsync it."""
-    from fastpersist.formats.split import _patch_bytes
-
-    fd = _sys.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        for off, slot, kind in patches:
-            b = _patch_bytes(kind, crcs[slot])
-            a, z = max(off, lo), min(off + len(b), hi)
-            if a < z:
-                _sys.pwrite(fd, b[a - off:z - off], a, tmp)
-        if fsync:
-            _sys.fsync(fd, tmp)
-    finally:
-        os.close(fd)
 
 
 def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str], group: Any) -> SaveFuture:
     """``save_async(..., group=group)`` with more than one rank (see the module docstring)."""
     import torch.distributed as dist
 
-    from fastpersist import distributed as D
-    from fastpersist.asyncstage import snapshot_slice
-    from fastpersist.formats import split
-
     size = dist.get_world_size(group)
     what = f"fastpersist.save_async({os.fsdecode(os.fspath(path))!r}, mode={mode!r}) over {size} ranks"
-    co = D._Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
-    bg = D._StoreCoordinator(group, cfg.dist_timeout, what)  # the finisher thread: store exchanges only
-    loc = D._Local()
+    co = D.Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
+    bg = D.StoreCoordinator(group, cfg.dist_timeout, what)  # the finisher thread: store exchanges only
+    loc = D.Local()
     try:
         _raise_unreported()  # reported at the plan step, so that every rank stops there
     except BaseException as e:  # noqa: BLE001
@@ -749,23 +701,23 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
     if mode == "lazy" and not list(_guards.keys()):
         loc.run(lambda: _lazy_split(WritePlan([], [], 0, 0), cfg.async_staging_limit, os.fspath(path)))
     try:
-        with _copy_lock:
-            agreed = D._agree(co, obj, path, cfg, format, loc)  # raises on every rank; nothing written
+        with asyncstage.capture_lock():
+            agreed = D.agree(co, obj, path, cfg, format, loc)  # raises on every rank; nothing written
             fut = SaveFuture(agreed.final, mode)
             leader = agreed.leader == co.rank
             if agreed.fallback:  # torch's writer: the group leaders save at call time
                 log.debug("%s: the object needs torch's writer; saved at call time", what)
-                D._save_fallback(co, obj, agreed.final, cfg, agreed.fmt, leader, loc)
+                D.save_fallback(co, obj, agreed.final, cfg, agreed.fmt, leader, loc)
                 fut._event.set()
                 return fut
             plan = agreed.layout.plan
             lo, hi = agreed.bounds(co.rank)
             extents = split.clip(plan.extents, lo, hi)
-            tmp = loc.run(lambda: D._create_temp(agreed.final, plan.file_size)) if leader else None
+            tmp = loc.run(lambda: D.create_temp(agreed.final, plan.file_size)) if leader else None
             try:
                 created = co.gather("create", (loc.status, tmp))
             except BaseException:  # a rank died: nobody else knows this leader's file
-                D._remove(tmp)
+                D.remove_temp(tmp)
                 raise
             temps = [created[g[0]][1] for g in agreed.groups]
             tmp = created[agreed.leader][1]
@@ -773,18 +725,18 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
                 co.check("create", [v[0] for v in created], local=loc.exc, after="Nothing was written")
             except BaseException:
                 for t in temps:
-                    D._remove(t)
+                    D.remove_temp(t)
                 raise
-            handle = api._handle(cfg)  # copies inside the call: full priority
+            handle = handles.handle_for(cfg)  # copies inside the call: full priority
             writer = _io_handle(cfg)  # background writes
             job = _Job(fut, tmp, cfg.fsync)
             commit = _GroupCommit(bg, agreed, lo, hi, tmp, temps, cfg)
 
             def capture() -> None:
                 if mode == "snapshot":
-                    pool = _pool_for(cfg.async_staging_limit)
+                    pool = asyncstage.shared_pool(cfg.async_staging_limit)
                     job.keepalive = pool
-                    commit.partial, job.writes = snapshot_slice(
+                    commit.partial, job.writes = asyncstage.snapshot_slice(
                         extents, pool, handle,
                         lambda off, ptr, n: writer.write_async(tmp, [(off, ptr, n, -1)], truncate=False))
                 else:
@@ -920,3 +872,7 @@ def _hook_multiprocessing_exit() -> None:
     from multiprocessing import util
 
     util.Finalize(None, _at_exit, exitpriority=100)
+
+
+# Readers and blocking saves below this layer wait for these saves through fastpersist.pending.
+pending.register(sys.modules[__name__])  # type: ignore[arg-type]

@@ -28,12 +28,13 @@ disk (as a collective save's slice, :func:`snapshot_slice`).
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
-from fastpersist import _native
-from fastpersist.formats.base import WritePlan
+from fastpersist import _native, _sys
+from fastpersist.plan import WritePlan, patch_bytes
 
 _PAGE = 4096
 _MAX_WINDOW = 64 << 20
@@ -45,7 +46,7 @@ def window_size(limit: int) -> int:
 
 
 @dataclass(eq=False)
-class _Window:
+class Window:
     buf: Any  # _native.PinnedBuffer
     view: memoryview
     future: Any = None  # the write reading it; None: free, or held by a save that fills it
@@ -60,7 +61,7 @@ class StagingPool:
         self.limit = limit
         self.window = window_size(limit)
         self.max_windows = max(2, limit // self.window)
-        self._windows: list[_Window] = []
+        self._windows: list[Window] = []
         self._lock = threading.Lock()
         self._seq = 0
 
@@ -69,7 +70,7 @@ class StagingPool:
         """Bytes of page-locked memory the pool holds now."""
         return len(self._windows) * self.window
 
-    def acquire(self, before_wait: Optional[Callable[[], None]] = None) -> _Window:
+    def acquire(self, before_wait: Optional[Callable[[], None]] = None) -> Window:
         """A free window; waits for the oldest write in flight when all are taken
         (calling ``before_wait()`` first: whatever frees windows must be running)."""
         while True:
@@ -82,7 +83,7 @@ class StagingPool:
                         return w
                 if len(self._windows) < self.max_windows:
                     buf = _native.PinnedBuffer(self.window, _PAGE, True)
-                    w = _Window(buf, memoryview(buf).cast("B"), busy=True)
+                    w = Window(buf, memoryview(buf).cast("B"), busy=True)
                     self._windows.append(w)
                     return w
                 inflight = [w for w in self._windows if w.future is not None]
@@ -97,19 +98,19 @@ class StagingPool:
                 before_wait()
             fut.wait()  # GIL released
 
-    def submitted(self, w: _Window, future: Any) -> None:
+    def submitted(self, w: Window, future: Any) -> None:
         """``w`` is being written by ``future``; free again once that is done."""
         with self._lock:
             self._seq += 1
             w.future, w.seq = future, self._seq
 
-    def release(self, w: _Window) -> None:
+    def release(self, w: Window) -> None:
         """Give back a window that was never submitted (error paths)."""
         with self._lock:
             w.busy, w.future = False, None
 
 
-class _Both:
+class Both:
     """What frees a snapshot window: its write is done and its CRC-32s were read."""
 
     def __init__(self, write: Any, crc_read: threading.Event) -> None:
@@ -221,15 +222,15 @@ def snapshot_plan(
     crc = BackgroundCrc()
     crc.keep = pool  # the windows it reads stay allocated while it runs
     futures: list[Any] = []
-    current: Optional[_Window] = None  # taken, not yet submitted
+    current: Optional[Window] = None  # taken, not yet submitted
     try:
-        for current, start, base, ranges, slots, pos in _fill_windows(
+        for current, start, base, ranges, slots, pos in fill_windows(
                 extents, pool, lambda: pool.acquire(before_wait=crc.go)):
             handle.copy_ranges(ranges, False)  # GIL released, on the handle's threads
             pieces = [(dst, n, slot) for (dst, _src, n), (slot, _n) in zip(ranges, slots) if slot >= 0 and n]
             fut = submit(start, base, pos - start)
             futures.append(fut)
-            pool.submitted(current, _Both(fut, crc.add(pieces)))
+            pool.submitted(current, Both(fut, crc.add(pieces)))
             current = None
         crc.close()
         return futures, crc
@@ -243,9 +244,9 @@ def snapshot_plan(
         raise
 
 
-def _fill_windows(
-    extents: list[tuple[int, int, int, int]], pool: StagingPool, acquire: Callable[[], _Window],
-) -> Iterator[tuple[_Window, int, int, list[tuple[int, int, int]], list[tuple[int, int]], int]]:
+def fill_windows(
+    extents: list[tuple[int, int, int, int]], pool: StagingPool, acquire: Callable[[], Window],
+) -> Iterator[tuple[Window, int, int, list[tuple[int, int, int]], list[tuple[int, int]], int]]:
     """Cut the plan's extents into staging windows, in file order: for each window, one
     window taken with ``acquire()`` and ``(window, start, base, ranges, slots, pos)``
     (see :func:`_window_ranges`; ``base``: where file offset ``start`` lands in it).
@@ -318,9 +319,9 @@ def snapshot_slice(
     """
     partial: dict[int, tuple[int, int]] = {}
     futures: list[Any] = []
-    taken: list[_Window] = []
+    taken: list[Window] = []
     try:
-        for win, start, base, ranges, slots, pos in _fill_windows(extents, pool, pool.acquire):
+        for win, start, base, ranges, slots, pos in fill_windows(extents, pool, pool.acquire):
             taken.append(win)
             piece_crcs = handle.copy_ranges(ranges, True)  # GIL released, on the handle's threads
             _add_partial_crcs(partial, slots, piece_crcs)
@@ -417,7 +418,7 @@ class LazyFeed:
         except BaseException:
             self.pool.release(win)
             raise
-        self.pool.submitted(win, _Both(fut, self.crc.add(pieces)))
+        self.pool.submitted(win, Both(fut, self.crc.add(pieces)))
         self.futures.append(fut)
         self._k, self._k_off = k, k_off
         return True
@@ -484,3 +485,58 @@ def owner_of(starts: list[int], ranges: list[tuple[int, int, int]], ptr: int, n:
     if i >= 0 and ptr + n <= ranges[i][1]:
         return ranges[i][2]
     return None
+
+
+# ---- the process's staging pool: async saves and blocking saves of CUDA state share it
+
+_shared_lock = threading.Lock()
+_capture_lock = threading.Lock()  # one save captures its state at a time (call order = queue order)
+_shared_pool: Optional[StagingPool] = None
+
+
+def _reset_in_child() -> None:
+    """A forked child starts with no pool and fresh locks (a parent thread may have held them)."""
+    global _shared_lock, _capture_lock, _shared_pool
+    _shared_lock = threading.Lock()
+    _capture_lock = threading.Lock()
+    _shared_pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
+
+
+def shared_pool(limit: int) -> StagingPool:
+    """The process's staging pool of ``limit`` bytes (a new one when the limit changed;
+    saves using the old one keep it alive)."""
+    global _shared_pool
+    with _shared_lock:
+        if _shared_pool is None or _shared_pool.limit != limit:
+            _shared_pool = StagingPool(limit)
+        return _shared_pool
+
+
+def current_pool() -> Optional[StagingPool]:
+    """The pool :func:`shared_pool` last returned (None before the first)."""
+    return _shared_pool
+
+
+def capture_lock() -> threading.Lock:
+    """Held while a save captures its state into the pool: captures run in call order."""
+    return _capture_lock
+
+
+def patch_slice(tmp: str, patches: list[Any], crcs: list[int], lo: int, hi: int, fsync: bool) -> None:
+    """Write the CRC fields of ``patches`` that fall inside ``[lo, hi)`` into ``tmp`` (after its
+    slice's O_DIRECT writes completed), then fsync it."""
+    fd = _sys.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for off, slot, kind in patches:
+            b = patch_bytes(kind, crcs[slot])
+            a, z = max(off, lo), min(off + len(b), hi)
+            if a < z:
+                _sys.pwrite(fd, b[a - off:z - off], a, tmp)
+        if fsync:
+            _sys.fsync(fd, tmp)
+    finally:
+        os.close(fd)

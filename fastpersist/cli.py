@@ -22,6 +22,25 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from fastpersist.bench.units import parse_int_list, parse_size, parse_size_list
+from fastpersist.bench import stream_bench
+from fastpersist.bench.machine import collect_machine_info
+from fastpersist.commit import clean_stale_temps
+from fastpersist import _native
+from fastpersist.config import get_default
+from fastpersist.io import gpu_path
+from fastpersist.commit import scan_temps
+from fastpersist.bench.units import format_bytes
+import fastpersist
+from fastpersist.errors import FastPersistError
+from fastpersist.verifytree import collect, is_dcp_dir
+from fastpersist._inputs import check_input
+from fastpersist.bench import report
+from fastpersist.bench.io_bench import run_io_bench
+from fastpersist.bench.save_bench import PEERS, run_save_bench
+from fastpersist.bench import gpu_bench, report
+from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
+from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
+from fastpersist.bench import cgroup
 
 PROG = "fastpersist"
 #: where ``bench save`` writes its chart unless told otherwise (``--plot``, ``--no-plot``)
@@ -248,8 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the files of the last round")
     p.set_defaults(func=cmd_bench_dist)
 
-    from fastpersist.bench import stream_bench  # -- bench stream (fastpersist.bench.stream_bench) --
-
     stream_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
     return parser
 
@@ -259,8 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_info(args: argparse.Namespace) -> int:
     """``fastpersist info``: what this installation and the storage of ``--dir`` can do."""
-    from fastpersist.bench.machine import collect_machine_info
-
     if args.dir_arg is not None and args.dir is not None and args.dir_arg != args.dir:
         raise UsageError(f"two directories given: {args.dir_arg!r} and --dir {args.dir!r} (give one)")
     args.dir = args.dir_arg or args.dir or "."
@@ -268,14 +283,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     temps, temps_error = _temp_files(args.dir)
     removed: list[str] = []
     if args.clean and temps is not None:
-        from fastpersist.commit import clean_stale_temps
-
         removed = clean_stale_temps(args.dir)
     compiled: Optional[list[str]] = None
     native_version: Optional[str] = None
     try:
-        from fastpersist import _native
-
         compiled = list(_native.ENGINES)
         native_version = str(getattr(_native, "__version__", "")) or None
     except ImportError:
@@ -309,9 +320,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _gpu_path(directory: str) -> Any:
     """:func:`fastpersist.io.gpu_path` of ``directory`` under the default config, or why it is unknown."""
     try:
-        from fastpersist.config import get_default
-        from fastpersist.io import gpu_path
-
         cfg = get_default()
         return gpu_path(directory, engine=cfg.engine, checksum=cfg.checksum)
     except (ImportError, OSError) as e:
@@ -324,8 +332,6 @@ if TYPE_CHECKING:
 
 def _temp_files(directory: str) -> tuple[Optional[list], Optional[str]]:
     """Leftover temporary files of saves in ``directory`` (None and why, if it cannot be listed)."""
-    from fastpersist.commit import scan_temps
-
     try:
         return scan_temps(directory), None
     except OSError as exc:
@@ -339,8 +345,6 @@ def _age(t: "TempFile") -> float:
 
 
 def _temp_lines(temps: Optional[list], error: Optional[str], removed: list[str], clean: bool) -> list[str]:
-    from fastpersist.bench.units import format_bytes
-
     if temps is None:
         return [f"Temp files : cannot list ({error})"]
     if not temps:
@@ -365,9 +369,6 @@ def _temp_lines(temps: Optional[list], error: Optional[str], removed: list[str],
 def _verify_one(path: str) -> dict:
     """:func:`fastpersist.verify` of one file or DCP directory as a JSON-ready dict with
     ``status``; content that escapes verify as an exception is still ``corrupt``."""
-    import fastpersist
-    from fastpersist.errors import FastPersistError
-
     try:
         result = fastpersist.verify(path)
     except (FastPersistError, UnicodeError) as exc:  # bad content that escaped verify: still FAILED, never 2
@@ -405,13 +406,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     those found in the directories named (:mod:`fastpersist.verifytree`), a line each.
     One exit status: 1 if any FAILED, else 2 if any could not be read (or a directory held
     no checkpoint), else 3 if any is UNCHECKED, else 0 (every one OK)."""
-    from fastpersist.verifytree import collect, is_dcp_dir
-
     paths = list(args.paths)
     single = len(paths) == 1 and not os.path.isdir(paths[0])
     if single:  # one file: its errors are the command's (exit 2, one line), as before
         path = paths[0]
-        from fastpersist._inputs import check_input
 
         check_input(path, "verify", directory_ok=True)  # the OS's error at once: ELOOP, a FIFO's ESPIPE
         data = _verify_one(path)
@@ -431,8 +429,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         errors.append({"path": path, "error": _describe(exc)})
         if not args.json:
             print(f"ERROR: {path}: {_describe(exc)}")
-
-    from fastpersist._inputs import check_input
 
     for path in paths:
         try:
@@ -488,9 +484,6 @@ def _check_dir(path: str) -> str:
 
 def cmd_bench_io(args: argparse.Namespace) -> int:
     """``fastpersist bench io``: see :mod:`fastpersist.bench.io_bench`."""
-    from fastpersist.bench import report
-    from fastpersist.bench.io_bench import run_io_bench
-
     _check_dir(args.dir)
     if not args.engines:
         raise UsageError("--engines: give at least one engine")
@@ -520,9 +513,6 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
 
 def cmd_bench_save(args: argparse.Namespace) -> int:
     """``fastpersist bench save``: see :mod:`fastpersist.bench.save_bench`."""
-    from fastpersist.bench import report
-    from fastpersist.bench.save_bench import PEERS, run_save_bench
-
     _check_dir(args.dir)
     bad = sorted(set(args.peers) - set(PEERS))
     if bad:
@@ -558,8 +548,6 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
 
 def _bench_gpu(args: argparse.Namespace, kind: str) -> int:
     """``bench io/save --device cuda``: see :mod:`fastpersist.bench.gpu_bench`."""
-    from fastpersist.bench import gpu_bench, report
-
     try:
         gpu_bench.require_cuda()
     except RuntimeError as e:
@@ -579,9 +567,6 @@ def _bench_gpu(args: argparse.Namespace, kind: str) -> int:
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
     """``fastpersist bench train``: see :mod:`fastpersist.bench.train_bench`."""
-    from fastpersist.bench import report
-    from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
-
     _check_dir(args.dir)
     methods = args.methods or list(METHODS)
     bad = sorted(set(methods) - set(METHODS))
@@ -608,13 +593,8 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 def cmd_bench_dist(args: argparse.Namespace) -> int:
     """``fastpersist bench dist``: see :mod:`fastpersist.bench.dist_bench`."""
-    from fastpersist.bench import report
-    from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
-
     _check_dir(args.dir)
     if args.rank_bandwidth is not None:
-        from fastpersist.bench import cgroup
-
         why = cgroup.unavailable_reason()
         if why:
             raise UsageError(f"--rank-bandwidth: cannot limit each rank's bandwidth here: {why}")

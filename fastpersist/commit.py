@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar, Union
 
 from fastpersist import _sys
+from fastpersist.errors import DirectorySyncError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ TMP_MARKER = ".fp-tmp-"
 FOREIGN_TMP_GRACE_S = 3600.0
 
 _HOST_HEX = 10  # length of the HOST field (hex digits)
-_UNKNOWN_HOST = "0" * _HOST_HEX  # written when this process cannot identify its boot / pid namespace
+UNKNOWN_HOST = "0" * _HOST_HEX  # written when this process cannot identify its boot / pid namespace
 
 _HASH_HEX = 12  # length of the HASH field (hex digits of the final name's SHA-256)
 
@@ -196,7 +197,7 @@ def _parse_stat(text: Optional[str]) -> Optional[list[str]]:
     return rest if len(rest) >= 20 else None
 
 
-def _stat_fields(pid: int) -> Optional[list[str]]:
+def stat_fields(pid: int) -> Optional[list[str]]:
     """Fields 3.. of ``/proc/PID/stat`` (state first), or None if there is no such process."""
     return _parse_stat(_read_text(f"/proc/{pid}/stat"))
 
@@ -209,12 +210,12 @@ def _host_tag() -> str:
     except OSError:
         pidns = None
     if not boot or not boot.strip() or not pidns:
-        return _UNKNOWN_HOST
+        return UNKNOWN_HOST
     tag = hashlib.sha256(f"{boot.strip()}|{pidns}".encode()).hexdigest()[:_HOST_HEX]
-    return tag if tag != _UNKNOWN_HOST else "1" + tag[1:]
+    return tag if tag != UNKNOWN_HOST else "1" + tag[1:]
 
 
-def _identity() -> tuple[str, str]:
+def process_identity() -> tuple[str, str]:
     """(HOST, START) of this process; cached per pid (a forked child computes its own)."""
     pid = os.getpid()
     got = _identity_cache.get(pid)
@@ -223,13 +224,13 @@ def _identity() -> tuple[str, str]:
         text = _read_text("/proc/self/stat")
         fields = _parse_stat(text)
         # /proc/self must be this process: a /proc of another pid namespace would mislead
-        if host == _UNKNOWN_HOST or fields is None or text.split(None, 1)[0] != str(pid):
-            got = (_UNKNOWN_HOST, "0")
+        if host == UNKNOWN_HOST or fields is None or text.split(None, 1)[0] != str(pid):
+            got = (UNKNOWN_HOST, "0")
         else:
             try:
                 got = (host, format(int(fields[19]), "x"))
             except ValueError:  # pragma: no cover - malformed /proc
-                got = (_UNKNOWN_HOST, "0")
+                got = (UNKNOWN_HOST, "0")
         _identity_cache.clear()
         _identity_cache[pid] = got
     return got
@@ -244,7 +245,7 @@ def temp_path_for(final: str) -> str:
     """A fresh temporary name in the directory of ``final``: ``.fp-tmp-HASH-PID-HOST-START-RANDOM``
     (no part of ``final``'s name in it; ``HASH`` is :func:`name_hash` of it)."""
     directory, name = os.path.split(final)
-    host, start = _identity()
+    host, start = process_identity()
     return os.path.join(
         directory, f"{TMP_MARKER}{name_hash(name)}-{os.getpid()}-{host}-{start}-{secrets.token_hex(4)}"
     )
@@ -274,21 +275,21 @@ class TempFile:
         return base == self.name or (bool(self.name) and base.startswith(self.name))
 
 
-def _classify(pid: int, host: Optional[str], start: Optional[str], st: os.stat_result, now: float,
+def classify(pid: int, host: Optional[str], start: Optional[str], st: os.stat_result, now: float,
               grace: float) -> tuple[str, bool, str]:
     age = now - st.st_mtime
-    mine_host, _ = _identity()
+    mine_host, _ = process_identity()
     checkable = (
         host is not None
         and host == mine_host
-        and mine_host != _UNKNOWN_HOST
+        and mine_host != UNKNOWN_HOST
         and start not in (None, "0")
         # other users' processes may be hidden (/proc mounted with hidepid): only root or the
         # file's owner can tell "gone" from "invisible"
         and (os.geteuid() == 0 or st.st_uid == os.geteuid())
     )
     if checkable:
-        fields = _stat_fields(pid)
+        fields = stat_fields(pid)
         if fields is None:
             return "stale", True, f"process {pid} has exited"
         if fields[0] in ("Z", "X"):
@@ -302,7 +303,7 @@ def _classify(pid: int, host: Optional[str], start: Optional[str], st: os.stat_r
         return "live", False, f"process {pid} is still running"
     if host is None:
         why = "written by an earlier fastpersist release"
-    elif host != mine_host or mine_host == _UNKNOWN_HOST:
+    elif host != mine_host or mine_host == UNKNOWN_HOST:
         why = "written on another machine, boot or pid namespace"
     else:
         why = "owned by another user"
@@ -344,7 +345,7 @@ def scan_temps(directory: str, *, grace: float = FOREIGN_TMP_GRACE_S, now: Optio
                 name, digest = groups.get("name") or "", groups.get("hash") or ""
             else:
                 pid, host, start, name = int(old["pid"]), None, None, old["name"]
-            state, removable, reason = _classify(pid, host, start, st, now, grace)
+            state, removable, reason = classify(pid, host, start, st, now, grace)
             found.append(TempFile(entry.path, name, st.st_size, st.st_mtime, pid, state, removable, reason, digest))
     found.sort(key=lambda t: t.path)
     return found
@@ -410,7 +411,7 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def _remove_quietly(path: str) -> None:
+def remove_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -419,7 +420,7 @@ def _remove_quietly(path: str) -> None:
         log.warning("could not remove temporary file %s: %s", path, e)
 
 
-def _keep_mode(final: str, tmp: str) -> None:
+def keep_mode(final: str, tmp: str) -> None:
     """Give the new file the permission bits of the one it replaces (if any)."""
     try:
         mode = stat.S_IMODE(os.stat(final).st_mode)
@@ -453,10 +454,10 @@ def atomic_write(path: PathLike, write: Callable[[str], T], *, fsync: bool = Tru
         result = write(tmp)
         if not os.path.exists(tmp):
             raise FileNotFoundError(2, "writer did not create the temporary file", tmp)
-        _keep_mode(final, tmp)
+        keep_mode(final, tmp)
         _sys.rename(tmp, final)
     except BaseException:
-        _remove_quietly(tmp)
+        remove_quietly(tmp)
         raise
     if fsync:
         fsync_dir_after_rename(final)
@@ -467,8 +468,6 @@ def fsync_dir_after_rename(final: str) -> None:
     """fsync the directory of ``final`` after a new file was renamed there; a failure raises
     :class:`~fastpersist.errors.DirectorySyncError`, which says that the new file is in place
     but its rename may not survive a crash (not that the previous file is untouched)."""
-    from fastpersist.errors import DirectorySyncError
-
     directory = os.path.dirname(final)
     try:
         fsync_dir(directory)

@@ -649,6 +649,12 @@ def get_default() -> Config:
         return _default
 
 
+def resolve(config: Optional[Config]) -> Config:
+    """``config``, or the default :class:`Config` when it is None (what every entry point
+    does with its ``config=`` argument)."""
+    return get_default() if config is None else config
+
+
 def reset_default() -> None:
     """Forget the cached default; the next :func:`get_default` reads the environment again."""
     global _default

@@ -35,7 +35,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fastpersist.formats.zipindex import pread_full
+from fastpersist._sys import pread_full
+from fastpersist import _native
+from fastpersist.cudastage import mark_side_streams
+from fastpersist.cudastage import wait_events
+from fastpersist.io import gpu_path, require_cufile
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,6 @@ _spare_lock = threading.Lock()
 
 
 def _take_windows(k: int, window: int, register_cuda: bool) -> list[Any]:
-    from fastpersist import _native
-
     with _spare_lock:
         free = _spare.get(window, [])
         bufs, _spare[window] = free[:k], free[k:]
@@ -189,13 +191,9 @@ class H2DCopier:
         self._used.add(dst.device)
 
     def mark(self) -> Any:
-        from fastpersist.cudastage import mark_side_streams
-
         return mark_side_streams(self._streams, self._used)
 
     def wait(self, token: Any) -> None:
-        from fastpersist.cudastage import wait_events
-
         wait_events(token)
 
     def end(self) -> None:
@@ -235,8 +233,6 @@ def ring_read(fd: int, reader: Any, items: list[RingItem], *, checksum: bool = T
     Raises the read's ``OSError``/``EOFError``; every read and copy in flight has
     finished by then (the windows can go).
     """
-    from fastpersist import _native
-
     if not items:
         return
     if copier is None:
@@ -308,8 +304,6 @@ def _cufile_read(fd: int, path: str, reader: Any, items: list[RingItem]) -> None
     """GPUDirect: each record's data read by cuFile straight into its device tensor
     (one native op, the file registered once), local headers read with pread. Only
     with checksums off (no host bytes to check). UNVERIFIED on a GPU."""
-    from fastpersist import _native
-
     for it in items:
         it.header = bytearray(pread_full(fd, it.data_offset - it.header_offset, it.header_offset, path))
     for dev in {it.dest.device for it in items}:
@@ -322,7 +316,7 @@ def _cufile_read(fd: int, path: str, reader: Any, items: list[RingItem]) -> None
 
 
 def records_for_device(load: Any, dest: dict[str, torch.device]) -> list[Any]:
-    """The storage records of a :class:`fastpersist.formats.torchload._Load` whose key
+    """The storage records of a :class:`fastpersist.formats.torchload.LoadState` whose key
     goes to a CUDA device (non-empty, not read yet), in file order."""
     out = []
     for key in dest:
@@ -338,8 +332,6 @@ def read_to_device(load: Any, reader: Any, fd: int, dest: dict[str, torch.device
     """Read every record of ``dest``'s keys into device memory through the ring; each
     record's ``device`` attribute is set to its uint8 tensor once its local header and
     CRC-32 (``load.checksum``) are checked. Returns the records."""
-
-    from fastpersist.io import gpu_path, require_cufile
 
     records = records_for_device(load, dest)
     if not records:

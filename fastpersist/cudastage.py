@@ -37,13 +37,15 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import queue
 import threading
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from fastpersist.asyncstage import BackgroundCrc, StagingPool, _Both, _fill_windows, _Window
+from fastpersist.asyncstage import BackgroundCrc, Both, StagingPool, Window, fill_windows, patch_slice
+from fastpersist.io import require_cufile
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +129,7 @@ class Copier(Protocol):
     def begin(self, sources: DeviceSources) -> None:
         """Order later copies after the work already queued on the sources' producers."""
 
-    def copy(self, win: _Window, dst_off: int, src: torch.Tensor) -> None:
+    def copy(self, win: Window, dst_off: int, src: torch.Tensor) -> None:
         """Queue the copy of ``src`` (1-D uint8) into the window at byte ``dst_off``."""
 
     def mark(self) -> Any:
@@ -180,7 +182,7 @@ class CudaCopier:
             self._streams[dev] = side
             self._producers[dev] = producer
 
-    def _window_tensor(self, win: _Window) -> torch.Tensor:
+    def _window_tensor(self, win: Window) -> torch.Tensor:
         t = self._tensors.get(win.buf.ptr)
         if t is None:
             if not win.buf.cuda_registered and not win.buf.cuda_register():
@@ -189,7 +191,7 @@ class CudaCopier:
             self._tensors[win.buf.ptr] = t
         return t
 
-    def copy(self, win: _Window, dst_off: int, src: torch.Tensor) -> None:
+    def copy(self, win: Window, dst_off: int, src: torch.Tensor) -> None:
         side = self._streams[src.device]
         dst = self._window_tensor(win)[dst_off:dst_off + src.numel()]
         with torch.cuda.stream(side):
@@ -227,7 +229,7 @@ class HostCopier:
     def begin(self, sources: DeviceSources) -> None:
         pass
 
-    def copy(self, win: _Window, dst_off: int, src: torch.Tensor) -> None:
+    def copy(self, win: Window, dst_off: int, src: torch.Tensor) -> None:
         dst = torch.frombuffer(win.buf, dtype=torch.uint8)[dst_off:dst_off + src.numel()]
         self._pending.append((dst, src))
 
@@ -350,7 +352,7 @@ class _Submitter:
                         self.pool.release(win)
                     else:
                         self.out.futures.append(fut)
-                        self.pool.submitted(win, _Both(fut, self.crc.add(pieces)))
+                        self.pool.submitted(win, Both(fut, self.crc.add(pieces)))
                 with self.cv:
                     self.pending -= 1
                     self.cv.notify_all()
@@ -405,8 +407,6 @@ def stream_plan(
     """
     sources = device_sources_of(plan) or DeviceSources()
     if getattr(handle, "engine", "auto") == "cufile" and len(sources):
-        from fastpersist.io import require_cufile
-
         require_cufile(".", "save")  # raises: saves of CUDA tensors never go through cuFile (docs/gpu.md)
     if copier is None:
         copier = copier_for(sources)
@@ -417,13 +417,13 @@ def stream_plan(
     sub = _Submitter(pool, copier, crc, submit, out, keep=plan.keepalive)
     most = max(0, pool.max_windows - 2)  # windows waiting for copies when acquiring: one stays for the disk
 
-    def acquire() -> _Window:
+    def acquire() -> Window:
         sub.wait_below(most)
         return pool.acquire(before_wait=crc.go)
 
-    current: Optional[_Window] = None
+    current: Optional[Window] = None
     try:
-        for current, start, base, ranges, slots, pos in _fill_windows(plan.extents, pool, acquire):
+        for current, start, base, ranges, slots, pos in fill_windows(plan.extents, pool, acquire):
             host: list[tuple[int, int, int]] = []
             for dst, src, n in ranges:
                 found = sources.find(src, n) if len(sources) else None
@@ -460,10 +460,6 @@ def write_plan_blocking(plan: Any, path: str, handle: Any, pool: StagingPool, *,
                         copier: Optional[Copier] = None) -> None:
     """Write ``plan`` to ``path`` (created/truncated) through ``pool`` with
     :func:`stream_plan`, wait for every write, write the CRC fields, fsync if asked."""
-    import os
-
-    from fastpersist.asyncsave import _patch_slice
-
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666))
     writes, crc = stream_plan(
         plan, pool, handle, lambda off, ptr, n: handle.write_async(path, [(off, ptr, n, -1)], truncate=False),
@@ -473,4 +469,4 @@ def write_plan_blocking(plan: Any, path: str, handle: Any, pool: StagingPool, *,
     crc.done.wait()
     if crc.exc is not None:
         raise crc.exc
-    _patch_slice(path, plan.patches, crc.crcs(plan.nslots), 0, plan.file_size, fsync)
+    patch_slice(path, plan.patches, crc.crcs(plan.nslots), 0, plan.file_size, fsync)

@@ -106,10 +106,21 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from fastpersist import _sys
+from fastpersist import _compat, _sys, config as config_mod, handles, io as fpio, pending, pipeline
+from fastpersist._inputs import is_path
+from fastpersist._sys import pread_full
+from fastpersist.commit import (FOREIGN_TMP_GRACE_S, UNKNOWN_HOST, classify, clean_stale_temps, fsync_dir,
+                                fsync_dir_after_rename, fsync_path, keep_mode, process_identity, resolve_target,
+                                stat_fields, temp_path_for)
 from fastpersist.errors import FastPersistError, UnsupportedLayoutError
-from fastpersist.formats import split
-from fastpersist.formats.zipindex import pread_full
+from fastpersist.formats import registry, split
+from fastpersist import _compat
+from fastpersist.commit import FOREIGN_TMP_GRACE_S, classify
+from fastpersist.commit import resolve_target
+from fastpersist import _native
+from fastpersist.commit import clean_stale_temps, temp_path_for
+from fastpersist.commit import keep_mode, fsync_dir, fsync_dir_after_rename, fsync_path, temp_path_for
+from fastpersist.formats.safetensors import load_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -164,18 +175,16 @@ _stale_marks: dict[tuple, list[str]] = {}
 _announced: set[tuple] = set()
 
 #: After a verdict on missing ranks, how long (at most, past the timeout) a survivor
-#: waits for the other survivors to read it before raising (see :meth:`_Coordinator._linger`).
+#: waits for the other survivors to read it before raising (see :meth:`Coordinator._linger`).
 VERDICT_GRACE_S = 10.0
 
 
 def _default_store() -> Any:
     """The default process group's rendezvous store, or None (see ``_compat.default_store``)."""
-    from fastpersist import _compat
-
     return _compat.default_store()
 
 
-def _check_group(group: Any) -> None:
+def check_group(group: Any) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "group= needs an initialized torch.distributed process group (torch.distributed.init_process_group); "
@@ -186,19 +195,15 @@ def _check_group(group: Any) -> None:
 
 
 def _my_identity() -> str:
-    """``HOST|PID|START`` of this process (see ``commit._identity``): lets a peer on the
+    """``HOST|PID|START`` of this process (see ``commit.identity``): lets a peer on the
     same host tell for sure that this process has exited."""
-    from fastpersist.commit import _identity
-
-    host, start = _identity()
+    host, start = process_identity()
     return f"{host}|{os.getpid()}|{start}"
 
 
 def _provably_dead(identity: Optional[str]) -> bool:
     """Whether the process ``identity`` names is known to have exited (same host and pid
     namespace only; anything else is "not known")."""
-    from fastpersist.commit import _UNKNOWN_HOST, _identity, _stat_fields
-
     if not identity:
         return False
     try:
@@ -206,10 +211,10 @@ def _provably_dead(identity: Optional[str]) -> bool:
         pid = int(pid_s)
     except ValueError:
         return False
-    mine = _identity()[0]
-    if host != mine or mine == _UNKNOWN_HOST or start in ("", "0") or pid == os.getpid():
+    mine = process_identity()[0]
+    if host != mine or mine == UNKNOWN_HOST or start in ("", "0") or pid == os.getpid():
         return False
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     if fields is None or fields[0] in ("Z", "X"):
         return True
     try:
@@ -218,11 +223,11 @@ def _provably_dead(identity: Optional[str]) -> bool:
         return False
 
 
-class _Coordinator:
+class Coordinator:
     """Status exchanges of one collective operation, with a timeout and a verdict on missing ranks.
 
     :meth:`gather` runs over a gloo side group of the same ranks (created once per
-    group and timeout, used only from the caller's thread). :class:`_StoreCoordinator`
+    group and timeout, used only from the caller's thread). :class:`StoreCoordinator`
     exchanges through the rendezvous store instead (background threads).
 
     When an exchange fails, :meth:`_lost` decides which ranks are missing: those
@@ -444,8 +449,8 @@ def _decode_ranks(raw: Any) -> list[int]:
     return [int(r) for r in body.split(",") if r]
 
 
-class _StoreCoordinator(_Coordinator):
-    """A :class:`_Coordinator` whose exchanges go through the rendezvous store only: for
+class StoreCoordinator(Coordinator):
+    """A :class:`Coordinator` whose exchanges go through the rendezvous store only: for
     the background part of ``save_async(group=...)``, which runs on the finisher thread
     while the caller's thread may be running collectives of its own on any group. Store
     requests from several threads are safe; collectives from two threads on one group
@@ -490,7 +495,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class _Local:
+class Local:
     """Runs one step's local work, keeping its exception to report and chain."""
 
     def __init__(self) -> None:
@@ -522,12 +527,10 @@ _PROBE_RE = re.compile(
 def clean_stale_probes(directory: str, *, grace: Optional[float] = None) -> list[str]:
     """Remove probe files (see :func:`_make_probe`) left in ``directory`` by collective saves
     that can no longer finish: their creator has exited (same host and pid namespace,
-    checked by pid and start time as for temporary files, ``commit._classify``), or, when
+    checked by pid and start time as for temporary files, ``commit.classify``), or, when
     that cannot be told (another machine, an earlier release), the probe has not been
     modified for ``grace`` seconds (default ``commit.FOREIGN_TMP_GRACE_S``). A probe of a
     live save is never removed. Never raises; returns the paths removed."""
-    from fastpersist.commit import FOREIGN_TMP_GRACE_S, _classify
-
     grace = FOREIGN_TMP_GRACE_S if grace is None else grace
     removed: list[str] = []
     now = time.time()
@@ -545,7 +548,7 @@ def clean_stale_probes(directory: str, *, grace: Optional[float] = None) -> list
                 continue
             st = entry.stat(follow_symlinks=False)
             pid = int(m["pid"]) if m["pid"] else 0
-            _state, removable, reason = _classify(pid, m["host"], m["start"], st, now, grace)
+            _state, removable, reason = classify(pid, m["host"], m["start"], st, now, grace)
             if not removable:
                 continue
             os.unlink(entry.path)
@@ -560,10 +563,8 @@ def clean_stale_probes(directory: str, *, grace: Optional[float] = None) -> list
 
 
 def _make_probe(directory: str) -> tuple[str, str]:
-    from fastpersist.commit import _identity
-
     clean_stale_probes(directory)
-    host, start = _identity()
+    host, start = process_identity()
     name = f"{_PROBE_PREFIX}{os.getpid()}-{host}-{start}-{secrets.token_hex(8)}"
     token = secrets.token_hex(16)
     path = os.path.join(directory, name)
@@ -586,7 +587,7 @@ def _probe_visible(directory: str, probe: Optional[tuple[str, str]]) -> bool:
         return False
 
 
-def _remove(path: Optional[str]) -> None:
+def remove_temp(path: Optional[str]) -> None:
     if not path:
         return
     try:
@@ -597,8 +598,8 @@ def _remove(path: Optional[str]) -> None:
         log.warning("could not remove %s: %s", path, e)
 
 
-def _write_groups(co: _Coordinator, directory: Optional[str], hosts: list[str], probe0: Optional[tuple[str, str]],
-                  loc: _Local) -> list[list[int]]:
+def _write_groups(co: Coordinator, directory: Optional[str], hosts: list[str], probe0: Optional[tuple[str, str]],
+                  loc: Local) -> list[list[int]]:
     """Partition the ranks into groups that each write one complete copy (see module docstring)."""
     seen = False
     if co.rank == 0:
@@ -607,7 +608,7 @@ def _write_groups(co: _Coordinator, directory: Optional[str], hosts: list[str], 
         seen = _probe_visible(directory, probe0)
     visible = co.gather("probe", (loc.status, seen))
     if co.rank == 0 and probe0 is not None and directory is not None:
-        _remove(os.path.join(directory, probe0[0]))
+        remove_temp(os.path.join(directory, probe0[0]))
     co.check("probe", [v[0] for v in visible], local=loc.exc)
     shared = [r for r in range(co.size) if visible[r][1]]
     if len(shared) == co.size:
@@ -629,7 +630,7 @@ def _write_groups(co: _Coordinator, directory: Optional[str], hosts: list[str], 
         seen2 = co.gather("probe-node-seen", mine)
     finally:  # also when a rank died meanwhile: no probe outlives the save
         if probe is not None and directory is not None:
-            _remove(os.path.join(directory, probe[0]))
+            remove_temp(os.path.join(directory, probe[0]))
     groups = [shared] if shared else []
     by_leader: dict[int, list[int]] = {}
     for r in rest:
@@ -650,16 +651,15 @@ def save(obj: Any, path: Any, *, group: Any, config: Any = None, format: Optiona
     """Collective :func:`fastpersist.save`: every rank of ``group`` calls it with the same
     object; see the module docstring. ``group`` is a process group (``dist.group.WORLD``
     for all ranks)."""
-    from fastpersist import api
 
-    _check_group(group)
-    cfg = api._config(config)
+    check_group(group)
+    cfg = config_mod.resolve(config)
     if dist.get_world_size(group) == 1:
-        api.save(obj, path, config=cfg, format=format)
+        pipeline.save(obj, path, config=cfg, format=format)
         return
-    if not api._is_path(path):
+    if not is_path(path):
         raise TypeError(f"fastpersist.save writes to a file path (str or os.PathLike), got {type(path).__name__}")
-    co = _Coordinator(group, cfg.dist_timeout, f"fastpersist.save({os.fspath(path)!r}) over {dist.get_world_size(group)} ranks")
+    co = Coordinator(group, cfg.dist_timeout, f"fastpersist.save({os.fspath(path)!r}) over {dist.get_world_size(group)} ranks")
     global _last_save_phases
     try:
         _save(co, obj, path, cfg, format)
@@ -683,27 +683,20 @@ def last_save_phases() -> list[tuple[str, float, float]]:
 
 
 def _plan(obj: Any, final: str, fmt: str, cfg: Any) -> tuple[Optional[split.Layout], int]:
-    from fastpersist import api
-
-    align = api._alignment(os.path.dirname(final))
+    align = handles.alignment_for(os.path.dirname(final))
     if fmt == "safetensors":
-        from fastpersist.formats.safetensors import plan_safetensors
-
         if not isinstance(obj, dict):
             raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        return split.Layout(plan_safetensors(obj, api.safetensors_metadata(None), align, checksum=cfg.checksum),
-                            fmt), align
-    from fastpersist.formats.torchzip import plan_torch
-
+        return split.Layout(registry.SAFETENSORS.plan(obj, align, cfg), fmt), align
     try:
-        return split.Layout(plan_torch(obj, align, fast=cfg.fast_pickle), fmt), align
+        return split.Layout(registry.TORCH.plan(obj, align, cfg), fmt), align
     except UnsupportedLayoutError as e:
         log.debug("fast torch layout not possible for %s (%s): group leaders write with torch's writer", final, e)
         return None, align
 
 
 class _Agreed:
-    """What every rank of a collective save agreed on (see :func:`_agree`)."""
+    """What every rank of a collective save agreed on (see :func:`agree`)."""
 
     def __init__(self, final: str, directory: str, fmt: str, layout: Optional[split.Layout], align: int,
                  groups: list[list[int]], mygroup: list[int], fallback: bool,
@@ -736,17 +729,14 @@ class _Agreed:
             self.mygroup.index(rank)]
 
 
-def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str], loc: "_Local") -> _Agreed:
+def agree(co: Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str], loc: "Local") -> _Agreed:
     """Steps 1 and 2 of the module docstring: plan, agree on the target, the plan and the
     tensor values, find who shares the target. Raises on every rank (nothing written)
     when a rank failed, the targets differ or the states differ.
     ``loc`` may already hold an error of the caller's (reported at the plan step)."""
-    from fastpersist import api
-    from fastpersist.commit import resolve_target
-
     final = loc.run(lambda: resolve_target(path))
     directory = os.path.dirname(final) if final else None
-    fmt = loc.run(lambda: api._format_of(final, format)) if final else None
+    fmt = loc.run(lambda: registry.format_for(final, format).name) if final else None
     planned = loc.run(lambda: _plan(obj, final, fmt, cfg)) if fmt else None
     layout, align = planned if planned else (None, 0)
     digest = loc.run(lambda: split.plan_digest(layout)) if layout is not None else None
@@ -794,7 +784,7 @@ def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str
         raise
     finally:
         if co.rank == 0 and probe0 is not None and directory:
-            _remove(os.path.join(directory, probe0[0]))
+            remove_temp(os.path.join(directory, probe0[0]))
     mygroup = next(g for g in groups if co.rank in g)
     if co.rank == 0:
         if len(groups) == 1:
@@ -810,7 +800,7 @@ def _agree(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str
     return agreed
 
 
-def _check_targets(co: _Coordinator, finals: list[Optional[str]], groups: list[list[int]]) -> None:
+def _check_targets(co: Coordinator, finals: list[Optional[str]], groups: list[list[int]]) -> None:
     """The ranks that write one file together (they see one directory: :func:`_write_groups`)
     must have passed the same path: raise on every rank, naming each rank's path, if not.
     Ranks that do not see each other's directory (node-local disks) each write a complete
@@ -836,12 +826,11 @@ def _value_crcs(layout: split.Layout, cfg: Any) -> list[int]:
     addresses only (CUDA storages were staged to host memory when it was planned: ``_plan`` calls
     ``plan_torch`` without device sources), so the CRC covers exactly the bytes any rank
     would write and costs no device-to-host copy of its own."""
-    from fastpersist import api
 
     ranges = [(ptr, n) for _i, ptr, n in _payload_ranges(layout)]
     if not ranges:
         return []
-    return list(api._handle(cfg).crc32_ranges(ranges))
+    return list(handles.handle_for(cfg).crc32_ranges(ranges))
 
 
 def _values_digest(crcs: Sequence[int]) -> str:
@@ -853,8 +842,6 @@ def _values_digest(crcs: Sequence[int]) -> str:
 def _slot_crcs(layout: split.Layout, values: Sequence[int]) -> list[int]:
     """Every CRC slot's CRC-32, folded from the per-extent CRCs of :func:`_value_crcs` (the
     same bytes the slices' partial CRCs cover: the ranks agreed on them)."""
-    from fastpersist import _native
-
     plan = layout.plan
     per = {i: c for (i, _p, _n), c in zip(_payload_ranges(layout), values)}
     crcs: list[Optional[int]] = [None] * plan.nslots
@@ -897,7 +884,7 @@ def _tensor_paths(obj: Any, limit: int = 100000) -> list[tuple[str, int, int]]:
     return out
 
 
-def _first_value_difference(co: _Coordinator, obj: Any, layout: split.Layout, every: list[Any]) -> str:
+def _first_value_difference(co: Coordinator, obj: Any, layout: split.Layout, every: list[Any]) -> str:
     """Name the first payload extent (file order) whose CRC differs between ranks: the
     tensor's key path in ``obj`` when it can be told, else the file record."""
     ranges = _payload_ranges(layout)
@@ -920,10 +907,8 @@ def _first_value_difference(co: _Coordinator, obj: Any, layout: split.Layout, ev
     return "the tensor values' digests differ"
 
 
-def _create_temp(final: str, size: int) -> str:
+def create_temp(final: str, size: int) -> str:
     """The write group leader's temporary file next to ``final``, preallocated to ``size``."""
-    from fastpersist.commit import clean_stale_temps, temp_path_for
-
     clean_stale_temps(os.path.dirname(final))
     name = temp_path_for(final)
     fd = _sys.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -931,42 +916,38 @@ def _create_temp(final: str, size: int) -> str:
         _preallocate(fd, size)
     except BaseException:
         os.close(fd)
-        _remove(name)
+        remove_temp(name)
         raise
     os.close(fd)
     return name
 
 
-def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]) -> None:
-    from fastpersist import api
+def _save(co: Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]) -> None:
 
-    from fastpersist import asyncsave
-    from fastpersist.commit import resolve_target
-
-    loc = _Local()
+    loc = Local()
     # This rank's pending async saves to the file finish first (and an uncollected async
     # error fails every rank at the plan step, before anything is written).
-    loc.run(lambda: asyncsave.before_blocking_save(resolve_target(path)))
-    agreed = _agree(co, obj, path, cfg, format, loc)
+    loc.run(lambda: pending.before_blocking_save(resolve_target(path)))
+    agreed = agree(co, obj, path, cfg, format, loc)
     final, directory, layout, align = agreed.final, agreed.directory, agreed.layout, agreed.align
     groups, mygroup = agreed.groups, agreed.mygroup
     leader = agreed.leader == co.rank
     fmt = agreed.fmt
 
     if agreed.fallback:
-        _save_fallback(co, obj, final, cfg, fmt, leader, loc)
+        save_fallback(co, obj, final, cfg, fmt, leader, loc)
         return
 
     assert layout is not None and final is not None
     plan = layout.plan
     lo, hi = split.slice_bounds(plan.file_size, len(mygroup), max(align, _PAGE))[mygroup.index(co.rank)]
     extents = split.clip(plan.extents, lo, hi)
-    handle = api._handle(cfg)
+    handle = handles.handle_for(cfg)
     tmp: Optional[str] = None
 
     ident: Optional[tuple[str, int, int]] = None
     if leader:
-        tmp = loc.run(lambda: _create_temp(final, plan.file_size))
+        tmp = loc.run(lambda: create_temp(final, plan.file_size))
         ident = loc.run(lambda: _file_identity(tmp)) if tmp else None
     temps: list[Optional[str]] = []
     bulk: Any = None  # the write of the slice's CRC-free blocks, in flight while the CRCs are exchanged
@@ -995,7 +976,7 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         crcs = known if known is not None else split.combine_crcs([crcinfo[r][1] for r in mygroup], plan.nslots)
 
         # One fsync per host, not per rank: the leader fsyncs the file after every rank wrote
-        # (_commit), which covers the ranks of its own host.
+        # (commit_agreed), which covers the ranks of its own host.
         # Same host name is not proof enough (two machines may share one): the rank must also
         # run under the leader's kernel (boot id) and see the leader's inode (st_dev, st_ino).
         own_fsync = cfg.fsync and not (
@@ -1004,10 +985,10 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         def write() -> None:
             assert tmp is not None
             if bulk is not None:  # before the blocks it wrote are written again
-                api._naming_final(final, lambda t: bulk.result())(tmp)
+                pipeline.naming_final(final, lambda t: bulk.result())(tmp)
             pieces = [e for a, b in held for e in split.clip(extents, a, b)]
             ext, keep = split.apply_patches(pieces, plan.patches, crcs, lo, hi)
-            api._naming_final(final, lambda t: _pwrite_runs(t, ext, own_fsync))(tmp)
+            pipeline.naming_final(final, lambda t: _pwrite_runs(t, ext, own_fsync))(tmp)
             del keep
 
         loc.run(write)
@@ -1016,7 +997,7 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
         co.check("write", wrote, local=loc.exc,
                  after="The temporary files were removed; the previous file at the path is untouched")
 
-        _commit(co, agreed, tmp, cfg, loc)  # a renamed temporary name no longer exists: removing it is harmless
+        commit_agreed(co, agreed, tmp, cfg, loc)  # a renamed temporary name no longer exists: removing it is harmless
         temps = []
         del extents, plan, layout
     except BaseException:
@@ -1026,16 +1007,16 @@ def _save(co: _Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str]
             except BaseException:  # noqa: BLE001 - the failure being raised says more
                 pass
         for t in temps:
-            _remove(t)
+            remove_temp(t)
         if leader and not temps:  # the exchange of the names failed (a rank died): this leader's own file
-            _remove(tmp)
+            remove_temp(tmp)
         raise
 
 
 def _pwrite_runs(path: str, extents: Sequence[split.Extent], fsync: bool) -> None:
     """Write ``extents`` (sorted, maybe with gaps) into ``path`` through the page cache, one
     ``pwrite`` per contiguous run; fsync the file after when ``fsync``. An OSError names
-    the offset (callers add which save it was, see ``api._naming_final``)."""
+    the offset (callers add which save it was, see ``pipeline.naming_final``)."""
     if not extents and not fsync:
         return
     fd = _sys.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -1091,7 +1072,7 @@ def _same_inode(tmp: Optional[str], leader_ident: Optional[Sequence[Any]]) -> bo
         return False
 
 
-def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local") -> None:
+def commit_agreed(co: Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "Local") -> None:
     """Step 5: once every rank has written, each write group's leader puts its file in place.
 
     With one write group (a shared filesystem) that is fsync, rename, directory fsync.
@@ -1101,8 +1082,6 @@ def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local"
     end with different checkpoints under the same name (a crash between the renames
     can still leave them different; the removed link is then a leftover temporary file).
     Raises :class:`DistributedCheckpointError` on every rank on failure."""
-    from fastpersist.commit import _keep_mode, fsync_dir, fsync_dir_after_rename, fsync_path, temp_path_for
-
     final, directory = agreed.final, agreed.directory
     leader = agreed.leader == co.rank
     several = len(agreed.groups) > 1
@@ -1115,14 +1094,14 @@ def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local"
                      after="The temporary files were removed; the previous file at the path is untouched")
         except DistributedCheckpointError:
             if leader:
-                _remove(tmp)
+                remove_temp(tmp)
             raise
     state = {"renamed": False, "backup": None}
 
     def place() -> None:
         if cfg.fsync and not several:
             fsync_path(tmp)
-        _keep_mode(final, tmp)
+        keep_mode(final, tmp)
         if several and os.path.exists(final):
             backup = temp_path_for(final)
             try:
@@ -1139,7 +1118,7 @@ def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local"
     if leader:
         loc.run(place)
         if not state["renamed"]:
-            _remove(tmp)
+            remove_temp(tmp)
     committed = co.gather("commit", loc.status)
     failed = any(committed)
     after = "The temporary files were removed; the previous file at the path is untouched"
@@ -1161,7 +1140,7 @@ def _commit(co: _Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "_Local"
             except OSError as e:
                 after = f"Write groups {agreed.groups}: putting the previous {final!r} back failed: {e}"
         elif backup is not None:
-            _remove(backup)
+            remove_temp(backup)
     elif several and failed:
         after = f"Write groups {agreed.groups}: every group's previous file was put back"
     co.check("commit", committed, local=loc.exc, after=after)
@@ -1179,13 +1158,12 @@ def _preallocate(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def _save_fallback(co: _Coordinator, obj: Any, final: Optional[str], cfg: Any, fmt: Optional[str], leader: bool,
-                   loc: _Local) -> None:
+def save_fallback(co: Coordinator, obj: Any, final: Optional[str], cfg: Any, fmt: Optional[str], leader: bool,
+                   loc: Local) -> None:
     """Objects the planner cannot lay out: each group leader saves alone with torch's writer."""
-    from fastpersist import api
 
     if leader:
-        loc.run(lambda: api.save(obj, final, config=cfg, format=fmt))
+        loc.run(lambda: pipeline.save(obj, final, config=cfg, format=fmt))
     done = co.gather("commit", loc.status)
     co.check("commit", done, local=loc.exc)
 
@@ -1206,21 +1184,20 @@ def load(
 ) -> Any:
     """Collective :func:`fastpersist.load`: every rank of ``group`` calls it and gets the
     whole object; see the module docstring (``Config.dist_load``)."""
-    from fastpersist import api
 
-    _check_group(group)
-    cfg = api._config(config)
+    check_group(group)
+    cfg = config_mod.resolve(config)
 
     def local_load(p: Any) -> Any:
-        return api.load(p, map_location, pickle_module, weights_only=weights_only, mmap=mmap, config=cfg,
+        return pipeline.load(p, map_location, pickle_module, weights_only=weights_only, mmap=mmap, config=cfg,
                         **pickle_load_args)
 
     if dist.get_world_size(group) == 1:
         return local_load(path)
-    if not api._is_path(path):
+    if not is_path(path):
         raise TypeError(f"a collective load reads a file path (str or os.PathLike), got {type(path).__name__}")
     fspath = os.fsdecode(os.fspath(path))
-    co = _Coordinator(group, cfg.dist_timeout, f"fastpersist.load({fspath!r}) over {dist.get_world_size(group)} ranks")
+    co = Coordinator(group, cfg.dist_timeout, f"fastpersist.load({fspath!r}) over {dist.get_world_size(group)} ranks")
     try:
         mode = cfg.dist_load
         if mode == "auto":
@@ -1234,8 +1211,8 @@ def load(
         hosts = co.gather("hosts", socket.gethostname())
         shared = sum(h == hosts[co.rank] for h in hosts) > 1
         wcfg = cfg.replace(read_mode="buffered") if shared and cfg.read_mode == "auto" else cfg
-        loc = _Local()
-        result = loc.run(lambda: api.load(path, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
+        loc = Local()
+        result = loc.run(lambda: pipeline.load(path, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
                                           config=wcfg, **pickle_load_args))
         co.check("load", co.gather("load", loc.status), local=loc.exc)
         return result
@@ -1261,10 +1238,9 @@ def _bulk_device(group: Any) -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _load_slices(co: _Coordinator, fspath: str, cfg: Any, map_location: Any, local_load: Callable[[Any], Any]) -> Any:
-    from fastpersist import api
+def _load_slices(co: Coordinator, fspath: str, cfg: Any, map_location: Any, local_load: Callable[[Any], Any]) -> Any:
 
-    loc = _Local()
+    loc = Local()
     fp = loc.run(lambda: _fingerprint(fspath))
     info = co.gather("open", (loc.status, fp))
     co.check("open", [v[0] for v in info], local=loc.exc)
@@ -1283,7 +1259,7 @@ def _load_slices(co: _Coordinator, fspath: str, cfg: Any, map_location: Any, loc
             buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
             lo, hi = bounds[co.rank]
             if hi > lo:
-                handle = api._handle(cfg, read=True)
+                handle = handles.handle_for(cfg, read=True)
                 loc.run(lambda: handle.read(fspath, [(lo, buf.data_ptr() + lo, hi - lo, -1)], 0))
             co.check("read", co.gather("read", loc.status), local=loc.exc)
             _exchange(co, buf, bounds)
@@ -1301,7 +1277,7 @@ def _load_slices(co: _Coordinator, fspath: str, cfg: Any, map_location: Any, loc
     return result
 
 
-def _exchange(co: _Coordinator, buf: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
+def _exchange(co: Coordinator, buf: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
     """Broadcast every rank's slice of ``buf`` to all ranks."""
     device = _bulk_device(co.group)
     t0 = co.mark("exchange")
@@ -1323,12 +1299,9 @@ def _exchange(co: _Coordinator, buf: torch.Tensor, bounds: list[tuple[int, int]]
 
 def _load_memfd(fd: int, fspath: str, cfg: Any, map_location: Any, local_load: Callable[[Any], Any]) -> Any:
     """Load the assembled bytes with the ordinary loader, through the memory file's /proc path."""
-    from fastpersist import api
 
     proc = f"/proc/self/fd/{fd}"
     if fspath.endswith(".safetensors"):
-        from fastpersist.formats.safetensors import load_safetensors
-
-        return load_safetensors(proc, api._handle(cfg, read=True), api._safetensors_device(map_location),
+        return load_safetensors(proc, handles.handle_for(cfg, read=True), registry.safetensors_device(map_location),
                                 checksum=cfg.checksum)
     return local_load(proc)

@@ -40,6 +40,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from fastpersist import config as config_mod
+
 try:
     import fastpersist._native as _native
 except ModuleNotFoundError as _exc:
@@ -76,7 +78,7 @@ class PinningWarning(UserWarning):
     """Host memory could not be page-locked (or CUDA-registered) as requested."""
 
 
-def _native_module() -> Any:
+def native_module() -> Any:
     """The compiled extension, or an ImportError that says how to get it."""
     if _native is None:
         raise ImportError(
@@ -119,12 +121,12 @@ def available_engines() -> list[str]:
 
     ``"cufile"`` appears only when libcufile loads and its driver opens.
     """
-    return list(_native_module().available_engines())
+    return list(native_module().available_engines())
 
 
 def cufile_status() -> str:
     """``"available"``, or the reason GPUDirect Storage (cuFile) cannot be used here."""
-    return str(_native_module().cufile_status())
+    return str(native_module().cufile_status())
 
 
 @dataclass(frozen=True)
@@ -190,12 +192,12 @@ def alignment_of(path: Union[str, "os.PathLike[str]"]) -> int:
     The device's logical block size (statx DIO alignment where the kernel reports
     it), never below 4096.
     """
-    return int(_native_module().alignment_of(os.fspath(path)))
+    return int(native_module().alignment_of(os.fspath(path)))
 
 
 def direct_io_supported(path: Union[str, "os.PathLike[str]"]) -> bool:
     """Whether the filesystem holding ``path`` (a file or a directory) accepts O_DIRECT."""
-    return bool(_native_module().direct_io_supported(os.fspath(path)))
+    return bool(native_module().direct_io_supported(os.fspath(path)))
 
 
 # ---- pinned host tensors ----------------------------------------------------------
@@ -238,7 +240,7 @@ def pinned_empty(
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    buf = _native_module().PinnedBuffer(nbytes, alignment, True)
+    buf = native_module().PinnedBuffer(nbytes, alignment, True)
     if not buf.locked:
         warnings.warn(
             f"fastpersist: could not page-lock {nbytes} bytes (mlock failed; RLIMIT_MEMLOCK is "
@@ -451,7 +453,7 @@ class IOHandle:
         self._ops: dict[int, _Op] = {}
         self._lock = threading.Lock()
         self._locked_tensors: dict[int, torch.Tensor] = {}
-        self._h = _native_module().Handle(
+        self._h = native_module().Handle(
             engine=engine,
             chunk_size=block_size,
             queue_depth=queue_depth,
@@ -466,9 +468,7 @@ class IOHandle:
     def from_config(cls, config: Any = None) -> IOHandle:
         """A handle with the engine settings of a :class:`fastpersist.Config`
         (default: the one derived from ``FASTPERSIST_*`` environment variables)."""
-        from fastpersist import config as _config
-
-        cfg = _config.get_default() if config is None else config
+        cfg = config_mod.resolve(config)
         kw = dict(cfg.handle_kwargs())
         kw["block_size"] = kw.pop("chunk_size")
         kw["stage_reads"] = cfg.stages_reads()
@@ -847,7 +847,7 @@ def cached_fraction(fd: int, size: int) -> Optional[float]:
         import ctypes.util
         import mmap as _mmap
 
-        libc = _libc()
+        libc = libc_handle()
         if libc is None:
             return None
         pages = (size + PAGE_SIZE - 1) // PAGE_SIZE
@@ -866,7 +866,7 @@ def cached_fraction(fd: int, size: int) -> Optional[float]:
 
 
 @functools.lru_cache(maxsize=1)
-def _libc() -> Any:
+def libc_handle() -> Any:
     import ctypes
     import ctypes.util
 
@@ -968,5 +968,5 @@ def reader_handle(handle: Any, plan: ReadPlan) -> Any:
     each other's reads, and a staged load's ring (16 x 8 MiB by default) goes with
     the handle instead of staying resident in the process.
     """
-    return _native_module().Handle(handle.engine, handle.chunk_size, handle.queue_depth, handle.threads,
+    return native_module().Handle(handle.engine, handle.chunk_size, handle.queue_depth, handle.threads,
                                    plan.direct, stage_reads=plan.stage)

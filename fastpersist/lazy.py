@@ -23,6 +23,7 @@ import torch
 
 from fastpersist._inputs import check_input
 from fastpersist.formats.torchindex import CheckpointFile, TensorInfo, open_checkpoint
+from fastpersist import config as config_mod, handles, pending
 
 __all__ = ["CheckpointReader", "open"]
 
@@ -154,12 +155,10 @@ def open(path: PathLike, *, config: Any = None) -> CheckpointReader:  # noqa: A0
         pickle.UnpicklingError: the pickle holds what ``weights_only`` refuses.
         OSError: the file cannot be read.
     """
-    from fastpersist.api import _config, _handle, _wait_pending
-
-    cfg = _config(config)
+    cfg = config_mod.resolve(config)
     fspath = os.fsdecode(os.fspath(path))
-    _wait_pending(fspath)
+    pending.wait_before_reading(fspath)
     check_input(fspath, "open")  # a FIFO would block open_checkpoint's open(); a device is no checkpoint
     file = open_checkpoint(fspath, checksum=cfg.checksum)
-    return CheckpointReader(file, _handle(cfg, read=True))
+    return CheckpointReader(file, handles.handle_for(cfg, read=True))
 

@@ -35,6 +35,10 @@ import torch
 
 from fastpersist.errors import FastPersistError, UnsupportedLayoutError
 from fastpersist.formats.torchindex import CheckpointFile, Piece, TensorInfo, open_checkpoint, tensor_leaves, tensor_name
+from fastpersist import _native
+from fastpersist import config as config_mod, handles
+from fastpersist.formats.torchindex import step
+from fastpersist.errors import CheckpointFormatError
 
 __all__ = ["IncompatibleKeys", "PartialLoadError", "StateDictMismatchError", "load_state_dict"]
 
@@ -206,8 +210,6 @@ class _Plan:
             ) from e
 
     def _read_batch(self, wants: dict[str, list[Piece]], scratch: list[str], handle: Any) -> None:
-        from fastpersist import _native
-
         wants = dict(wants)
         buffers: dict[str, torch.Tensor] = {}
         for record in scratch:
@@ -300,9 +302,7 @@ def load_state_dict(
             malformed (found before anything was read into the target).
         pickle.UnpicklingError: the pickle holds what ``weights_only`` refuses.
     """
-    from fastpersist.api import _config, _handle
-
-    cfg = _config(config)
+    cfg = config_mod.resolve(config)
     fspath = os.fsdecode(os.fspath(path))
     if not isinstance(target, (torch.nn.Module, torch.optim.Optimizer, Mapping)):
         raise TypeError(f"load_state_dict fills an nn.Module, an Optimizer or a dict of tensors, "
@@ -313,7 +313,7 @@ def load_state_dict(
         log.debug("%s: no tensor index (%s); loading with torch.load and copying", fspath, e)
         return _load_with_torch(target, fspath, strict=strict, key=key, cast=cast)
     try:
-        handle = _handle(cfg, read=True)
+        handle = handles.handle_for(cfg, read=True)
         if isinstance(target, torch.optim.Optimizer):
             return _into_optimizer(target, f, key, cast, handle)
         return _into_module_or_dict(target, f, strict, key, cast, handle)
@@ -431,11 +431,7 @@ def _into_optimizer(opt: torch.optim.Optimizer, f: CheckpointFile, key: Any, cas
 def _load_with_torch(target: Any, path: str, *, strict: bool, key: Any, cast: bool) -> Any:
     """Legacy and other files without an index: ``torch.load(weights_only=True)``, then
     the same checks and copies."""
-    from fastpersist.formats.torchindex import _step
-
     import struct
-
-    from fastpersist.errors import CheckpointFormatError
 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -444,7 +440,7 @@ def _load_with_torch(target: Any, path: str, *, strict: bool, key: Any, cast: bo
                                     f"{type(e).__name__}: {e})", path) from e
     if key is not None and key != ():
         for part in key if isinstance(key, tuple) else (key,):
-            obj, _ = _step(obj, part, path, key)
+            obj, _ = step(obj, part, path, key)
     if isinstance(target, torch.optim.Optimizer):
         target.load_state_dict(obj)
         return None

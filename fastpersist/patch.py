@@ -57,6 +57,11 @@ import threading
 from typing import Any, Callable, Optional
 
 import torch
+from fastpersist.api import save as fast_save
+from fastpersist.torcherrors import for_torch_save
+from fastpersist.api import load as fast_load
+from fastpersist.torcherrors import for_torch_load
+from fastpersist.config import parse_bool
 
 __all__ = ["is_patched", "patch_torch_save", "unpatch_torch_save"]
 
@@ -185,8 +190,6 @@ def _make_save(original: Callable[..., Any]) -> Callable[..., Any]:
         if why is not None:
             log.debug("torch.save(%r): %s; using torch's own save", bound.arguments["f"], why)
             return original(*args, **kwargs)
-        from fastpersist.api import save as fast_save
-        from fastpersist.torcherrors import for_torch_save
 
         try:
             return fast_save(bound.arguments["obj"], bound.arguments["f"], format="torch")
@@ -211,8 +214,6 @@ def _make_load(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(f, *args, **kwargs)
         # fastpersist.load takes torch.load's arguments and hands what it cannot do
         # itself (mmap, legacy files, ...) to torch.serialization.load.
-        from fastpersist.api import load as fast_load
-        from fastpersist.torcherrors import for_torch_load
 
         try:
             return fast_load(f, *args, **kwargs)
@@ -295,7 +296,6 @@ def _apply_env_patch() -> None:
     raw = os.environ.get(_ENV_VAR, "")
     if raw.strip() == "":
         return
-    from fastpersist.config import parse_bool
 
     if parse_bool(_ENV_VAR, raw):
         patch_torch_save()

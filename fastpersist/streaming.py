@@ -54,6 +54,9 @@ from torch import nn
 
 from fastpersist.errors import FastPersistError
 from fastpersist.formats.torchindex import CheckpointFile, Piece, TensorInfo, open_checkpoint
+from fastpersist.io import pinned_empty
+from fastpersist import _native
+from fastpersist import config as config_mod
 
 __all__ = ["Streamer", "StreamingError", "find_blocks", "stream_weights", "streamer_of"]
 
@@ -364,8 +367,6 @@ class Streamer:
 
 
 def _pinned(nbytes: int, cuda: bool) -> torch.Tensor:
-    from fastpersist.io import pinned_empty
-
     return pinned_empty(max(nbytes, 1), register_cuda=cuda)
 
 
@@ -447,9 +448,6 @@ def stream_weights(
     """
     import dataclasses
 
-    from fastpersist import _native
-    from fastpersist.api import _config
-
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
     if streamer_of(model) is not None:
@@ -459,7 +457,7 @@ def stream_weights(
         raise ValueError(f"device must be cpu or cuda, got {dev}")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = dataclasses.replace(_config(config), read_mode="direct")
+    cfg = dataclasses.replace(config_mod.resolve(config), read_mode="direct")
     if cfg.read_staging == "auto":  # zero-copy into the ring: a staging ring (128 MiB) would cost more than a block
         cfg = dataclasses.replace(cfg, read_staging="off")
     handle = _native.Handle(**cfg.handle_kwargs(read=True))

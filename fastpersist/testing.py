@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fastpersist.io import _native_module
+from fastpersist.io import native_module
 
 __all__ = ["Fault", "inject_fault"]
 
@@ -47,7 +47,7 @@ class Fault:
         """Calls hit so far (frozen when the ``with`` block ends)."""
         if self._final_hits is not None:
             return self._final_hits
-        return int(_native_module().fault_hits())
+        return int(native_module().fault_hits())
 
 
 @contextmanager
@@ -69,7 +69,7 @@ def inject_fault(op: str, nth: int, action: str, count: int = 1) -> Iterator[Fau
     Faults are process-wide (all handles, all threads); one fault is active at a
     time, and leaving the block clears it (also one set by ``FASTPERSIST_FAULT``).
     """
-    native = _native_module()
+    native = native_module()
     native.set_fault(op, nth, action, count)
     fault = Fault(op, nth, action, count)
     try:

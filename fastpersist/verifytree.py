@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from fastpersist import dircommit
+from fastpersist.commit import TMP_MARKER
 
 #: Names ending so are checkpoint files (verified even when damaged beyond recognition).
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl", ".safetensors")
@@ -40,9 +42,6 @@ class Tree:
 def fastpersist_temp_reason(name: str) -> str | None:
     """Why ``name`` (a directory entry) is a temporary file or directory of fastpersist,
     or None when it is not one."""
-    from fastpersist import dircommit
-    from fastpersist.commit import TMP_MARKER
-
     if TMP_MARKER in name:
         return "temporary file of a fastpersist save in flight or interrupted"
     if name.startswith(dircommit.STAGING_PREFIX):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fastpersist
-from fastpersist import _native, asyncsave, asyncstage
+from fastpersist import _native, asyncsave, asyncstage, handles
 from fastpersist.asyncsave import LazySaveError
 
 
@@ -92,7 +92,7 @@ def test_snapshot_bit_exact_while_everything_changes(tmp_path, limit):
     assert fut.wait(timeout=60) is True and fut.done() and fut.exception() is None
     assert (tmp_path / "a.pt").read_bytes() == want
     assert fastpersist.verify(tmp_path / "a.pt").ok
-    assert asyncsave._pool.allocated <= max(limit, 2 * asyncsave._pool.window)
+    assert asyncstage.current_pool().allocated <= max(limit, 2 * asyncstage.current_pool().window)
 
 
 def test_snapshot_safetensors_bit_exact(tmp_path):
@@ -126,14 +126,14 @@ class _RecordingHandle:
 def test_snapshot_call_copies_without_crc_and_crcs_come_later(tmp_path, monkeypatch, suffix):
     """The call makes plain copies only; the CRC fields are still right (computed from
     the staged windows in the background, written before the commit)."""
-    real = asyncsave.api._handle
+    real = handles.handle_for
     rec: list[_RecordingHandle] = []
 
     def handle(cfg, **kw):
         rec.append(_RecordingHandle(real(cfg, **kw)))
         return rec[-1]
 
-    monkeypatch.setattr(asyncsave.api, "_handle", handle)
+    monkeypatch.setattr(handles, "handle_for", handle)
     if suffix == ".pt":
         model = _model()
         opt = torch.optim.Adam(model.parameters())
@@ -302,7 +302,7 @@ def test_lazy_copies_without_crc_and_crcs_come_later(tmp_path, monkeypatch):
     training's step pays for CRC-32); the CRC fields are still right, computed from the
     staged windows in the background and written before the commit."""
     rec: list[_RecordingHandle] = []
-    real_fg, real_bg = asyncsave.api._handle, asyncsave._io_handle
+    real_fg, real_bg = handles.handle_for, asyncsave._io_handle
 
     def fg(cfg, **kw):
         rec.append(_RecordingHandle(real_fg(cfg, **kw)))
@@ -312,7 +312,7 @@ def test_lazy_copies_without_crc_and_crcs_come_later(tmp_path, monkeypatch):
         rec.append(_RecordingHandle(real_bg(cfg)))
         return rec[-1]
 
-    monkeypatch.setattr(asyncsave.api, "_handle", fg)
+    monkeypatch.setattr(handles, "handle_for", fg)
     monkeypatch.setattr(asyncsave, "_io_handle", bg)
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -368,7 +368,7 @@ def test_queueing_and_pool_reuse(tmp_path):
     states = [{"w": torch.full((300_000,), float(i))} for i in range(4)]
     wants = [_reference_bytes(s, tmp_path, str(i)) for i, s in enumerate(states)]
     futs = [fastpersist.save_async(s, tmp_path / f"q{i}.pt", config=cfg) for i, s in enumerate(states)]
-    pool = asyncsave._pool
+    pool = asyncstage.current_pool()
     bufs = {w.buf.ptr for w in pool._windows}
     for s in states:
         s["w"].zero_()
@@ -378,7 +378,7 @@ def test_queueing_and_pool_reuse(tmp_path):
         assert (tmp_path / f"q{i}.pt").read_bytes() == wants[i]
     assert pool.allocated <= pool.limit
     fastpersist.save_async(states[0], tmp_path / "again.pt", config=cfg).wait()
-    assert {w.buf.ptr for w in asyncsave._pool._windows} == bufs  # same memory, reused
+    assert {w.buf.ptr for w in asyncstage.current_pool()._windows} == bufs  # same memory, reused
 
 
 def test_failed_save_keeps_previous_and_reports(tmp_path):

@@ -62,7 +62,7 @@ def _kill_at(step: str, when: str, rank: int) -> None:
     from fastpersist.formats import split
 
     def on_gather(name: str, after: bool) -> None:
-        real = D._Coordinator.gather
+        real = D.Coordinator.gather
 
         def gather(self: Any, s: str, value: Any) -> Any:
             if s == name and not after:
@@ -72,7 +72,7 @@ def _kill_at(step: str, when: str, rank: int) -> None:
                 _exit()
             return out
 
-        D._Coordinator.gather = gather  # type: ignore[method-assign]
+        D.Coordinator.gather = gather  # type: ignore[method-assign]
 
     def wrap(owner: Any, attr: str, before: bool = False) -> None:
         real = getattr(owner, attr)

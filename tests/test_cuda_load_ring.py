@@ -37,7 +37,7 @@ def _state():
 
 def _open_load(path):
     fd = os.open(path, os.O_RDONLY)
-    load = torchload._Load(path, fd, os.fstat(fd).st_size, True, False)
+    load = torchload.LoadState(path, fd, os.fstat(fd).st_size, True, False)
     load.index()
     return fd, load
 

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import fastpersist
 from fastpersist.cli import main as cli_main
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
-from fastpersist.dcp._metadata import TRAILER_SIZE
+from fastpersist.formats.dcpmetadata import TRAILER_SIZE
 from fastpersist.errors import CheckpointFormatError, ChecksumError
 
 pytestmark = [
@@ -658,7 +658,7 @@ def _swap_and_reseal(dst: str, writer: str, fqn_a: str, fqn_b: str) -> None:
     """Swap the storage records (with their CRCs) of two items in ``.metadata`` and seal it
     again as FastPersistWriter would (fp) or leave it a plain pickle (stock): the seal and the
     CRCs all agree, only the items' types, shapes and places can tell."""
-    from fastpersist.dcp._metadata import seal
+    from fastpersist.formats.dcpmetadata import seal
 
     md = metadata(dst)
     sd = md.storage_data

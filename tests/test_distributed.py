@@ -184,9 +184,9 @@ def sc_fault(rank: int, world: int, d: str) -> Any:
 
 def sc_fault_after_write(rank: int, world: int, d: str) -> Any:
     """A non-committing rank fails after its slice is written (it has no fsync of its own to fail)."""
-    from fastpersist import api
+    from fastpersist import pipeline
 
-    real = api._naming_final
+    real = pipeline.naming_final
 
     def failing(final: str, write: Callable[[str], Any]) -> Callable[[str], Any]:
         def run(tmp: str) -> Any:
@@ -196,11 +196,11 @@ def sc_fault_after_write(rank: int, world: int, d: str) -> Any:
         return run
 
     if rank == 1:
-        api._naming_final = failing
+        pipeline.naming_final = failing
     try:
         fastpersist.save(state(1), os.path.join(d, "ref.pt"), group=torch.distributed.group.WORLD, config=cfg())
     finally:
-        api._naming_final = real
+        pipeline.naming_final = real
 
 
 def sc_fault_leader_fsync(rank: int, world: int, d: str) -> Any:
@@ -825,9 +825,9 @@ def test_group_without_init_is_an_error(tmp_path: Any) -> None:
 
 def _bare_coordinator(store: Any, rank: int, size: int, timeout: float) -> Any:
     """A coordinator of ``size`` ranks as ``rank`` sees it, over ``store``, without a process group."""
-    from fastpersist.distributed import _Coordinator
+    from fastpersist.distributed import Coordinator
 
-    co = object.__new__(_Coordinator)
+    co = object.__new__(Coordinator)
     co.what, co.timeout, co.rank, co.size = "op", timeout, rank, size
     co.global_ranks, co.tag, co.prefix = list(range(size)), "t", "fastpersist/t/1"
     co.store, co._marks, co._first, co._who = store, [], True, {}
@@ -860,11 +860,11 @@ def test_exited_peer_is_named_without_waiting_for_the_timeout(monkeypatch: pytes
     import subprocess
 
     from fastpersist import distributed as D
-    from fastpersist.commit import _identity
+    from fastpersist.commit import process_identity
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # exited and reaped: its pid is free
-    host, start = _identity()
+    host, start = process_identity()
     store = torch.distributed.HashStore()
     store.set("fastpersist/t/who/1", f"{host}|{gone.pid}|{start}")
     store.add("fastpersist/t/1/crc/verdict/read", 1)  # the other survivor, rank 2, read the verdict

@@ -174,7 +174,7 @@ def test_child_that_only_drops_inherited_handles_exits(tmp_path):
 
         nonlocal h
         del h
-        fastpersist.api._handles.clear()
+        fastpersist.handles.forget_handles()
         gc.collect()
 
     run_os_fork(child)

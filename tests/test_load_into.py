@@ -304,10 +304,10 @@ def test_file_shrunk_after_index_read_says_partly_overwritten(tmp_path):
         pairs = [(k, target[k], f.info(k)) for k in sd]
         os.truncate(p, f.info("w2").file_offset + 1000)
         plan = _plan(f, pairs)
-        from fastpersist.api import _handle
+        from fastpersist.handles import handle_for
 
         with pytest.raises(fastpersist.PartialLoadError, match="partly overwritten.*shorter than its index"):
-            plan.execute(_handle(fastpersist.Config(), read=True), "the model")
+            plan.execute(handle_for(fastpersist.Config(), read=True), "the model")
     finally:
         os.close(f.fd)
 

@@ -145,11 +145,11 @@ def test_staging_left_to_auto_is_measured_too(stats):
 
 
 def test_api_handles_mark_auto_staging_only():
-    from fastpersist import api
+    from fastpersist import handles
 
-    auto = api._handle(config_mod.Config(read_staging="auto"), read=True)
-    on = api._handle(config_mod.Config(read_staging="on"), read=True)
-    writer = api._handle(config_mod.Config(read_staging="auto"))
+    auto = handles.handle_for(config_mod.Config(read_staging="auto"), read=True)
+    on = handles.handle_for(config_mod.Config(read_staging="on"), read=True)
+    writer = handles.handle_for(config_mod.Config(read_staging="auto"))
     assert fio.staging_auto(auto) and not fio.staging_auto(on) and not fio.staging_auto(writer)
     assert auto is not on and on.stage_reads
 

@@ -40,8 +40,8 @@ def _make(directory, name: str, size: int = 10, age: float = 0.0) -> str:
 
 
 def _own_fields() -> tuple[str, str]:
-    host, start = commit._identity()
-    assert host != commit._UNKNOWN_HOST and start != "0"
+    host, start = commit.process_identity()
+    assert host != commit.UNKNOWN_HOST and start != "0"
     return host, start
 
 
@@ -160,9 +160,9 @@ def _dead_pid() -> int:
 # ---- other machines, boots, namespaces, releases: the mtime rule -----------------
 
 
-@pytest.mark.parametrize("host", ["abcdef0123", commit._UNKNOWN_HOST])
+@pytest.mark.parametrize("host", ["abcdef0123", commit.UNKNOWN_HOST])
 def test_foreign_young_kept_old_removed(tmp_path, host):
-    if host == commit._identity()[0]:
+    if host == commit.process_identity()[0]:
         pytest.skip("collides with this machine's tag")
     pid = os.getpid()  # whatever the pid: on another machine it says nothing about our processes
     young = _make(tmp_path, f".a.pt{TMP_MARKER}{pid}-{host}-99-0123abcd", age=FOREIGN_TMP_GRACE_S - 120)
@@ -193,11 +193,11 @@ def test_other_users_files_follow_the_mtime_rule(tmp_path, monkeypatch):
 
 
 def test_without_proc_identity_only_the_mtime_rule(tmp_path, monkeypatch):
-    monkeypatch.setattr(commit, "_identity_cache", {os.getpid(): (commit._UNKNOWN_HOST, "0")})
+    monkeypatch.setattr(commit, "_identity_cache", {os.getpid(): (commit.UNKNOWN_HOST, "0")})
     tmp = temp_path_for(str(tmp_path / "ckpt.pt"))
-    assert f"-{commit._UNKNOWN_HOST}-0-" in os.path.basename(tmp)
+    assert f"-{commit.UNKNOWN_HOST}-0-" in os.path.basename(tmp)
     _make(tmp_path, os.path.basename(tmp))
-    dead = _make(tmp_path, f".x.pt{TMP_MARKER}{_dead_pid()}-{commit._UNKNOWN_HOST}-0-0123abcd")
+    dead = _make(tmp_path, f".x.pt{TMP_MARKER}{_dead_pid()}-{commit.UNKNOWN_HOST}-0-0123abcd")
     assert all(not t.removable for t in scan_temps(str(tmp_path)))
     clean_stale_temps(str(tmp_path))
     assert os.path.exists(tmp) and os.path.exists(dead)
@@ -308,7 +308,7 @@ def _populate(tmp_path) -> dict:
 
 
 def test_info_lists_leftovers(tmp_path, capsys):
-    if commit._identity()[0] == "abcdef0123":
+    if commit.process_identity()[0] == "abcdef0123":
         pytest.skip("collides with this machine's tag")
     files = _populate(tmp_path)
     assert main(["info", "--dir", str(tmp_path)]) == 0
@@ -328,7 +328,7 @@ def test_info_lists_leftovers(tmp_path, capsys):
 
 
 def test_info_json_and_clean(tmp_path, capsys):
-    if commit._identity()[0] == "abcdef0123":
+    if commit.process_identity()[0] == "abcdef0123":
         pytest.skip("collides with this machine's tag")
     files = _populate(tmp_path)
     assert main(["info", "--dir", str(tmp_path), "--json"]) == 0

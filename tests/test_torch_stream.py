@@ -60,7 +60,7 @@ def test_storages_come_first_in_key_order_and_calculated_offsets_hold(tmp_path, 
 
 @pytest.mark.parametrize("nth", [1, 2, 5])
 def test_fault_in_a_middle_batch_keeps_previous(tmp_path, monkeypatch, nth):
-    monkeypatch.setattr(fastpersist.api, "_STREAM_BATCH", 64 << 10)  # many batches
+    monkeypatch.setattr(torchzip, "STREAM_BATCH", 64 << 10)  # many batches
     path = tmp_path / "ckpt.pt"
     old = {"old": torch.arange(1000)}
     fastpersist.save(old, path)
@@ -82,7 +82,7 @@ class Unpicklable:
 
 
 def test_pickling_error_after_batches_went_out_keeps_previous(tmp_path, monkeypatch):
-    monkeypatch.setattr(fastpersist.api, "_STREAM_BATCH", 4096)
+    monkeypatch.setattr(torchzip, "STREAM_BATCH", 4096)
     path = tmp_path / "ckpt.pt"
     fastpersist.save({"old": torch.ones(3)}, path)
     before = path.read_bytes()

@@ -1118,7 +1118,7 @@ def unwrap(e: BaseException) -> BaseException:
 
 def dcp_mutate(d: str, rng: random.Random) -> str:
     from fastpersist import _compat
-    from fastpersist.dcp import _metadata as md
+    from fastpersist.formats import dcpmetadata as md
 
     files = sorted(os.listdir(d))
     distcp = [f for f in files if f.endswith(".distcp")]

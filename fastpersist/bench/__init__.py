@@ -13,17 +13,15 @@ Both return result objects with ``to_dict()`` (JSON) and are printed by
 """
 
 from __future__ import annotations
+from fastpersist.bench.io_bench import run_io_bench
+from fastpersist.bench.save_bench import run_save_bench
 
 __all__ = ["run_io_bench", "run_save_bench"]
 
 
 def __getattr__(name: str):  # lazy: importing the CLI must not import every benchmark
     if name == "run_io_bench":
-        from fastpersist.bench.io_bench import run_io_bench
-
         return run_io_bench
     if name == "run_save_bench":
-        from fastpersist.bench.save_bench import run_save_bench
-
         return run_save_bench
     raise AttributeError(f"module 'fastpersist.bench' has no attribute {name!r}")

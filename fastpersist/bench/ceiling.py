@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from fastpersist.bench.fsutil import fsync_dir, remove_path
+from fastpersist import config as config_mod
+from fastpersist.bench.io_bench import fill_pattern
+from fastpersist.io import IOHandle, pinned_empty
 
 
 @dataclass
@@ -68,10 +71,6 @@ class EngineProbe:
         return self.result.error is None
 
     def _setup(self) -> None:
-        from fastpersist import config as config_mod
-        from fastpersist.bench.io_bench import _fill_pattern
-        from fastpersist.io import IOHandle, pinned_empty
-
         cfg = self.config if self.config is not None else config_mod.get_default()
         self._handle = IOHandle.from_config(cfg)
         h = self._handle
@@ -80,7 +79,7 @@ class EngineProbe:
                                 f"threads {h.threads}, direct {'on' if h.direct else 'off'}, fsync of file and "
                                 "directory")
         self._buf = pinned_empty(self.nbytes)
-        _fill_pattern(self._buf, 1)
+        fill_pattern(self._buf, 1)
 
     def round(self) -> None:
         """One durable write of the buffer into a fresh file (removed afterwards)."""

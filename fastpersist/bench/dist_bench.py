@@ -66,6 +66,14 @@ from fastpersist.bench import state as state_mod
 from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, remove_path, total_size
 from fastpersist.bench.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.units import format_bytes, gbps, median, ratio
+import fastpersist
+from fastpersist.bench.cgroup import BandwidthGroup
+from fastpersist import config as config_mod
+from fastpersist.bench.save_bench import build_workload
+from fastpersist.distributed import last_save_phases
+from fastpersist.io import libc_handle
+from fastpersist.bench import cgroup
+from fastpersist.bench import report
 
 REPLICATED = ("fastpersist group", "fastpersist rank 0", "torch rank 0")
 #: the replicated state through DCP (its planner deduplicates it across ranks)
@@ -203,8 +211,6 @@ class _Methods:
     def __init__(self, rank: int, ranks: int, obj: Any, shard: dict, threads: int, config: Any) -> None:
         import torch.distributed as dist
 
-        import fastpersist
-
         self.dist = dist
         self.fp = fastpersist
         self.rank = rank
@@ -291,8 +297,6 @@ def _worker(rank: int, ranks: int, port: int, workdir: str, opts: dict, out: str
     limit = None
     try:
         if opts.get("rank_bandwidth"):
-            from fastpersist.bench.cgroup import BandwidthGroup
-
             limit = BandwidthGroup(workdir, opts["rank_bandwidth"], name=f"fastpersist-bench-dist-{os.getppid()}-rank{rank}")
             limit.create()
             limit.join()
@@ -322,9 +326,6 @@ def _worker(rank: int, ranks: int, port: int, workdir: str, opts: dict, out: str
 
 def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
     import torch.distributed as dist
-
-    from fastpersist import config as config_mod
-    from fastpersist.bench.save_bench import build_workload
 
     cfg = config_mod.get_default().replace(fsync=True, threads=opts["threads"])
     obj, workload = build_workload(opts["size"], None, opts["seed"])
@@ -394,8 +395,6 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
                     r["error"] = next(s for s in statuses if s)
                     continue
                 if name == "fastpersist group":
-                    from fastpersist.distributed import last_save_phases
-
                     per_rank: list[Any] = [None] * ranks
                     dist.all_gather_object(per_rank, last_save_phases())
                     phases.append(per_rank)
@@ -429,10 +428,8 @@ def _release_heap() -> None:
     malloc, reused last round's already-faulted memory, while fastpersist's read buffers
     are fresh mappings every time (the bias that made ``bench save`` load in fresh
     processes, docs/benchmarks.md "Session 7")."""
-    from fastpersist.io import _libc
-
     gc.collect()
-    libc = _libc()
+    libc = libc_handle()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:  # glibc; other C libraries keep no such cache to trim
         trim(0)
@@ -474,16 +471,12 @@ def run_dist_bench(
     Raises ``RuntimeError`` with a rank's traceback if a rank crashed."""
     import torch.multiprocessing as mp
 
-    from fastpersist import config as config_mod
-
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, not {ranks}")
     if repeat < 1:
         raise ValueError(f"repeat must be positive, not {repeat}")
     threads = threads or config_mod.get_default().threads
     if rank_bandwidth is not None:
-        from fastpersist.bench import cgroup
-
         if rank_bandwidth <= 0:
             raise ValueError(f"rank_bandwidth must be positive, not {rank_bandwidth}")
         why = cgroup.unavailable_reason()
@@ -575,8 +568,6 @@ def run_dist_bench(
 
 def print_dist_report(result: DistBenchResult, out: Optional[TextIO] = None) -> None:
     """Machine header, workload, the two tables, verification and notes."""
-    from fastpersist.bench import report
-
     out = out if out is not None else sys.stdout
     report.print_header(result.machine.summary_lines() + [f"Ranks      : {result.ranks} (gloo, this machine)"] + (
         [f"Bandwidth  : each rank limited to {result.rank_bandwidth / 1e6:.0f} MB/s write and read in its own cgroup "
@@ -657,8 +648,6 @@ def plot_dist(result: DistBenchResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastpersist.bench import report
-
     methods = [m for m in result.methods if m.save_s]
     names = [m.name.replace(" ", "\n", 1) for m in methods]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(names) + 3), 4.5))
@@ -673,4 +662,4 @@ def plot_dist(result: DistBenchResult, path: str) -> None:
     ax.set_ylabel("GB/s")
     ax.set_title(f"{result.ranks} ranks, {format_bytes(result.workload['tensor_bytes'])} "
                  f"({result.machine.filesystem} on {result.machine.block_device or result.machine.mount_source})")
-    report._finish_plot(fig, ax, path)
+    report.finish_plot(fig, ax, path)

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
+from fastpersist.bench.units import format_block
 
 DEFAULT_BLOCK_SIZES = (1 << 20, 8 << 20)
 DEFAULT_IODEPTHS = (8, 32)
@@ -51,8 +52,6 @@ class FioRun:
 
     def describe(self) -> str:
         """The configuration in fio's words, e.g. ``"libaio direct=1 bs=8M iodepth=8 numjobs=2"``."""
-        from fastpersist.bench.units import format_block
-
         text = f"{self.ioengine} direct={1 if self.direct else 0} bs={format_block(self.block_size)}"
         if self.ioengine != "psync":
             text += f" iodepth={self.iodepth}"

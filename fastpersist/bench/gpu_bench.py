@@ -31,6 +31,11 @@ import torch
 
 from fastpersist.bench.fsutil import fsync_path
 from fastpersist.bench.units import format_bytes, gbps, median
+from fastpersist.bench.fio import fio_ceiling
+import fastpersist
+from fastpersist.bench.fsutil import drop_page_cache
+from fastpersist.io import gpu_path
+from fastpersist.io import IOHandle, cufile_status, gpu_path
 
 
 def require_cuda(flag: str = "--device cuda") -> None:
@@ -100,7 +105,6 @@ def copy_ceilings(size: int, repeat: int) -> tuple[GpuFigures, GpuFigures]:
 def _fio(directory: str, size: int, use: bool) -> Optional[dict[str, Any]]:
     if not use:
         return None
-    from fastpersist.bench.fio import fio_ceiling
 
     return fio_ceiling(directory, size, repeat=1).to_dict()
 
@@ -128,10 +132,6 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def run_gpu_save_bench(directory: str, *, size: int, repeat: int = 3, fio: bool = True) -> GpuBenchResult:
     """``bench save --device cuda`` (see the module docstring)."""
-    import fastpersist
-    from fastpersist.bench.fsutil import drop_page_cache
-    from fastpersist.io import gpu_path
-
     require_cuda()
     state = cuda_state(size)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -185,9 +185,6 @@ def _torch_save_durable(state: Any, path: str) -> None:
 def run_gpu_io_bench(directory: str, *, size: int, engines: Sequence[str], repeat: int = 3,
                      fio: bool = True) -> GpuBenchResult:
     """``bench io --device cuda`` (see the module docstring)."""
-    from fastpersist.bench.fsutil import drop_page_cache
-    from fastpersist.io import IOHandle, cufile_status, gpu_path
-
     require_cuda()
     res = GpuBenchResult("io", size, directory, torch.cuda.get_device_name(0), asdict(gpu_path(directory)))
     d2h, h2d = copy_ceilings(size, repeat)

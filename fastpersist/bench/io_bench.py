@@ -26,6 +26,10 @@ from fastpersist.bench import fio as fio_mod
 from fastpersist.bench.fsutil import drop_page_cache, fsync_dir, remove_path
 from fastpersist.bench.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.units import gbps, median, ratio
+from fastpersist.io import IOHandle
+from fastpersist.config import get_default
+from fastpersist.io import pinned_empty
+from fastpersist.bench.progress import progress
 
 COLD_READ_NOTE = (
     "cold reads: after each write the file is fsync'ed and dropped from the page cache with "
@@ -146,7 +150,7 @@ def io_configs(
     ]
 
 
-def _fill_pattern(buf: torch.Tensor, seed: int) -> None:
+def fill_pattern(buf: torch.Tensor, seed: int) -> None:
     """Incompressible bytes (a filesystem that compresses or dedups must not flatter us)."""
     gen = torch.Generator().manual_seed(seed)
     words = buf.numel() // 8
@@ -165,8 +169,6 @@ def _one_config(
     repeat: int,
     on_step: Callable[[], None],
 ) -> IORunResult:
-    from fastpersist.io import IOHandle
-
     result = IORunResult(config=cfg, nbytes=src.numel())
     try:
         handle = IOHandle(
@@ -234,13 +236,10 @@ def run_io_bench(
         raise ValueError(f"repeat must be positive, got {repeat}")
     machine = collect_machine_info(directory)
     if stage_modes is None:
-        from fastpersist.config import get_default
-
         stage_modes = (get_default().stages_reads(),)
     configs = io_configs(engines, block_sizes, queue_depths, threads, direct_modes, stage_modes)
     if not configs:
         raise ValueError("no configuration to run (empty engine/block size/queue depth/thread list)")
-    from fastpersist.io import pinned_empty
 
     notes = [COLD_READ_NOTE, "write time includes fsync of the file; GB/s are decimal (1e9 bytes/s)"]
     n_fio = fio_mod.fio_sweep_count(size, fio_block_sizes, fio_iodepths) + 9 if fio and fio_mod.fio_executable() else 0
@@ -249,7 +248,7 @@ def run_io_bench(
     try:
         src = pinned_empty(size)
         dst = pinned_empty(size)
-        _fill_pattern(src, seed)
+        fill_pattern(src, seed)
         runs = []
         for cfg in configs:
             bar.set_description(
@@ -276,6 +275,4 @@ def run_io_bench(
 
 def _progress(total: int, enabled: bool) -> Any:
     """A labelled tqdm bar on a terminal, plain lines elsewhere (:mod:`fastpersist.bench.progress`)."""
-    from fastpersist.bench.progress import progress
-
     return progress(total, enabled, "preparing the buffers")

@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 from fastpersist.bench import memprobe
 from fastpersist.bench.units import format_bytes
+import fastpersist
+from fastpersist import _native
 
 
 @dataclass
@@ -230,8 +232,6 @@ def collect_machine_info(directory: str, *, probe_memory: bool = True) -> Machin
     """
     import torch
 
-    import fastpersist
-
     directory = os.path.abspath(directory)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"benchmark directory {directory!r} does not exist (create it first)")
@@ -252,8 +252,6 @@ def collect_machine_info(directory: str, *, probe_memory: bool = True) -> Machin
     direct: Optional[bool] = None
     align: Optional[int] = None
     try:
-        from fastpersist import _native
-
         engines = list(_native.available_engines())
         cufile = _native.cufile_status()
         direct = bool(_native.direct_io_supported(directory))

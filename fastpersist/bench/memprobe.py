@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
+from fastpersist.io import libc_handle
 
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
@@ -78,9 +79,7 @@ def page_reporting_order() -> Optional[int]:
 
 
 def _libc() -> Any:
-    from fastpersist.io import _libc as libc  # the process's one handle on libc (None: not found)
-
-    found = libc()
+    found = libc_handle()
     if found is None:
         raise OSError("libc not found")
     return found

@@ -285,7 +285,7 @@ def print_io_report(result: IOBenchResult, out: Optional[TextIO] = None) -> None
         print(f"Note       : {note}", file=out)
 
 
-def _parent_dir(path: str) -> None:
+def parent_dir(path: str) -> None:
     """Create the folder a result file goes into (``--json out/x.json`` on a fresh checkout)."""
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
@@ -297,7 +297,7 @@ def write_json(data: dict[str, Any], path: str) -> None:
     if path == "-":
         sys.stdout.write(text + "\n")
         return
-    _parent_dir(path)
+    parent_dir(path)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text + "\n")
 
@@ -312,14 +312,14 @@ def _fio_lines(ax: Any, fio: Any, write_label: str, read_label: str) -> None:
                    label=f"{read_label} {fio.read_gbps:.2f} GB/s")
 
 
-def _finish_plot(fig: Any, ax: Any, path: str) -> None:
+def finish_plot(fig: Any, ax: Any, path: str) -> None:
     """Legend, grid, layout; write the PNG (creating its folder) and free the figure."""
     import matplotlib.pyplot as plt
 
     ax.legend(fontsize=8, loc="best")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    _parent_dir(path)
+    parent_dir(path)
     fig.savefig(path, format="png", dpi=120)
     plt.close(fig)
 
@@ -355,7 +355,7 @@ def plot_save(result: SaveBenchResult, path: str) -> None:
     w = result.workload
     ax.set_title(f"Checkpoint save/load, {format_bytes(w['tensor_bytes'])}, {w['tensors']} tensors "
                  f"({result.machine.filesystem} on {result.machine.block_device or result.machine.mount_source})")
-    _finish_plot(fig, ax, path)
+    finish_plot(fig, ax, path)
 
 
 def plot_io(result: IOBenchResult, path: str) -> None:
@@ -384,4 +384,4 @@ def plot_io(result: IOBenchResult, path: str) -> None:
     ax.set_ylabel("GB/s")
     ax.set_title(f"fastpersist I/O, {format_bytes(result.size)} file "
                  f"({result.machine.filesystem} on {result.machine.block_device or result.machine.mount_source})")
-    _finish_plot(fig, ax, path)
+    finish_plot(fig, ax, path)

@@ -84,6 +84,10 @@ from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, fsync_path,
 from fastpersist.bench.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.progress import progress as make_progress
 from fastpersist.bench.units import gbps, median, ratio
+import fastpersist
+from fastpersist import config as config_mod
+from fastpersist.config import Config
+from fastpersist.io import available_engines
 
 PEERS = ("torch", "safetensors", "dcp", "fio")
 #: where the timed cold loads run: a new Python process each (default), or the benchmark's own process
@@ -150,9 +154,6 @@ class FastPersistMethod(Method):
     target_name = "fastpersist.pt"
 
     def __init__(self, config: Any = None) -> None:
-        import fastpersist
-        from fastpersist import config as config_mod
-
         self._fp = fastpersist
         self.config = (config if config is not None else config_mod.get_default()).replace(fsync=True)
 
@@ -568,8 +569,6 @@ def load_child_main(argv: Sequence[str]) -> int:
     request = json.loads(argv[0])
     config = None
     if request["config"] is not None:
-        from fastpersist.config import Config
-
         config = Config(**request["config"])
     method = make_method(request["method"], config)
     target, op = request["target"], request["op"]
@@ -600,9 +599,6 @@ def load_child_main(argv: Sequence[str]) -> int:
 def describe_engine(config: Any = None) -> str:
     """The engine fastpersist will use here, e.g. ``"auto -> aio (available: aio, psync)"``."""
     try:
-        from fastpersist import config as config_mod
-        from fastpersist.io import available_engines
-
         cfg = config if config is not None else config_mod.get_default()
         avail = available_engines()
     except ImportError as exc:

@@ -36,6 +36,16 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
+from fastpersist import config as config_mod, handles
+from fastpersist.commit import atomic_write
+from fastpersist.formats.safetensors import plan_safetensors
+import fastpersist
+from fastpersist.streaming import find_blocks, streamer_of
+from fastpersist.bench.fio import FioProbe
+from fastpersist.bench.machine import collect_machine_info
+from fastpersist.bench.report import print_header, render_table
+from fastpersist.bench.report import parent_dir
+from fastpersist.bench import report
 
 METHODS = ("fastpersist", "accelerate", "memory")
 _CGROUP_V1 = "/sys/fs/cgroup/memory"
@@ -84,10 +94,6 @@ def write_checkpoint(shape: ModelShape, path: str, seed: int = 0, shard_bytes: i
     import torch
     import transformers
 
-    from fastpersist.api import _config, _handle, _native_write
-    from fastpersist.commit import atomic_write
-    from fastpersist.formats.safetensors import plan_safetensors
-
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(shape.config())
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -101,14 +107,16 @@ def write_checkpoint(shape: ModelShape, path: str, seed: int = 0, shard_bytes: i
         groups[-1][name] = t
         size += n
     os.makedirs(path, exist_ok=True)
-    cfg = _config(None)
+    cfg = config_mod.resolve(None)
     weight_map: dict[str, str] = {}
     total = 0
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         full = os.path.join(path, fname)
         plan = plan_safetensors(group, {"format": "pt"}, 4096, checksum=True)
-        atomic_write(full, _native_write(_handle(cfg), plan, full, cfg.fsync), fsync=cfg.fsync)
+        handle = handles.handle_for(cfg)
+        atomic_write(full, lambda tmp: handle.write(tmp, plan.extents, plan.patches, plan.nslots, truncate=True,
+                                                   fsync=cfg.fsync), fsync=cfg.fsync)
         del plan
         weight_map.update({k: fname for k in group})
         total += os.path.getsize(full)
@@ -175,9 +183,6 @@ def child_main(argv: Sequence[str]) -> int:
     import torch
     import transformers
     from accelerate import init_empty_weights
-
-    import fastpersist
-    from fastpersist.streaming import find_blocks, streamer_of
 
     shape = ModelShape(**spec["shape"])
     ckpt = spec["checkpoint"]
@@ -425,9 +430,6 @@ def run_stream_bench(
     keep: bool = False,
 ) -> StreamBenchResult:
     """Write the checkpoint, then ``repeat`` rounds of every (method, limit) and one fio round each."""
-    from fastpersist.bench.fio import FioProbe
-    from fastpersist.bench.machine import collect_machine_info
-
     def say(msg: str) -> None:
         if progress:
             print(f"[bench stream {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -487,8 +489,6 @@ def _gb(n: Optional[float]) -> str:
 
 def print_stream_report(result: StreamBenchResult, out: Any = None) -> None:
     """Machine header, model, the table, fio, ratios and notes."""
-    from fastpersist.bench.report import print_header, render_table
-
     out = out if out is not None else sys.stdout
     if result.machine is not None:
         print_header(result.machine.summary_lines(), out)
@@ -543,8 +543,6 @@ def plot_stream(result: StreamBenchResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastpersist.bench.report import _parent_dir
-
     cases = result.cases()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     labels = [f"{m}\n{'limit' if l else 'no limit'}" for m, l in cases]
@@ -560,7 +558,7 @@ def plot_stream(result: StreamBenchResult, path: str) -> None:
     ax2.set_ylabel("GB/s")
     ax2.set_title("fastpersist weight bytes streamed per second")
     fig.tight_layout()
-    _parent_dir(path)
+    parent_dir(path)
     fig.savefig(path, format="png", dpi=120)
     plt.close(fig)
 
@@ -601,8 +599,6 @@ def add_cli(bsub: Any, debug: Any, add_outputs: Any, size: Any, positive: Any) -
 
 def cmd_bench_stream(args: Any) -> int:
     """``fastpersist bench stream``."""
-    from fastpersist.bench import report
-
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
     if bad:

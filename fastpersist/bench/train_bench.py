@@ -97,6 +97,11 @@ from fastpersist.bench.train_peers import (
     stop_dcp_daemon,
     unavailable,
 )
+import fastpersist
+from fastpersist.bench import state as state_mod
+from fastpersist.bench.progress import progress as make_progress
+from fastpersist.bench.report import print_header, render_table
+from fastpersist.bench.report import finish_plot
 
 METHODS = ("none", "torch.save", "fastpersist.save", "async-snapshot", "async-lazy", "dcp.async_save",
            "dcp.async_save-process", "lightning-async")
@@ -299,9 +304,6 @@ def _equal(a: Any, b: Any) -> bool:
 
 def _one_run(method: str, directory: str, *, steps: int, every: int, device: str, dims: dict[str, int],
              batch: int, bar: Any) -> tuple[TrainRun, int, int]:
-    import fastpersist
-    from fastpersist.bench import state as state_mod
-
     torch.manual_seed(0)
     model = GPT(**dims).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -400,8 +402,6 @@ def _warm_pool(directory: str, *, device: str, dims: dict[str, int], batch: int)
     allocates the page-locked staging pool that later async saves reuse. A training
     job pays this once, at its first async save (fresh memory: about 1 GB/s on the VMs
     measured); counted in the rounds it would land on whichever async run came first."""
-    import fastpersist
-
     torch.manual_seed(0)
     model = GPT(**dims).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -461,8 +461,6 @@ def run_train_bench(
     training loop, the baseline included (None: torch's default, left as it is);
     the previous value is restored on return.
     """
-    from fastpersist.bench.progress import progress as make_progress
-
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -570,8 +568,6 @@ def _ratio_text(v: Optional[float]) -> str:
 
 
 def print_train_report(result: TrainBenchResult, out: Any = None) -> None:
-    from fastpersist.bench.report import print_header, render_table
-
     threads = (f"{result.train_threads_applied} (--train-threads)" if result.train_threads is not None
                else f"{result.train_threads_applied} (torch's default)")
     print_header([
@@ -644,8 +640,6 @@ def plot_train(result: TrainBenchResult, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fastpersist.bench.report import _finish_plot
-
     fig, ax = plt.subplots(figsize=(9, 4.5))
     seen = set()
     for r in result.runs:
@@ -660,4 +654,4 @@ def plot_train(result: TrainBenchResult, path: str) -> None:
     ax.set_xlabel("step (checkpoints marked)")
     ax.set_ylabel("step time incl. checkpoint call (s)")
     ax.set_title(f"Step time, {result.checkpoint_bytes / 2**20:.0f} MiB checkpoint every {result.every} steps on {result.device}")
-    _finish_plot(fig, ax, path)
+    finish_plot(fig, ax, path)

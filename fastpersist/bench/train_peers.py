@@ -13,6 +13,7 @@ import os
 from typing import Any, Optional
 
 import torch
+import fastpersist
 
 
 def str_keys(obj: Any) -> Any:
@@ -56,8 +57,6 @@ class _TorchSaver(Saver):
 
 class _FastPersistSaver(Saver):
     def __init__(self, mode: Optional[str]) -> None:
-        import fastpersist
-
         self.fp = fastpersist
         self.mode = mode
 

@@ -39,6 +39,8 @@ import torch
 
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats.base import PATCH_U32LE
+from fastpersist.formats.torchzip import plan_torch
+from fastpersist import _native
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,6 @@ def _template_key(t: torch.Tensor) -> Optional[tuple]:
 
 
 def _plan_template(t: torch.Tensor) -> _Template:
-    from fastpersist.formats.torchzip import plan_torch
-
     plan = plan_torch(t, ZIP_ALIGNMENT)
     if plan.nslots > 1:
         raise UnsupportedLayoutError(f"a tensor planned as {plan.nslots} storages")
@@ -263,6 +263,4 @@ def item_crcs(layout: FileLayout, slot_crcs: list[int]) -> list[int]:
 
 
 def _combine(crc1: int, crc2: int, len2: int) -> int:
-    from fastpersist import _native
-
     return _native.crc32_combine(crc1, crc2, len2)

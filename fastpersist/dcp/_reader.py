@@ -14,8 +14,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fastpersist import _compat
-from fastpersist.dcp._metadata import ADVICE, inside, item_name, load_metadata, table_problems
+from fastpersist.formats.dcpmetadata import ADVICE, inside, item_name, load_metadata, table_problems
 from fastpersist.errors import ChecksumError, CheckpointFormatError, FastPersistError
+from fastpersist import _native
+from fastpersist.config import get_default
+from fastpersist.formats.zipindex import buffer_reader, parse_zip_index
 
 log = logging.getLogger("fastpersist.dcp")
 
@@ -109,9 +112,6 @@ class FastPersistReader(FileSystemReader):
 
     def _get_handle(self) -> Any:
         if self._handle is None:
-            from fastpersist import _native
-            from fastpersist.config import get_default
-
             cfg = self.config if self.config is not None else get_default()
             self._handle = _native.Handle(**cfg.handle_kwargs(read=True))
         return self._handle
@@ -120,7 +120,7 @@ class FastPersistReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         """Stock ``read_metadata``, with the restricted unpickler and the seal check of
-        :mod:`fastpersist.dcp._metadata`: damaged or foreign metadata is a
+        :mod:`fastpersist.formats.dcpmetadata`: damaged or foreign metadata is a
         ``CheckpointFormatError`` naming the file, never unpickled code."""
         if not _compat.ok("dcp_storage_layer"):
             return super().read_metadata(*args, **kwargs)
@@ -225,8 +225,6 @@ class FastPersistReader(FileSystemReader):
                   planner: LoadPlanner) -> None:
         """Read batch k+1 (native, in the background) while batch k is checked and handed
         to the planner; two aligned buffers, reused."""
-        from fastpersist import _native
-
         handle = self._get_handle()
         size = max(max(b[3] for b in batches), _ALIGN)
         bufs = [_native.PinnedBuffer(size, _ALIGN, False) for _ in range(min(2, len(batches)))]
@@ -289,8 +287,6 @@ class FastPersistReader(FileSystemReader):
         them (on the handle's threads), so flipped tensor bytes are a ``ChecksumError``
         instead of other values. An item whose zip index cannot be parsed is left to
         ``torch.load`` (torch's verdict)."""
-        from fastpersist.formats.zipindex import buffer_reader, parse_zip_index
-
         todo: list[tuple[Any, Any, Any]] = []
         ranges: list[tuple[int, int]] = []
         for idx, at in zip(batch, places):

@@ -22,7 +22,10 @@ from fastpersist import _compat
 from fastpersist import _sys
 from fastpersist.commit import clean_stale_temps, fsync_dir, fsync_dir_after_rename, temp_path_for
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
-from fastpersist.dcp._metadata import load_metadata, seal
+from fastpersist.formats.dcpmetadata import load_metadata, seal
+from fastpersist import _native
+from fastpersist.config import get_default
+from fastpersist.handles import alignment_for
 
 log = logging.getLogger("fastpersist.dcp")
 
@@ -109,8 +112,6 @@ if hasattr(os, "register_at_fork"):
 
 def _shared_handle(kwargs: dict) -> Any:
     """One native handle per distinct setting in this process (see ``FastPersistWriter._get_handle``)."""
-    from fastpersist import _native
-
     key = tuple(sorted(kwargs.items()))
     with _handles_lock:
         h = _handles.get(key)
@@ -200,8 +201,6 @@ class FastPersistWriter(FileSystemWriter):
         """A native handle for these settings, shared by every writer of this process (its
         staging buffers are allocated and faulted in once, not at every save). Safe to share:
         :meth:`_write_files` waits on its own futures only."""
-        from fastpersist.config import get_default
-
         cfg = self.config if self.config is not None else get_default()
         kwargs = cfg.handle_kwargs()
         kwargs["max_async"] = max(int(kwargs.get("max_async", 1)), min(nfiles, max(1, self.thread_count)))
@@ -267,9 +266,8 @@ class FastPersistWriter(FileSystemWriter):
         else:
             groups = [[item] for item in plan.items]
         directory = self._dir()
-        from fastpersist.api import _alignment
 
-        alignment = _alignment(directory)
+        alignment = alignment_for(directory)
         files: list[tuple[str, str, str, FileLayout]] = []  # (name, final, tmp, layout)
         for k, group in enumerate(groups):
             entries = []

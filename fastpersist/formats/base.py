@@ -1,30 +1,45 @@
-"""What a format planner hands to the native writer."""
+"""What a format planner hands to the native writer, and what a format's verifier returns."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-#: Patch kinds understood by the native executor (see ``_native.pyi``).
-PATCH_U32LE = 0
-PATCH_HEX8 = 1
+from fastpersist.plan import PATCH_HEX8, PATCH_U32LE, WritePlan  # noqa: F401 (the formats' names for them)
 
 
 @dataclass
-class WritePlan:
-    """The complete byte layout of one file, ready for ``Handle.write``.
+class VerifyResult:
+    """Outcome of :func:`fastpersist.verify`.
 
-    ``extents`` cover ``[0, file_size)`` without gaps, sorted by offset; each is
-    ``(file_offset, ptr, length, crc_slot)``. ``patches`` are
-    ``(file_offset, crc_slot, kind)``. ``keepalive`` owns every buffer that a
-    ``ptr`` points into (tensors, staging copies, the metadata blob) and must
-    live until the write has finished.
+    ``status`` is one of:
+
+    * ``"ok"``: the file is a loadable checkpoint and every byte matched the
+      checksum recorded when it was written (``ok`` is true);
+    * ``"corrupt"``: the file is damaged, malformed, or not a checkpoint at all
+      (``problems`` says what is wrong);
+    * ``"unchecked"``: the structure is valid as far as it can be checked, but the
+      file carries no checksums to compare its bytes with (a ``.safetensors``
+      file not written by fastpersist, or a legacy non-zip torch file);
+      ``problems`` says so. ``ok`` is false: nothing vouches for the bytes.
+
+    ``bool(result)`` is ``result.ok``.
     """
 
-    extents: list[tuple[int, int, int, int]]
-    patches: list[tuple[int, int, int]]
-    nslots: int
-    file_size: int
-    keepalive: list[Any] = field(default_factory=list)
-    #: Human-readable name of each crc slot (record or tensor name), for messages.
-    slot_names: list[str] = field(default_factory=list)
+    ok: bool
+    path: str
+    format: str
+    records: int = 0  #: zip records or safetensors tensors checked
+    bytes: int = 0  #: payload bytes checksummed (0 when none were)
+    problems: list[str] = field(default_factory=list)
+    status: str = "ok"  #: "ok", "corrupt" or "unchecked"
+    #: Remarks that do not make the file corrupt: storages whose location tag this
+    #: machine cannot restore without ``map_location`` (e.g. ``cuda:7`` with fewer GPUs).
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def checked(self) -> bool:
+        """Whether the file's bytes could be compared with recorded checksums."""
+        return self.status != "unchecked"
+
+    def __bool__(self) -> bool:
+        return self.ok

@@ -52,6 +52,9 @@ import os
 import zlib
 from typing import Any, Callable, Optional, Sequence
 
+from fastpersist.errors import ChecksumError
+from fastpersist.formats.zipindex import fd_reader, parse_zip_index
+
 log = logging.getLogger(__name__)
 
 SERIALIZATION_ID = ".data/serialization_id"
@@ -106,9 +109,8 @@ def mismatch(path: str, problems: list[str], ours: Callable[[], bool], storages_
     or a mismatch outside the storages; log a warning and return otherwise (torch does
     not check)."""
     if not storages_only or ours():
-        from fastpersist.formats.torchload import _checksum_error
 
-        raise _checksum_error(path, problems)
+        raise checksum_error(path, problems)
     log.warning(
         "%s: %d record(s) do not match the CRC-32 torch recorded (%s%s); the file was not written by "
         "fastpersist, so it is loaded as torch.load loads it (torch does not check CRCs; a file changed "
@@ -124,8 +126,6 @@ def release(fd: int, path: str) -> bool:
     file was released. The file is reopened read-write through ``/proc/self/fd`` (the
     same inode); where that is refused the file stays as it is (torch's shared mapping
     needs write access too, and raises its own error)."""
-    from fastpersist.formats.zipindex import fd_reader, parse_zip_index
-
     size = os.fstat(fd).st_size
     index = parse_zip_index(fd_reader(fd, path), size, path)
     e = index.find(SERIALIZATION_ID)
@@ -152,3 +152,14 @@ def release(fd: int, path: str) -> bool:
         os.close(wfd)
     log.info("%s: mapped shared and writable: fastpersist's CRCs of its storages no longer bind later loads", path)
     return True
+
+
+def checksum_error(path: str, problems: list[str]) -> ChecksumError:
+    """One error for every record whose CRC-32 is wrong (the first five spelled out)."""
+    return ChecksumError(
+        f"{path}: {len(problems)} record(s) do not match their checksum (the file is corrupt; "
+        f"restore it from a good copy): " + "; ".join(problems[:5])
+        + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""),
+        path=path,
+        records=[p.split(":", 1)[0] for p in problems],
+    )

@@ -6,7 +6,7 @@ written with ``use_collectives=False``) is a DCP checkpoint. Checked:
 * ``.metadata`` unpickles with a restricted unpickler (DCP's own metadata
   classes, torch dtypes/sizes/layouts, paths: nothing that runs code) into a
   ``Metadata`` with a ``storage_data`` table, and when it carries fastpersist's
-  seal (a CRC-32 of the pickle, see :mod:`fastpersist.dcp._metadata`) the seal
+  seal (a CRC-32 of the pickle, see :mod:`fastpersist.formats.dcpmetadata`) the seal
   matches: the checks are those :class:`fastpersist.dcp.FastPersistReader` makes
   before loading, with the same messages;
 * the metadata is well formed (every field of DCP's classes present, dtypes,
@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastpersist import _compat
-from fastpersist.dcp._metadata import ADVICE, MetadataUnpickler, item_name, load_metadata, table_problems
+from fastpersist.formats.dcpmetadata import ADVICE, MetadataUnpickler, item_name, load_metadata, table_problems
 from fastpersist.errors import CheckpointFormatError
+from fastpersist.formats.base import VerifyResult
 
 _MetadataUnpickler = MetadataUnpickler  # the name this module used to define
 
@@ -238,7 +239,6 @@ def _check_file(path: str, items: list[tuple[Any, Any, Any]], handle: Any, check
 
 def verify_dcp(directory: str, handle: Any) -> Any:
     """``fastpersist.verify`` of a directory: a :class:`fastpersist.api.VerifyResult`."""
-    from fastpersist.api import VerifyResult
 
     c = check_dcp(directory, handle)
     if c.problems:

@@ -68,8 +68,10 @@ import torch
 from fastpersist.errors import UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats import crcpolicy, torchload
 from fastpersist.formats.picklescan import scan_pickle
-from fastpersist.formats.torchverify import _crc_mismatch, _element_size, _storage_ref
+from fastpersist.formats.torchverify import crc_mismatch, element_size, storage_ref
 from fastpersist.formats.zipindex import CentralEntry, ZipEntry, parse_zip_index, pread_full, read_central_directory
+from fastpersist.io import libc_handle
+from fastpersist.formats import safetensors as st
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +96,7 @@ class _Mapping:
     the native CRC needs), unmapped by :meth:`close`."""
 
     def __init__(self, fd: int, size: int) -> None:
-        from fastpersist.io import _libc
-
-        self.libc = _libc()
+        self.libc = libc_handle()
         if self.libc is None:
             raise UnsupportedLayoutError("no libc to map the file with")
         self.size = size
@@ -164,7 +164,7 @@ def _shared_mapping() -> bool:
 
 
 def _check_supported(map_location: Any) -> None:
-    if torchload._meta_or_fake(map_location):
+    if torchload.meta_or_fake(map_location):
         raise UnsupportedLayoutError("meta or fake-tensor load")
     if getattr(torch.serialization._serialization_tls, "skip_data", False):
         raise UnsupportedLayoutError("torch.serialization.skip_data is active")
@@ -229,18 +229,18 @@ def _check_zip(path: str, mapping: _Mapping, handle: Any, *, checksum: bool) -> 
     except ZipFormatError:
         raise
     except (ValueError, UnicodeDecodeError, struct.error) as e:  # defensive: the parser raises ZipFormatError
-        raise torchload._bad(path, None, f"unreadable zip index ({e})") from e
+        raise torchload.bad(path, None, f"unreadable zip index ({e})") from e
     if not index.entries:
-        raise torchload._bad(path, index.cd_offset, "the archive has no records")
+        raise torchload.bad(path, index.cd_offset, "the archive has no records")
     for e in index.entries:
         if e.is_directory:  # miniz would not extract it: torch then reads memory it never filled
-            raise torchload._bad(path, e.header_offset, f"record {e.name!r} is marked as a directory (external "
+            raise torchload.bad(path, e.header_offset, f"record {e.name!r} is marked as a directory (external "
                                  f"attributes {e.external_attr:#x}): torch's reader cannot read its bytes")
         if e.flags & _FLAG_ENCRYPTED:
             raise UnsupportedLayoutError(f"encrypted record {e.name!r}")
         if e.method != 0:
             raise UnsupportedLayoutError(f"compressed record {e.name!r} (method {e.method})")
-    prefix = torchload._prefix(path, index.entries)  # type: ignore[arg-type]  # needs .name and .cd_offset only
+    prefix = torchload.record_prefix(path, index.entries)  # type: ignore[arg-type]  # needs .name and .cd_offset only
     by_short = {e.name[len(prefix):]: e for e in index.entries if e.name.startswith(prefix)}
     if "constants.pkl" in by_short:
         raise UnsupportedLayoutError("TorchScript archive")
@@ -300,17 +300,17 @@ def _referenced(path: str, pkl: bytes, by_short: dict[str, ZipEntry]) -> Optiona
     out: dict[str, ZipEntry] = {}
     for pid in scan.pids:
         try:
-            key, cls, numel, _location = _storage_ref(pid)
+            key, cls, numel, _location = storage_ref(pid)
         except ValueError:
             return None
-        size = _element_size(*cls.split(" ", 1))
+        size = element_size(*cls.split(" ", 1))
         if size is None:
             return None
         e = by_short.get(f"data/{key}")
         if e is None:
-            raise torchload._bad(path, None, f"record 'data/{key}' is missing (the pickle refers to it)")
+            raise torchload.bad(path, None, f"record 'data/{key}' is missing (the pickle refers to it)")
         if numel < 0 or numel * size != e.compressed_size:
-            raise torchload._bad(path, e.data_offset, f"record {e.name!r} holds {e.compressed_size} bytes but the "
+            raise torchload.bad(path, e.data_offset, f"record {e.name!r} holds {e.compressed_size} bytes but the "
                                  f"pickle claims a storage of {numel * size} bytes")
         out[key] = e
     return list(out.values())
@@ -320,7 +320,7 @@ def _compare(path: str, records: Sequence[ZipEntry], crcs: Sequence[int], ours: 
              storages: bool) -> None:
     """CRC-32s against the recorded ones, by :mod:`fastpersist.formats.crcpolicy`'s rule
     (0 recorded: none; a mismatch raises only in a file fastpersist wrote: ``ours()``)."""
-    problems = [_crc_mismatch(e, c) for e, c in zip(records, crcs) if c != e.crc32 and not crcpolicy.no_crc(e.crc32)]
+    problems = [crc_mismatch(e, c) for e, c in zip(records, crcs) if c != e.crc32 and not crcpolicy.no_crc(e.crc32)]
     if problems:
         crcpolicy.mismatch(path, problems, ours, storages)
 
@@ -341,8 +341,6 @@ def load_safetensors_mmap(path: str, handle: Any, *, checksum: bool = True) -> d
         ChecksumError: a tensor's bytes do not match the CRC-32 recorded at save time.
         OSError: the file cannot be opened or mapped.
     """
-    from fastpersist.formats import safetensors as st
-
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         header = st.read_header_fd(fd, path)
@@ -352,11 +350,11 @@ def load_safetensors_mmap(path: str, handle: Any, *, checksum: bool = True) -> d
     finally:
         os.close(fd)  # the mapping keeps the file
     if checksum and header.crcs is not None:
-        _extents, slots = st._data_extents(header, lambda off: 0)
+        _extents, slots = st.data_extents(header, lambda off: 0)
         ranges = [(header.data_start + e.begin, e.nbytes) for e in slots]
-        problems = st._crc_problems(header, slots, crc32_mapped(handle, storage.data_ptr(), ranges))
+        problems = st.crc_problems(header, slots, crc32_mapped(handle, storage.data_ptr(), ranges))
         if problems:
-            raise st._checksum_error(path, problems)
+            raise st.checksum_error(path, problems)
     out: dict[str, torch.Tensor] = {}
     try:
         for e in header.tensors:

@@ -54,17 +54,17 @@ def _torch_dtype_names() -> frozenset[str]:
 _DTYPE_NAMES = _torch_dtype_names()
 
 
-class _StandIn:
+class StandIn:
     """What every global resolves to during the dry run: accepts any construction,
     call, state and items, and does nothing. One shared instance (cheap)."""
 
-    def __new__(cls, *_args: Any, **_kwargs: Any) -> "_StandIn":
-        return _ONE
+    def __new__(cls, *_args: Any, **_kwargs: Any) -> "StandIn":
+        return ONE
 
     def __init__(self, *_args: Any, **_kwargs: Any) -> None:
         pass
 
-    def __call__(self, *_args: Any, **_kwargs: Any) -> "_StandIn":
+    def __call__(self, *_args: Any, **_kwargs: Any) -> "StandIn":
         return self
 
     def __setstate__(self, _state: Any) -> None:
@@ -83,7 +83,7 @@ class _StandIn:
         pass
 
 
-_ONE = object.__new__(_StandIn)
+ONE = object.__new__(StandIn)
 
 
 def _argument_widths() -> list[Optional[int]]:
@@ -156,8 +156,8 @@ def unbounded_allocation(data: bytes) -> Optional[str]:
     return None
 
 
-class _DryUnpickler(pickle.Unpickler):
-    """Runs a pickle with every global replaced by a :class:`_StandIn` subclass that
+class DryUnpickler(pickle.Unpickler):
+    """Runs a pickle with every global replaced by a :class:`StandIn` subclass that
     carries the global's name (``ref``), recording each global and each persistent
     id. Nothing is imported and no checkpoint code runs.
 
@@ -184,14 +184,14 @@ class _DryUnpickler(pickle.Unpickler):
         ref = (str(module), str(name))
         cls = self.globals.get(ref)
         if cls is None:
-            cls = self.globals[ref] = type("_Global", (_StandIn,), {"ref": ref})
+            cls = self.globals[ref] = type("_Global", (StandIn,), {"ref": ref})
         return cls
 
     def persistent_load(self, pid: Any) -> Any:
         self.pids.append(pid)
         if isinstance(pid, tuple) and len(pid) == 5:
             self.storages[f"{pid[2]}"] = pid[4]  # the key as torch formats it ("data/{key}")
-        return _ONE
+        return ONE
 
 
 @dataclass
@@ -215,8 +215,8 @@ class PickleScan:
 
 def scan_pickle(data: bytes, *, bound_memo: bool = True) -> PickleScan:
     """Run the pickle ``data`` with inert stand-ins for every global (see the module docstring);
-    ``bound_memo`` as for :class:`_DryUnpickler` (a pickle refused there is "not understood")."""
-    dry = _DryUnpickler(data, bound_memo=bound_memo)
+    ``bound_memo`` as for :class:`DryUnpickler` (a pickle refused there is "not understood")."""
+    dry = DryUnpickler(data, bound_memo=bound_memo)
     try:
         dry.load()
     except Exception as e:  # noqa: BLE001 - any failure means "not understood"
@@ -226,7 +226,7 @@ def scan_pickle(data: bytes, *, bound_memo: bool = True) -> PickleScan:
 
 def global_ref(obj: Any) -> Optional[tuple[str, str]]:
     """``(module, name)`` when ``obj`` is what a global resolved to in the dry run, else None."""
-    ref = getattr(obj, "ref", None) if isinstance(obj, type) and issubclass(obj, _StandIn) else None
+    ref = getattr(obj, "ref", None) if isinstance(obj, type) and issubclass(obj, StandIn) else None
     return ref if isinstance(ref, tuple) else None
 
 

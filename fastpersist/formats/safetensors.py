@@ -43,8 +43,12 @@ import torch
 
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.base import PATCH_HEX8, WritePlan
-from fastpersist.formats.zipindex import pread_full
+from fastpersist._sys import pread_full
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
+from fastpersist.cudastage import DeviceSources
+from fastpersist.io import pinned_empty
+from fastpersist import _native
+from fastpersist.cudaload import RingItem, ring_read
 
 __all__ = [
     "ENTRY_CRC_KEY",
@@ -79,6 +83,26 @@ CRC_METADATA_KEY = "fastpersist.crc32"
 #: tensor names, dtypes, shapes, offsets and the other metadata entries.
 HEADER_CRC_METADATA_KEY = "fastpersist.header_crc32"
 _RESERVED_KEYS = (CRC_METADATA_KEY, HEADER_CRC_METADATA_KEY)
+
+
+#: ``__metadata__`` of a ``.safetensors`` file fastpersist.save writes when the caller gives none:
+#: what transformers' ``save_pretrained`` and Accelerate's ``save`` write (transformers 4.x
+#: refuses files whose metadata has no known ``format``; Accelerate warns on files without metadata).
+DEFAULT_SAFETENSORS_METADATA = {"format": "pt"}
+
+
+def safetensors_metadata(metadata: Optional[dict]) -> dict:
+    """The ``__metadata__`` :func:`fastpersist.save` writes for ``metadata``: the caller's
+    entries, with ``"format": "pt"`` added unless they set ``"format"`` themselves.
+
+    Anything but None or a dict is returned as it is, for the planner to refuse with
+    safetensors' error at the point safetensors checks it (after the tensors).
+    """
+    if metadata is not None and not isinstance(metadata, dict):
+        return metadata  # type: ignore[return-value]
+    out = dict(DEFAULT_SAFETENSORS_METADATA)
+    out.update(metadata or {})
+    return out
 
 
 def header_crc32(entries: dict[str, tuple[str, list[int], list[int]]], metadata: Optional[dict[str, str]]) -> int:
@@ -399,7 +423,7 @@ def plan_safetensors(
         tensors: name -> tensor.
         metadata: the file's ``__metadata__``, written exactly as given (``None``: no
             ``__metadata__``, as ``save_file`` does; ``fastpersist.save`` passes
-            ``{"format": "pt"}`` by default, see :func:`fastpersist.api.safetensors_metadata`).
+            ``{"format": "pt"}`` by default, see :func:`safetensors_metadata`).
         alignment: the data section starts at a multiple of ``lcm(alignment, 8)``.
         checksum: record a CRC-32 per tensor in its entry (:data:`ENTRY_CRC_KEY`) and
             one of the header in the first entry (:data:`ENTRY_HEADER_CRC_KEY`).
@@ -436,8 +460,6 @@ def plan_safetensors(
     check_metadata(metadata)
     sources: Any = None
     if device_sources is not None:
-        from fastpersist.cudastage import DeviceSources
-
         sources = DeviceSources()
     order = sorted(prepared, key=lambda n: (_CODE_RANK[DTYPE_CODES[prepared[n].dtype]], n))
 
@@ -671,7 +693,7 @@ def read_header_fd(fd: int, path: str) -> SafetensorsHeader:
 # Loading and verifying.
 
 
-def _data_extents(header: SafetensorsHeader, ptr_of: Any) -> tuple[list[tuple[int, int, int, int]], list[TensorEntry]]:
+def data_extents(header: SafetensorsHeader, ptr_of: Any) -> tuple[list[tuple[int, int, int, int]], list[TensorEntry]]:
     extents = []
     slots = []
     for entry in header.tensors:
@@ -682,7 +704,7 @@ def _data_extents(header: SafetensorsHeader, ptr_of: Any) -> tuple[list[tuple[in
     return extents, slots
 
 
-def _crc_problems(header: SafetensorsHeader, slots: list[TensorEntry], crcs: Sequence[int]) -> list[tuple[str, str]]:
+def crc_problems(header: SafetensorsHeader, slots: list[TensorEntry], crcs: Sequence[int]) -> list[tuple[str, str]]:
     """``(record, message)`` for every recorded CRC-32 that does not match (record: tensor name)."""
     recorded = header.crcs
     assert recorded is not None
@@ -745,10 +767,7 @@ def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     """A page-aligned uint8 tensor of at least ``nbytes`` (rounded up to 4096) bytes."""
     size = max(4096, -(-nbytes // 4096) * 4096)
     if pinned:
-        from fastpersist.io import pinned_empty
-
         return pinned_empty(size)
-    from fastpersist import _native
 
     return torch.frombuffer(_native.PinnedBuffer(size, 4096, lock=False), dtype=torch.uint8)
 
@@ -792,15 +811,15 @@ def load_safetensors(
         base_ptr = base.data_ptr()
 
         check = checksum and header.crcs is not None
-        extents, slots = _data_extents(header, lambda off: base_ptr + off)
+        extents, slots = data_extents(header, lambda off: base_ptr + off)
         reader, plan = _plan_reader(fd, header.file_size, handle)
         started = time.perf_counter()
         if check:
             read_extents = [(0, base_ptr, header.data_start, -1)] + extents
             crcs = _read_fd(reader, fd, path, read_extents, len(slots))
-            problems = _crc_problems(header, slots, crcs)
+            problems = crc_problems(header, slots, crcs)
             if problems:
-                raise _checksum_error(path, problems)
+                raise checksum_error(path, problems)
         else:
             _read_fd(reader, fd, path, [(0, base_ptr, header.file_size, -1)], 0)
         if plan is not None:
@@ -833,7 +852,7 @@ def _naming(e: BaseException, path: str) -> BaseException:
     return e
 
 
-def _checksum_error(path: str, problems: list[tuple[str, str]]) -> ChecksumError:
+def checksum_error(path: str, problems: list[tuple[str, str]]) -> ChecksumError:
     """The error for ``(tensor name, message)`` CRC mismatches of ``path``."""
     return ChecksumError(
         f"{path}: checksum mismatch, the file is corrupt (restore it from a good copy, or pass "
@@ -853,8 +872,6 @@ def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: to
     ``fd``: the descriptor ``header`` was read through (:func:`load_safetensors`), so
     the data comes from the same file even if ``path`` is replaced meanwhile; None:
     ``path`` is opened here (callers that read ``header`` themselves)."""
-    from fastpersist.cudaload import RingItem, ring_read
-
     check = checksum and header.crcs is not None
     entries = sorted((e for e in header.tensors if e.nbytes), key=lambda e: e.begin)
     items = [RingItem(header.data_start + e.begin, header.data_start + e.begin, e.nbytes,
@@ -870,10 +887,10 @@ def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: to
             os.close(rfd)
     if check:
         by_name = {e.name: it.crc for e, it in zip(entries, items)}
-        _extents, slots = _data_extents(header, lambda off: 0)
-        problems = _crc_problems(header, slots, [by_name[e.name] for e in slots])
+        _extents, slots = data_extents(header, lambda off: 0)
+        problems = crc_problems(header, slots, [by_name[e.name] for e in slots])
         if problems:
-            raise _checksum_error(path, problems)
+            raise checksum_error(path, problems)
     raw = {e.name: it.dest for e, it in zip(entries, items)}
     out: dict[str, torch.Tensor] = {}
     try:
@@ -950,11 +967,11 @@ def check_safetensors(path: Union[str, os.PathLike], handle: _Reader) -> Safeten
         records = len(header.tensors)
         if header.crcs is None:
             return SafetensorsCheck([], records=records, checked=False)
-        extents, slots = _data_extents(header, lambda off: 0)
+        extents, slots = data_extents(header, lambda off: 0)
         crcs = _read_fd(handle, fd, path, extents, len(slots)) if extents else []
     finally:
         os.close(fd)
-    problems = [msg for _, msg in _crc_problems(header, slots, crcs)]
+    problems = [msg for _, msg in crc_problems(header, slots, crcs)]
     return SafetensorsCheck(problems, records=records, nbytes=sum(e.nbytes for e in slots), checked=True)
 
 

@@ -37,7 +37,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from fastpersist.formats.base import PATCH_HEX8, PATCH_U32LE, WritePlan
+from fastpersist.plan import PATCH_U32LE, WritePlan, patch_bytes
+from fastpersist import _native
+from fastpersist.formats.zipindex import read_central_directory
 
 Extent = tuple[int, int, int, int]
 
@@ -89,8 +91,6 @@ def partial_crcs(handle: Any, extents: Sequence[Extent]) -> dict[int, tuple[int,
     (a clipped slice) and their length; slots with no bytes there are absent.
     Computed on ``handle``'s threads, or on the calling thread (GIL released) when
     ``handle`` is None (while the handle's threads write)."""
-    from fastpersist import _native
-
     ranges = [(ptr, length) for _off, ptr, length, slot in extents if slot >= 0 and length > 0]
     if not ranges:
         crcs: list[int] = []
@@ -114,21 +114,11 @@ def partial_crcs(handle: Any, extents: Sequence[Extent]) -> dict[int, tuple[int,
 
 def combine_crcs(parts: Sequence[dict[int, tuple[int, int]]], nslots: int) -> list[int]:
     """Whole-slot CRC-32s from every writer's :func:`partial_crcs`, ``parts`` in file (slice) order."""
-    from fastpersist import _native
-
     out = [0] * nslots
     for part in parts:
         for slot, (crc, length) in part.items():
             out[slot] = _native.crc32_combine(out[slot], crc, length)
     return out
-
-
-def _patch_bytes(kind: int, crc: int) -> bytes:
-    if kind == PATCH_U32LE:
-        return struct.pack("<I", crc)
-    if kind == PATCH_HEX8:
-        return f"{crc:08x}".encode("ascii")
-    raise ValueError(f"unknown patch kind {kind}")
 
 
 def apply_patches(
@@ -140,7 +130,7 @@ def apply_patches(
     each of the two writers. Slots are dropped: the result needs no CRC work."""
     fields = []
     for off, slot, kind in patches:
-        data = _patch_bytes(kind, crcs[slot])
+        data = patch_bytes(kind, crcs[slot])
         a, b = max(off, lo), min(off + len(data), hi)
         if a < b:
             fields.append((a, data[a - off : b - off]))
@@ -228,8 +218,6 @@ def plan_records(layout: Layout) -> list[tuple[str, int, int, str]]:
     plan = layout.plan
     bounds: list[tuple[int, str]] = []
     if layout.format == "torch":
-        from fastpersist.formats.zipindex import read_central_directory
-
         try:
             cd_off, entries = read_central_directory(_read_host(layout), plan.file_size, "<plan>")
             bounds = sorted((e.header_offset, e.name) for e in entries)

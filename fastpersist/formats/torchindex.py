@@ -15,7 +15,7 @@ Tensor names
     tensor names.
 
 How the torch index is built (no payload read)
-    The records come from the zip central directory (``torchload._Load.index``, with
+    The records come from the zip central directory (``torchload.LoadState.index``, with
     its checks: local-header positions, records inside the data area, no overlap).
     ``data.pkl`` is read (CRC-checked) and unpickled by torch's own ``_load`` with
     the weights-only unpickler, as ``fastpersist.load(weights_only=True)`` does,
@@ -52,7 +52,15 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError, UnsupportedLayoutError
-from fastpersist.formats.zipindex import pread_full
+from fastpersist._sys import pread_full
+from fastpersist.formats.torchload import HeaderMismatch
+from fastpersist.formats import torchload
+from fastpersist.io import record_read
+from fastpersist import _native
+from fastpersist.formats import safetensors as st
+from fastpersist.formats.torchload import Reader
+from fastpersist.formats.torchload import bad as zbad
+from fastpersist import _compat
 
 __all__ = [
     "AmbiguousNameError",
@@ -144,7 +152,7 @@ class _Rec:
     native: Any = None  # torch: torchload._Record
 
 
-def _bad(path: str, offset: Optional[int], what: str) -> CheckpointFormatError:
+def bad(path: str, offset: Optional[int], what: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"{path}: not a loadable checkpoint: {what}", path, offset)
 
 
@@ -179,7 +187,7 @@ class CheckpointFile:
         self.meta_ids: dict[int, str] = {}  #: id(meta tensor in ``obj``) -> name
         self.metadata: Optional[dict[str, str]] = None  #: safetensors ``__metadata__``
         self.native_order = True
-        self._load: Any = None  # torch: torchload._Load
+        self._load: Any = None  # torch: torchload.LoadState
         self._readers: dict[tuple[bool, bool], Any] = {}  # handles reading another way than the caller's
 
     # -- index lookups ---------------------------------------------------------
@@ -203,30 +211,26 @@ class CheckpointFile:
         every local header and the read repeated (pieces are relative to records).
         ``into_existing``: the pieces point into memory that is already in use (a live
         model's tensors), which ``read_mode="auto"`` records apart from loads into new memory."""
-        from fastpersist.formats.torchload import _HeaderMismatch
-
         try:
             self._read(wants, handle, into_existing)
-        except _HeaderMismatch:
+        except HeaderMismatch:
             self._reindex_exact()
             try:
                 self._read(wants, handle, into_existing)
-            except _HeaderMismatch as e:
-                raise _bad(self.path, None, f"the local header of {e} disagrees with the central directory") from None
+            except HeaderMismatch as e:
+                raise bad(self.path, None, f"the local header of {e} disagrees with the central directory") from None
 
     def _reindex_exact(self) -> None:
         import dataclasses
 
-        from fastpersist.formats import torchload
-
-        load = torchload._Load(self.path, self.fd, self.size, self.checksum, False)
+        load = torchload.LoadState(self.path, self.fd, self.size, self.checksum, False)
         load.index(exact=True)
         self._load = load
         for r in load.records:
             if r.short in self.records:
                 old = self.records[r.short]
                 if old.size != r.size:
-                    raise _bad(self.path, r.data_offset, f"record {r.short!r} changed size on a second look")
+                    raise bad(self.path, r.data_offset, f"record {r.short!r} changed size on a second look")
                 self.records[r.short] = _Rec(r.short, r.data_offset, r.size, r.entry.crc32, r.entry.header_offset, r)
         for name, info in list(self.tensors.items()):
             self.tensors[name] = dataclasses.replace(info, record_offset=self.records[info.record].offset)
@@ -283,15 +287,13 @@ class CheckpointFile:
         try:
             crcs = reader.read(self.fd, extents, len(slots))
         except EOFError as e:
-            raise _bad(self.path, None, f"the file is shorter than its index says (truncated, or rewritten in "
+            raise bad(self.path, None, f"the file is shorter than its index says (truncated, or rewritten in "
                        f"place while reading): {e}") from e
         except OSError as e:
             if e.filename is None and e.errno is not None:
                 raise type(e)(e.errno, f"{e.strerror or e} (reading {self.path!r})", self.path) from e
             raise
         if plan is not None:
-            from fastpersist.io import record_read
-
             record_read(plan, nbytes, time.perf_counter() - started)
         if self._load is not None:
             view = memoryview(head_buf.numpy())
@@ -338,8 +340,6 @@ class CheckpointFile:
     def read_records(self, names: Iterable[str], handle: Any) -> dict[str, torch.Tensor]:
         """The bytes of the given records, each as a uint8 CPU tensor with a storage of
         its own (large records) or sharing one compact buffer (small ones)."""
-        from fastpersist import _native
-
         recs = sorted({n: self.records[n] for n in names}.values(), key=lambda r: r.offset)
         out: dict[str, torch.Tensor] = {}
         wants: dict[str, list[Piece]] = {}
@@ -449,18 +449,18 @@ class CheckpointFile:
         obj = self.obj
         names: list[str] = []
         for part in parts:
-            obj, used = _step(obj, part, self.path, key)
+            obj, used = step(obj, part, self.path, key)
             names.extend(used)
         return obj, ".".join(names) + "."
 
 
-def _step(obj: Any, part: Any, path: str, key: Any) -> tuple[Any, list[str]]:
+def step(obj: Any, part: Any, path: str, key: Any) -> tuple[Any, list[str]]:
     if isinstance(obj, Mapping) and part in obj:
         return obj[part], [str(part)]
     if isinstance(part, str) and "." in part:
         names: list[str] = []
         for p in part.split("."):
-            obj, used = _step(obj, p, path, key)
+            obj, used = step(obj, p, path, key)
             names.extend(used)
         return obj, names
     if isinstance(obj, (list, tuple)) and isinstance(part, (int, str)):
@@ -554,8 +554,6 @@ def open_checkpoint(path: str, *, checksum: bool = True) -> CheckpointFile:
 
 
 def _index_safetensors(f: CheckpointFile) -> None:
-    from fastpersist.formats import safetensors as st
-
     if f.size < 8:
         raise st.SafetensorsFormatError(f"{f.path}: not a valid safetensors file: {f.size} bytes, shorter than "
                                         "the 8-byte header length", f.path)
@@ -570,7 +568,7 @@ def _index_safetensors(f: CheckpointFile) -> None:
     f.metadata = header.metadata
     crcs = header.crcs if f.checksum else None
     if crcs is not None:
-        problems = st._crc_problems(header, [], [])  # header CRC, CRC list length, empty tensors
+        problems = st.crc_problems(header, [], [])  # header CRC, CRC list length, empty tensors
         if problems:
             raise ChecksumError(f"{f.path}: checksum mismatch, the file is corrupt: "
                                 + "; ".join(m for _, m in problems), f.path, [n for n, _ in problems])
@@ -589,9 +587,7 @@ class _IndexReader:
     as meta tensors of the claimed (checked) size, remembered by record."""
 
     def __init__(self, f: CheckpointFile, load: Any) -> None:
-        from fastpersist.formats.torchload import _Reader
-
-        self._inner = _Reader(load)
+        self._inner = Reader(load)
         self._load = load
         self.storages: dict[int, tuple[str, torch.Tensor]] = {}
 
@@ -607,8 +603,6 @@ class _IndexReader:
     def get_storage_from_record(self, name: str, nbytes: int, _storage_type: Any) -> torch.Tensor:
         r = self._load.record(name)
         if nbytes != r.size:
-            from fastpersist.formats.torchload import _bad as zbad
-
             raise zbad(self._load.path, r.data_offset, f"record {r.entry.name!r} holds {r.size} bytes but the "
                        f"pickle claims a storage of {nbytes} bytes")
         t = torch.empty(nbytes, dtype=torch.uint8, device="meta")
@@ -619,11 +613,9 @@ class _IndexReader:
 def _index_torch(f: CheckpointFile) -> None:
     """Records from the central directory with predicted data offsets; if a local header
     shows the prediction wrong (odd writers), again from every local header."""
-    from fastpersist.formats import torchload
-
     try:
         _index_torch_once(f, exact=False)
-    except torchload._HeaderMismatch:
+    except torchload.HeaderMismatch:
         f.records.clear()
         f.tensors.clear()
         f.ambiguous.clear()
@@ -631,18 +623,15 @@ def _index_torch(f: CheckpointFile) -> None:
         f.meta_ids.clear()
         try:
             _index_torch_once(f, exact=True)
-        except torchload._HeaderMismatch as e:
-            raise _bad(f.path, None, f"the local header of {e} disagrees with the central directory") from None
+        except torchload.HeaderMismatch as e:
+            raise bad(f.path, None, f"the local header of {e} disagrees with the central directory") from None
 
 
 def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
-    from fastpersist import _compat
-    from fastpersist.formats import torchload
-
     private_load = _compat.private_load()  # UnsupportedLayoutError when torch's _load changed
     if not _compat.ok("weights_only_unpickler"):
         raise UnsupportedLayoutError("torch's weights-only unpickler is not usable here")
-    load = torchload._Load(f.path, f.fd, f.size, f.checksum, False)
+    load = torchload.LoadState(f.path, f.fd, f.size, f.checksum, False)
     load.index(exact)
     load.read_small(load.record("data.pkl"))
     f._load = load
@@ -660,7 +649,7 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
         obj = private_load(reader, "cpu", _compat.weights_only_unpickler(), weights_only=True, encoding="utf-8")
     except (CheckpointFormatError, ChecksumError, UnsupportedLayoutError, OSError):
         raise
-    except torchload._HeaderMismatch:
+    except torchload.HeaderMismatch:
         raise
     except pickle.UnpicklingError as e:
         raise pickle.UnpicklingError(
@@ -684,7 +673,7 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
         grown = t.untyped_storage().nbytes()
         if grown != t.numel():
             r = load.record(record)
-            raise _bad(f.path, r.data_offset, f"a tensor of the pickle reaches beyond its record {r.entry.name!r} of "
+            raise bad(f.path, r.data_offset, f"a tensor of the pickle reaches beyond its record {r.entry.name!r} of "
                        f"{t.numel()} bytes (to byte {grown}); torch.load refuses the file")
     f.obj = obj
     for r in load.records:
@@ -720,18 +709,18 @@ def _index_torch_once(f: CheckpointFile, exact: bool) -> None:
         for keys, t in tensor_leaves(obj):
             add(t, keys)
     except RecursionError as e:
-        raise _bad(f.path, None, "the object is nested too deeply") from e
+        raise bad(f.path, None, "the object is nested too deeply") from e
 
 
 def _check_bounds(path: str, info: TensorInfo) -> None:
     size = info.dtype.itemsize
     if info.storage_offset < 0 or any(s < 0 for s in info.stride):
-        raise _bad(path, info.record_offset, f"tensor {info.name!r} has a negative offset or stride")
+        raise bad(path, info.record_offset, f"tensor {info.name!r} has a negative offset or stride")
     if info.numel == 0:
         return
     last = info.storage_offset + sum((n - 1) * s for n, s in zip(info.shape, info.stride))
     if (last + 1) * size > info.record_nbytes:
-        raise _bad(path, info.record_offset, f"tensor {info.name!r} ({info.dtype}, shape {list(info.shape)}, "
+        raise bad(path, info.record_offset, f"tensor {info.name!r} ({info.dtype}, shape {list(info.shape)}, "
                    f"offset {info.storage_offset}) reaches beyond its record {info.record!r} of "
                    f"{info.record_nbytes} bytes")
 

@@ -56,6 +56,9 @@ from fastpersist.formats.zipindex import (
     read_central_directory,
 )
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
+from fastpersist import _compat
+from fastpersist import _native
+from fastpersist import cudaload
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +74,6 @@ _LOCAL_FIELDS = struct.Struct("<4s5H3L2H")  # a local file header (APPNOTE 4.3.7
 def fast_load_supported() -> bool:
     """Whether this torch's private ``_load`` takes our zip reader (probed once, see
     :mod:`fastpersist._compat`)."""
-    from fastpersist import _compat
-
     return _compat.ok("private_load")
 
 
@@ -99,7 +100,7 @@ class _Record:
         return self.data_offset + self.size
 
 
-def _bad(path: str, offset: Optional[int], what: str) -> ZipFormatError:
+def bad(path: str, offset: Optional[int], what: str) -> ZipFormatError:
     return ZipFormatError(f"{path}: not a loadable torch checkpoint: {what}", path, offset)
 
 
@@ -135,16 +136,16 @@ def _exact(fd: int, path: str, size: int) -> tuple[int, dict[int, int], list[Cen
     return index.cd_offset, {id(c): e.data_offset for c, e in zip(entries, index.entries)}, entries
 
 
-def _prefix(path: str, entries: list[CentralEntry]) -> str:
+def record_prefix(path: str, entries: list[CentralEntry]) -> str:
     """The archive folder every record of a torch file lives in (``name/``)."""
     pkl = [e.name for e in entries if e.name == "data.pkl" or e.name.endswith("/data.pkl")]
     if not pkl:
-        raise _bad(path, None, "it has no data.pkl record")
+        raise bad(path, None, "it has no data.pkl record")
     # torch's reader takes the folder of the first record; data.pkl must be in it
     first = entries[0].name
     prefix = first[: first.index("/") + 1] if "/" in first else ""
     if prefix + "data.pkl" not in pkl:
-        raise _bad(path, entries[0].cd_offset, f"data.pkl is not in the archive folder {prefix!r}")
+        raise bad(path, entries[0].cd_offset, f"data.pkl is not in the archive folder {prefix!r}")
     return prefix
 
 
@@ -154,9 +155,9 @@ def _check_layout(path: str, size: int, cd_off: int, records: list[_Record]) -> 
     for r in sorted(records, key=lambda r: r.entry.header_offset):
         h = r.entry.header_offset
         if h < end:
-            raise _bad(path, h, f"record {r.entry.name!r} overlaps the previous record")
+            raise bad(path, h, f"record {r.entry.name!r} overlaps the previous record")
         if r.data_offset < h + _LOCAL_HEADER or r.data_end > cd_off or r.data_end > size:
-            raise _bad(path, r.data_offset, f"record {r.entry.name!r} [{r.data_offset}, {r.data_end}) lies outside "
+            raise bad(path, r.data_offset, f"record {r.entry.name!r} [{r.data_offset}, {r.data_end}) lies outside "
                        f"the file's data area (central directory at {cd_off}, file size {size})")
         end = r.data_end
 
@@ -179,8 +180,6 @@ class _Arena:
         return pos
 
     def allocate(self, lock: bool) -> None:
-        from fastpersist import _native
-
         self.buffer = _native.PinnedBuffer(_round_up(max(self.size, 1), _PAGE), _PAGE, lock)
 
 
@@ -189,8 +188,6 @@ def _round_up(n: int, a: int) -> int:
 
 
 def _own_buffer(file_offset: int, length: int, lock: bool) -> tuple[Any, int]:
-    from fastpersist import _native
-
     lead = file_offset % _PAGE
     return _native.PinnedBuffer(_round_up(lead + length, _PAGE), _PAGE, lock), lead
 
@@ -201,7 +198,7 @@ def _pread_into(fd: int, path: str, view: memoryview, offset: int) -> None:
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise _bad(path, offset + done, f"the file ends inside a record ({len(view) - done} bytes missing; "
+            raise bad(path, offset + done, f"the file ends inside a record ({len(view) - done} bytes missing; "
                        "truncated, or rewritten in place while loading)")
         done += n
 
@@ -209,14 +206,14 @@ def _pread_into(fd: int, path: str, view: memoryview, offset: int) -> None:
 # --------------------------------------------------------------------------- the reader torch sees
 
 
-class _Reader:
+class Reader:
     """What ``torch.serialization._load`` asks of its zip reader, served from our buffers.
 
     ``get_storage_from_record`` checks that the record exists and holds exactly the
     bytes the pickle claims, and reads a record on demand if the bulk read skipped it.
     """
 
-    def __init__(self, load: "_Load") -> None:
+    def __init__(self, load: "LoadState") -> None:
         self._load = load
 
     def has_record(self, name: str) -> bool:
@@ -245,7 +242,7 @@ class _Reader:
         return self._load.storage_tensor(name, nbytes)
 
 
-class _Load:
+class LoadState:
     """State of one load of one file through one descriptor."""
 
     def __init__(self, path: str, fd: int, size: int, checksum: bool, lock: bool) -> None:
@@ -272,16 +269,16 @@ class _Load:
         except ZipFormatError:
             raise
         except (ValueError, UnicodeDecodeError, struct.error) as e:  # defensive: the parser should raise ZipFormatError
-            raise _bad(self.path, None, f"unreadable zip index ({e})") from e
+            raise bad(self.path, None, f"unreadable zip index ({e})") from e
         if not entries:
-            raise _bad(self.path, cd_off, "the archive has no records")
+            raise bad(self.path, cd_off, "the archive has no records")
         unsupported = None
         for e in entries:
             if e.flags & _FLAG_ENCRYPTED:
                 unsupported = f"encrypted record {e.name!r}"
             elif e.method != 0:
                 unsupported = f"compressed record {e.name!r} (method {e.method})"
-        prefix = _prefix(self.path, entries)
+        prefix = record_prefix(self.path, entries)
         if unsupported is None and any(e.name == prefix + "constants.pkl" for e in entries):
             unsupported = "TorchScript archive"
         if unsupported is not None:
@@ -300,7 +297,7 @@ class _Load:
                 continue  # torch's reader ignores records outside its folder
             short = e.name[len(prefix):]
             if short in self.by_short:
-                raise _bad(self.path, e.cd_offset, f"two records are named {e.name!r}")
+                raise bad(self.path, e.cd_offset, f"two records are named {e.name!r}")
             r = _Record(e, short, offsets[id(e)], e.compressed_size)
             self.records.append(r)
             self.by_short[short] = r
@@ -309,7 +306,7 @@ class _Load:
     def record(self, short: str) -> _Record:
         r = self.by_short.get(short)
         if r is None:
-            raise _bad(self.path, None, f"record {short!r} is missing (the pickle refers to it)")
+            raise bad(self.path, None, f"record {short!r} is missing (the pickle refers to it)")
         return r
 
     # -- small records, read at once through the descriptor --------------------
@@ -339,7 +336,7 @@ class _Load:
         """The local header must name the same record and put its data where we read it."""
         e = r.entry
         if len(header) < _LOCAL_HEADER or bytes(header[:4]) != b"PK\x03\x04":
-            raise _bad(self.path, e.header_offset, f"bad local header for {e.name!r}")
+            raise bad(self.path, e.header_offset, f"bad local header for {e.name!r}")
         _sig, _v, flags, method, _t, _d, crc, csize, usize, nlen, xlen = _LOCAL_FIELDS.unpack(header[:_LOCAL_HEADER])
         # The central directory (checked in index()) says stored and not encrypted: a
         # local header saying otherwise (or other sizes, CRC-32, flags) is a file at odds
@@ -349,10 +346,10 @@ class _Load:
         check_local_fields(self.path, e.header_offset, e.name, (flags, method, crc, csize, usize),
                            (e.flags, e.method, e.crc32, e.compressed_size, e.uncompressed_size))
         if _LOCAL_HEADER + nlen + xlen != len(header):
-            raise _HeaderMismatch(e.name)
+            raise HeaderMismatch(e.name)
         if bytes(header[_LOCAL_HEADER : _LOCAL_HEADER + nlen]) != e.name.encode("utf-8") and \
                 bytes(header[_LOCAL_HEADER : _LOCAL_HEADER + nlen]) != _cp437(e.name):
-            raise _bad(self.path, e.header_offset, f"local header names {bytes(header[30:30 + nlen])!r}, "
+            raise bad(self.path, e.header_offset, f"local header names {bytes(header[30:30 + nlen])!r}, "
                        f"the central directory {e.name!r}")
         self.header_ok.add(r.short)
 
@@ -451,7 +448,7 @@ class _Load:
         r = self.record(short)
         r.used = True
         if nbytes != r.size:
-            raise _bad(self.path, r.data_offset, f"record {r.entry.name!r} holds {r.size} bytes but the pickle "
+            raise bad(self.path, r.data_offset, f"record {r.entry.name!r} holds {r.size} bytes but the pickle "
                        f"claims a storage of {nbytes} bytes")
         if r.size == 0:
             return _empty_storage()
@@ -491,7 +488,7 @@ def _empty_storage() -> torch.Tensor:
 _EMPTY: Any = None
 
 
-class _HeaderMismatch(Exception):
+class HeaderMismatch(Exception):
     """A local header's length differs from the prediction: reload with the exact index."""
 
 
@@ -500,17 +497,6 @@ def _cp437(name: str) -> bytes:
         return name.encode("cp437")
     except UnicodeEncodeError:
         return b""
-
-
-def _checksum_error(path: str, problems: list[str]) -> ChecksumError:
-    """One error for every record whose CRC-32 is wrong (the first five spelled out)."""
-    return ChecksumError(
-        f"{path}: {len(problems)} record(s) do not match their checksum (the file is corrupt; "
-        f"restore it from a good copy): " + "; ".join(problems[:5])
-        + (f"; ... and {len(problems) - 5} more" if len(problems) > 5 else ""),
-        path=path,
-        records=[p.split(":", 1)[0] for p in problems],
-    )
 
 
 # --------------------------------------------------------------------------- entry point
@@ -554,10 +540,8 @@ def load_torch(
         ChecksumError: a record's bytes do not match their CRC-32.
         OSError: I/O errors (path, offset, errno).
     """
-    from fastpersist import _compat
-
     private_load = _compat.private_load()  # UnsupportedLayoutError when torch's _load changed
-    if _meta_or_fake(map_location):
+    if meta_or_fake(map_location):
         raise UnsupportedLayoutError("meta or fake-tensor load")
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -569,7 +553,7 @@ def load_torch(
         try:
             return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, private_load,
                             weights_only=weights_only, checksum=checksum, **pickle_load_args)
-        except _HeaderMismatch:
+        except HeaderMismatch:
             log.debug("%s: predicted record offsets were wrong; loading with every local header read", path)
             return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, private_load, exact=True,
                             weights_only=weights_only, checksum=checksum, **pickle_load_args)
@@ -577,7 +561,7 @@ def load_torch(
         os.close(fd)
 
 
-def _meta_or_fake(map_location: Any) -> bool:
+def meta_or_fake(map_location: Any) -> bool:
     try:
         if torch._guards.detect_fake_mode(None) is not None:
             return True
@@ -601,8 +585,6 @@ def _fast_unpickle_allowed(marked_native: bool, map_location: Any, pickle_module
                            pickle_load_args: dict[str, Any]) -> bool:
     """Whether :mod:`fastpersist.formats.fastunpickle` may try first: a weights-only load onto the
     CPU of a file that says it is in this machine's byte order, with torch's defaults in effect."""
-    from fastpersist import _compat
-
     if not (weights_only and marked_native and _cpu(map_location) and set(pickle_load_args) <= {"encoding"}):
         return False
     if pickle_module is not _compat.weights_only_unpickler():
@@ -618,7 +600,7 @@ def _load_fd(
     weights_only: bool, checksum: bool, exact: bool = False, **pickle_load_args: Any,
 ) -> Any:
 
-    load = _Load(path, fd, size, checksum, _wants_pinned(map_location))
+    load = LoadState(path, fd, size, checksum, _wants_pinned(map_location))
     load.index(exact)
     result = _load_records(load, path, fd, handle, map_location, pickle_module, private_load,
                            weights_only=weights_only, **pickle_load_args)
@@ -627,7 +609,7 @@ def _load_fd(
 
 
 def _load_records(
-    load: _Load, path: str, fd: int, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
+    load: LoadState, path: str, fd: int, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
     weights_only: bool, **pickle_load_args: Any,
 ) -> Any:
     """The rest of :func:`_load_fd` once the index is read: the pickle, the bulk read, the unpickling."""
@@ -650,16 +632,12 @@ def _load_records(
     # host buffers; only in native byte order (no byte swap of device storages).
     to_device: dict[str, Any] = {}
     if wanted is not None and native_order:
-        from fastpersist import cudaload
-
         to_device = cudaload.destinations(map_location, scan.pids)
         if to_device:
             wanted = wanted - set(to_device)
 
     reader, finish = _start_bulk(load, handle, wanted, record=not to_device)  # the ring's time is not the planned read's
     if to_device:
-        from fastpersist import cudaload
-
         try:
             cudaload.read_to_device(load, reader, fd, to_device)
         except BaseException:
@@ -680,7 +658,7 @@ def _load_records(
                                                                                                      "utf-8"))
                 except fastunpickle.NotFast as e:
                     log.debug("%s: torch's unpickler runs instead of the fast one (%s)", path, e)
-            return private_load(_Reader(load), map_location, pickle_module, weights_only=weights_only,
+            return private_load(Reader(load), map_location, pickle_module, weights_only=weights_only,
                                 **pickle_load_args)
         finally:
             if was_enabled:
@@ -698,7 +676,7 @@ def _load_records(
     return result
 
 
-def _start_bulk(load: _Load, handle: Any, wanted: Optional[set[str]], *,
+def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]], *,
                 record: bool = True) -> tuple[Any, Callable[..., None]]:
     """Plan and submit the bulk read of the storage records (``wanted``: their keys, None:
     all); returns ``(reader, finish)``: the native handle reading, and ``finish(only=None)``,
@@ -717,7 +695,7 @@ def _start_bulk(load: _Load, handle: Any, wanted: Optional[set[str]], *,
         try:
             done = reader.wait()
         except EOFError as e:
-            raise _bad(load.path, None, f"the file is shorter than its index says (truncated, or rewritten in "
+            raise bad(load.path, None, f"the file is shorter than its index says (truncated, or rewritten in "
                        f"place while loading): {e}") from e
         except OSError as e:
             if e.filename is None and e.errno is not None:
@@ -731,7 +709,7 @@ def _start_bulk(load: _Load, handle: Any, wanted: Optional[set[str]], *,
     return reader, finish
 
 
-def _load_fast(load: _Load, pkl: bytes, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
+def _load_fast(load: LoadState, pkl: bytes, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
                weights_only: bool, **pickle_load_args: Any) -> Any:
     """A weights-only CPU load the fast unpickler may take (:func:`_fast_unpickle_allowed`).
 
@@ -764,7 +742,7 @@ def _load_fast(load: _Load, pkl: bytes, handle: Any, map_location: Any, pickle_m
         finish(None if wanted is None else (lambda r: r.short[5:] in wanted))
         for r in load.records:
             r.used = False
-        return private_load(_Reader(load), map_location, pickle_module, weights_only=weights_only,
+        return private_load(Reader(load), map_location, pickle_module, weights_only=weights_only,
                             **pickle_load_args)
     finally:
         if was_enabled:

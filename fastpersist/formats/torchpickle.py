@@ -291,10 +291,21 @@ def _compare_fast_pickling() -> None:
 
 def fast_pickling_ok() -> bool:
     """Whether :func:`fast_capture_module` writes the same ``data.pkl`` as torch here
-    (checked once per process, see :func:`fastpersist._compat.fast_pickle_ok`)."""
-    return _compat.fast_pickle_ok()
+    (checked once per process, see :func:`fast_pickle_ok`)."""
+    return fast_pickle_ok()
 
 
 def pick_capture_module(on_new: Optional[OnNew] = None) -> Any:
     """The fast capture module when it is verified for this torch, else the plain one."""
     return fast_capture_module(on_new) if fast_pickling_ok() else capture_module(on_new)
+
+
+@_compat.feature("fast_pickle", "torch's Tensor.__reduce_ex__ pickles tensors (slower)", logging.INFO)
+def _probe_fast_pickle() -> None:
+    _compat.require("pickler_persistent_id")
+    _compare_fast_pickling()
+
+
+def fast_pickle_ok() -> bool:
+    """Whether the fast pickler writes torch's ``data.pkl`` byte for byte here."""
+    return _compat.ok("fast_pickle")

@@ -50,8 +50,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastpersist.errors import ZipFormatError
-from fastpersist.formats.picklescan import _StandIn, global_ref
+from fastpersist.formats.picklescan import StandIn, global_ref
 from fastpersist.formats.zipindex import ZipEntry, ZipIndex, buffer_reader, fd_reader, parse_zip_index
+from fastpersist.formats.picklescan import ONE, DryUnpickler
+from fastpersist._inputs import special_file_error
 
 #: The first bytes of a legacy (``_use_new_zipfile_serialization=False``) torch file:
 #: protocol 2 and the magic number ``0x1950a86a20f9469cfc6c`` as a LONG1.
@@ -144,7 +146,7 @@ def _stored_extents(index: ZipIndex) -> tuple[list[tuple[int, int, int, int]], l
     return [(e.data_offset, 0, e.compressed_size, slot) for slot, e in enumerate(records)], records
 
 
-def _crc_mismatch(e: ZipEntry, crc: int) -> str:
+def crc_mismatch(e: ZipEntry, crc: int) -> str:
     return (
         f"{e.name}: CRC-32 mismatch (computed {crc:08x}, recorded {e.crc32:08x}) "
         f"in bytes [{e.data_offset}, {e.data_end})"
@@ -232,7 +234,7 @@ def max_file_format_version() -> int:
     return best
 
 
-def _element_size(module: str, name: str) -> Optional[int]:
+def element_size(module: str, name: str) -> Optional[int]:
     """Bytes per element of the storage class ``module.name`` (``torch.FloatStorage``...),
     looked up in an already imported torch module (nothing is imported or called); None if unknown."""
     import torch
@@ -268,7 +270,7 @@ def storage_references(pickle_bytes: bytes) -> list[tuple[str, str, int, Any]]:
     return references_and_views(pickle_bytes)[0]
 
 
-class _StorageMark(_StandIn):
+class _StorageMark(StandIn):
     """What a persistent id resolves to in the dry run: an inert stand-in that knows its key."""
 
     def __new__(cls, pid: Any) -> "_StorageMark":
@@ -286,22 +288,20 @@ def references_and_views(pickle_bytes: bytes) -> tuple[list[tuple[str, str, int,
     Raises:
         ValueError: as :func:`storage_references`.
     """
-    from fastpersist.formats.picklescan import _ONE, _DryUnpickler
-
     views: list[View] = []
 
     def plain(xs: Any) -> bool:
         return isinstance(xs, tuple) and all(type(x) is int and x >= 0 for x in xs)
 
-    class _Rebuild(_StandIn):
+    class _Rebuild(StandIn):
         def __new__(cls, *args: Any, **_kwargs: Any) -> Any:
             if (len(args) >= 4 and isinstance(args[0], _StorageMark) and args[0].key is not None
                     and type(args[1]) is int and args[1] >= 0 and plain(args[2]) and plain(args[3])
                     and len(args[2]) == len(args[3])):
                 views.append((args[0].key, args[1], args[2], args[3]))
-            return _ONE
+            return ONE
 
-    class _Views(_DryUnpickler):
+    class _Views(DryUnpickler):
         def find_class(self, module: str, name: str) -> Any:
             if (str(module), str(name)) == ("torch._utils", "_rebuild_tensor_v2"):
                 return _Rebuild
@@ -316,7 +316,7 @@ def references_and_views(pickle_bytes: bytes) -> tuple[list[tuple[str, str, int,
         dry.load()
     except Exception as e:  # noqa: BLE001 - any failure means "not understood"
         raise ValueError(f"{type(e).__name__}: {e}") from e
-    return [_storage_ref(pid) for pid in dry.pids], views
+    return [storage_ref(pid) for pid in dry.pids], views
 
 
 def _view_nbytes(offset: int, size: tuple[int, ...], stride: tuple[int, ...], itemsize: int) -> int:
@@ -330,7 +330,7 @@ def _view_nbytes(offset: int, size: tuple[int, ...], stride: tuple[int, ...], it
     return (offset + last + 1) * itemsize
 
 
-def _storage_ref(pid: Any) -> tuple[str, str, int, Any]:
+def storage_ref(pid: Any) -> tuple[str, str, int, Any]:
     cls = global_ref(pid[1]) if isinstance(pid, tuple) and len(pid) == 5 else None
     if (
         cls is not None
@@ -340,7 +340,7 @@ def _storage_ref(pid: Any) -> tuple[str, str, int, Any]:
         and not isinstance(pid[4], bool)
     ):
         return pid[2], f"{cls[0]} {cls[1]}", pid[4], pid[3]
-    shown = tuple("?" if isinstance(x, _StandIn) or global_ref(x) else x for x in pid) if isinstance(pid, tuple) else pid
+    shown = tuple("?" if isinstance(x, StandIn) or global_ref(x) else x for x in pid) if isinstance(pid, tuple) else pid
     raise ValueError(f"a persistent id is not a ('storage', type, key, location, numel) tuple: {shown!r}")
 
 
@@ -416,7 +416,7 @@ def _structure_problems(path: str, index: ZipIndex, read_at: Any, notes: Optiona
                              f"without map_location cannot restore them on this machine: pass map_location (for "
                              f"example map_location='cpu')")
         for key, cls, numel, _loc in refs:
-            size = _element_size(*cls.split(" ", 1)) if " " in cls else None
+            size = element_size(*cls.split(" ", 1)) if " " in cls else None
             if size is None:
                 problems.append(f"{prefix}{pkl_name}: references storage {key!r} of unknown type {cls!r}")
                 continue
@@ -466,8 +466,6 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            from fastpersist._inputs import special_file_error
-
             raise special_file_error(path, st.st_mode, "verify")
         size = st.st_size
         read_at = fd_reader(fd, path)
@@ -509,7 +507,7 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
                     problems.append(str(exc))
                 else:
                     if crc != e.crc32:
-                        problems.append(_crc_mismatch(e, crc))
+                        problems.append(crc_mismatch(e, crc))
     finally:
         os.close(fd)
     extents, records = _stored_extents(index)
@@ -517,7 +515,7 @@ def check_torch(path: str, handle: Any) -> TorchCheck:
     # A recorded CRC of 0 is torch's "none computed" (set_crc32_options(False), skip_data()):
     # such records cannot be checked (fastpersist.formats.crcpolicy, rule 1).
     no_crc = [e.name for e, crc in zip(records, crcs) if e.crc32 == 0 and crc != 0]
-    problems += [_crc_mismatch(e, crc) for e, crc in zip(records, crcs) if crc != e.crc32 and e.crc32 != 0]
+    problems += [crc_mismatch(e, crc) for e, crc in zip(records, crcs) if crc != e.crc32 and e.crc32 != 0]
     if problems:
         notes = []  # a damaged file's tags are not worth a note: the file is corrupt
     for note in notes:

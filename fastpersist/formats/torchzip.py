@@ -28,11 +28,17 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from fastpersist import _sys, asyncstage, cudastage
+from fastpersist.config import get_default
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats.base import WritePlan
 from fastpersist.formats.torchpickle import capture_module, pick_capture_module
 
 log = logging.getLogger(__name__)
+
+#: Bytes a blocking streamed save lays out before a batch goes to the disk while torch
+#: is still pickling (:func:`stream_save_torch`'s ``batch_bytes`` in ``fastpersist.save``).
+STREAM_BATCH = 256 << 20
 
 
 
@@ -64,8 +70,6 @@ def _device_host_bytes(pred: Any) -> tuple[Any, Any]:
     """A ``host_bytes`` for the planner that records storages matching ``pred`` as
     device sources (their extent's ptr is their own address; no copy) and stages the
     other non-CPU ones as :func:`_host_bytes`. Returns ``(host_bytes, sources)``."""
-    from fastpersist.cudastage import DeviceSources
-
     sources = DeviceSources()
     kept: list[int] = []  # id of the keepalive list that holds ``sources``
 
@@ -96,8 +100,6 @@ def plan_torch(obj: Any, alignment: int, *, fast: bool = True, device_sources: A
             layout this planner does not understand; callers fall back to torch's writer.
         Anything ``torch.save`` raises for the object (unpicklable values, ...).
     """
-    from fastpersist.formats.torchstream import stream_torch
-
     batches: list[Any] = []
     hb = _host_bytes if device_sources is None else _device_host_bytes(device_sources)[0]
     result = _run_stream(obj, alignment, batches.append, 0, stream_torch, fast=fast, host_bytes=hb)
@@ -185,18 +187,12 @@ def stream_save_torch(
     ``device_pred``/``copier``: which storages count as device storages (default:
     CUDA ones) and the copier of the GPU path (tests run that path on CPU with these).
     """
-    from fastpersist.formats.torchstream import stream_torch
-
-    from fastpersist import cudastage
-
     pred = device_pred or cudastage.is_cuda_storage
 
     def host_bytes(storage: torch.UntypedStorage, keepalive: list[Any]) -> int:
         if pred(storage):
             raise _DeviceStorageFound()
         return _host_bytes(storage, keepalive)
-
-    from fastpersist import _sys
 
     fd = _sys.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
     os.close(fd)
@@ -239,12 +235,9 @@ def _save_cuda(obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool,
     """Blocking save of an object with CUDA tensors: plan with device sources, then
     :func:`fastpersist.cudastage.write_plan_blocking` through the shared staging pool
     (one capture at a time with the async saves). UNVERIFIED on a GPU (docs/gpu.md)."""
-    from fastpersist import asyncsave, cudastage
-    from fastpersist.config import get_default
-
     plan = plan_torch(obj, alignment, fast=fast, device_sources=pred or cudastage.is_cuda_storage)
-    pool = asyncsave._pool_for(get_default().async_staging_limit)
-    with asyncsave._copy_lock:
+    pool = asyncstage.shared_pool(get_default().async_staging_limit)
+    with asyncstage.capture_lock():
         cudastage.write_plan_blocking(plan, path, handle, pool, fsync=fsync, copier=copier)
 
 
@@ -256,3 +249,7 @@ from fastpersist.formats.torchload import fast_load_supported, load_torch  # noq
 
 # verify moved to fastpersist.formats.torchverify; re-exported for existing importers
 from fastpersist.formats.torchverify import TorchCheck, check_torch, read_index_from_bytes, verify_torch  # noqa: E402,F401
+from fastpersist.cudastage import DeviceSources
+from fastpersist.formats.torchstream import stream_torch
+from fastpersist import cudastage
+from fastpersist import _sys

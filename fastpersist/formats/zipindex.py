@@ -22,6 +22,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterator, Callable, Optional
 
+from fastpersist._sys import pread_full  # noqa: F401 (the formats import it from here too)
 from fastpersist.errors import ZipFormatError
 
 #: ``read_at(offset, length) -> bytes``: exactly ``length`` bytes unless the range
@@ -458,27 +459,6 @@ def buffer_reader(buf: "bytes | bytearray | memoryview") -> ReadAt:
         return bytes(mv[offset : offset + length])
 
     return read_at
-
-
-def pread_full(fd: int, length: int, offset: int, path: Optional[str] = None) -> bytes:
-    """``length`` bytes at ``offset`` of ``fd`` (``os.pread``, page cache), short reads
-    retried: fewer only where the file ends. An ``OSError`` names ``path``, the offset and
-    the length (the bare one from ``os.pread`` names no file)."""
-    chunks = []
-    while length > 0:
-        try:
-            b = os.pread(fd, length, offset)
-        except OSError as e:
-            if path is None or e.errno is None:
-                raise
-            raise type(e)(e.errno, f"{e.strerror or e} (reading {length} bytes at offset {offset} of {path!r})",
-                          path) from e
-        if not b:
-            break
-        chunks.append(b)
-        offset += len(b)
-        length -= len(b)
-    return b"".join(chunks)
 
 
 def fd_reader(fd: int, path: Optional[str] = None) -> ReadAt:

@@ -26,16 +26,23 @@ reached through :func:`fastpersist._compat.file_writer`).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import io
+import logging
 import struct
 import sys
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 from fastpersist import _compat
+from fastpersist.errors import UnsupportedLayoutError
+from fastpersist.formats.crcpolicy import serialization_id
+from fastpersist.formats.zipindex import parse_zip_index
 
 _MAX32 = 0xFFFFFFFF
 _LOCAL = struct.Struct("<4s5H3L2H")  # 30 bytes
@@ -54,6 +61,126 @@ _PAD = b"Z" * 65536
 #: offset of the CRC-32 inside a data descriptor / a central directory entry
 DESC_CRC_FIELD = 4
 CD_CRC_FIELD = 16
+_BLOCK = 1 << 20
+_PAD_BYTES = bytearray(b"Z" * 65536)
+_PAD_BLOCK = (_PAD_BYTES, torch.frombuffer(_PAD_BYTES, dtype=torch.uint8))
+
+
+class BlockRecorder:
+    """File-like sink for torch's zip writer whose bytes never move.
+
+    Written bytes land in fixed blocks (each wrapped once as a tensor, so their
+    addresses can be handed to the native writer while more is recorded);
+    forward seeks leave holes (the payloads). Only forward writes are accepted.
+    """
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.blocks: list[Any] = []  # (bytearray, tensor) pairs: keep alive
+        self._cur: Optional[bytearray] = None
+        self._cur_ptr = 0
+        self._used = 0
+        self._cap = 0
+        #: written runs in file order: [file_offset, ptr, length, block_index, block_offset]
+        self.runs: list[list[int]] = []
+        self._starts: list[int] = []
+        self.last_hole: Optional[tuple[int, int]] = None
+        self._pad_index = -1
+
+    def _room(self, n: int) -> None:
+        if self._cur is None or self._used + n > self._cap:
+            cap = max(_BLOCK, n)
+            ba = bytearray(cap)
+            t = torch.frombuffer(ba, dtype=torch.uint8)
+            self.blocks.append((ba, t))
+            self._cur, self._cur_ptr, self._used, self._cap = ba, t.data_ptr(), 0, cap
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        if n == 0:
+            return 0
+        self._room(n)
+        assert self._cur is not None
+        self._cur[self._used : self._used + n] = mv
+        ptr = self._cur_ptr + self._used
+        last = self.runs[-1] if self.runs else None
+        if last is not None and last[0] + last[2] == self.pos and last[1] + last[2] == ptr:
+            last[2] += n
+        else:
+            self.runs.append([self.pos, ptr, n, len(self.blocks) - 1, self._used])
+            self._starts.append(self.pos)
+        self._used += n
+        self.pos += n
+        return n
+
+    def pad(self, n: int) -> None:
+        """Append ``n`` (< 64 KiB) bytes of ``Z``, torch's alignment padding, as a run
+        over one shared read-only block: no copy, no fresh memory to fault in."""
+        if n <= 0:
+            return
+        if n > len(_PAD_BLOCK[0]):
+            raise ValueError(f"padding of {n} bytes is longer than {len(_PAD_BLOCK[0])}")
+        if self._pad_index < 0:
+            self.blocks.append(_PAD_BLOCK)
+            self._pad_index = len(self.blocks) - 1
+            self._cur = None  # the next write starts a fresh block of its own
+        self.runs.append([self.pos, _PAD_BLOCK[1].data_ptr(), n, self._pad_index, 0])
+        self._starts.append(self.pos)
+        self.pos += n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        new = offset if whence == 0 else self.pos + offset if whence == 1 else None
+        if new is None or new < self.pos:
+            raise UnsupportedLayoutError(f"torch's zip writer moved backwards or seeked from the end ({offset}, {whence})")
+        if new > self.pos:
+            self.last_hole = (self.pos, new - self.pos)
+        self.pos = new
+        return new
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def _locate(self, offset: int) -> list[int]:
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset >= self.runs[i][0] + self.runs[i][2]:
+            raise UnsupportedLayoutError(f"offset {offset} is not in a recorded run")
+        return self.runs[i]
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """Recorded bytes of ``[offset, offset+length)``; holes read as zeros."""
+        end = min(offset + length, self.pos)
+        if end <= offset:
+            return b""
+        out = bytearray(end - offset)
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self.runs) and self.runs[i][0] < end:
+            f, _ptr, n, bi, bo = self.runs[i]
+            lo, hi = max(f, offset), min(f + n, end)
+            if lo < hi:
+                ba = self.blocks[bi][0]
+                out[lo - offset : hi - offset] = ba[bo + lo - f : bo + hi - f]
+            i += 1
+        return bytes(out)
+
+    def patch(self, offset: int, data: bytes) -> None:
+        """Overwrite recorded bytes in place (before they are handed out)."""
+        while data:
+            run = self._locate(offset)
+            ba = self.blocks[run[3]][0]
+            start = run[4] + (offset - run[0])
+            n = min(len(data), run[0] + run[2] - offset)
+            ba[start : start + n] = data[:n]
+            offset += n
+            data = data[n:]
+
+
 SERIALIZATION_ID = ".data/serialization_id"
 
 
@@ -193,7 +320,6 @@ class MinizLayout:
 
     def _serialization_id(self) -> bytes:
         # The form crcpolicy recognises as "written by fastpersist" (its CRCs bind loads).
-        from fastpersist.formats.crcpolicy import serialization_id
 
         pkl_crc = 0
         for e in self.entries:
@@ -248,8 +374,6 @@ def run_layouts(seq: Any, alignment: int, sink_factory: Any) -> tuple[Any, Any, 
 
 def mask_serialization_id(read_at: Any, size: int) -> list[tuple[int, int]]:
     """Byte ranges that hold ``.data/serialization_id``'s content and CRC-32 fields."""
-    from fastpersist.formats.zipindex import parse_zip_index
-
     index = parse_zip_index(read_at, size)
     e = index.find(SERIALIZATION_ID)
     if e is None:
@@ -259,8 +383,8 @@ def mask_serialization_id(read_at: Any, size: int) -> list[tuple[int, int]]:
 
 def layout_matches_torch() -> bool:
     """Whether :class:`MinizLayout` writes what this torch's writer writes (checked
-    once per process, see :func:`fastpersist._compat.zip_layout_ok`)."""
-    return _compat.zip_layout_ok()
+    once per process, see :func:`zip_layout_ok`)."""
+    return zip_layout_ok()
 
 
 def recorded_bytes(sink: Any, mask: bool = True) -> list[tuple[int, bytes]]:
@@ -285,8 +409,6 @@ def _probe() -> bool:
     """Both writers on :data:`PROBE` (and it less its last record) at two alignments:
     True when the bytes agree; raises (``_compat.Unavailable`` naming the first
     difference, or whatever torch's writer raised) otherwise."""
-    from fastpersist.formats.torchstream import BlockRecorder
-
     for alignment in (64, 4096):
         for seq in (PROBE, PROBE[:-1]):
             theirs, ours, _ = run_layouts(seq, alignment, BlockRecorder)
@@ -301,3 +423,14 @@ def _probe() -> bool:
                     f"MinizLayout's bytes differ from PyTorchFileWriter's (alignment {alignment}, run at offset {where})"
                 )
     return True
+
+
+@_compat.feature("zip_layout", "torch's PyTorchFileWriter lays out the zip records (slower)", logging.INFO)
+def _probe_zip_layout() -> None:
+    _compat.require("file_writer")
+    _probe()
+
+
+def zip_layout_ok() -> bool:
+    """Whether ``MinizLayout`` writes the bytes of this torch's writer."""
+    return _compat.ok("zip_layout")

@@ -1,0 +1,72 @@
+"""The native handles every save and load runs on, one per distinct I/O setting, and the
+alignment of a directory's files.
+
+Part of the I/O layer: :func:`handle_for` builds a ``fastpersist._native.Handle`` for a
+:class:`~fastpersist.config.Config`'s engine settings once and reuses it for the life of
+the process (a forked child starts with none and builds its own); :func:`alignment_for`
+says where storages start in a file written to a directory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from fastpersist import io
+from fastpersist.config import Config
+
+_handles: dict[tuple, Any] = {}
+_handles_lock = threading.Lock()
+
+
+def _forget_handles_in_child() -> None:
+    """A forked child starts with no cached handles and a fresh lock (a parent
+    thread may have held the old one at the fork). The native handles are
+    fork-safe on their own (``_native.pyi``); dropping them just lets the child
+    build its own threads once, when it first saves or loads."""
+    global _handles_lock
+    _handles_lock = threading.Lock()
+    _handles.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_handles_in_child)
+
+
+def handle_for(config: Config, *, read: bool = False) -> Any:
+    """A native Handle for ``config``'s I/O settings (one per distinct setting, reused);
+    ``read``: for loads and verification (``config.read_queue_depth``)."""
+    kwargs = config.handle_kwargs(read=read)
+    # read_staging "auto" lets read_mode "auto" measure staged against zero-copy reads
+    # (fastpersist.io.plan_read); such a handle is a different one from an explicit setting's
+    stage_auto = read and config.read_staging == "auto"
+    key = (*sorted(kwargs.items()), ("stage_auto", stage_auto))
+    with _handles_lock:
+        h = _handles.get(key)
+        if h is None:
+            h = _handles[key] = io.native_module().Handle(**kwargs)
+            if stage_auto:
+                io.mark_staging_auto(h)  # the handle lives in _handles for the life of the process
+        return h
+
+
+def forget_handles() -> None:
+    """Drop the cached handles (their threads end when nothing else holds them)."""
+    with _handles_lock:
+        _handles.clear()
+
+
+def alignment_for(directory: str) -> int:
+    """Where storages start: a multiple of the directory's O_DIRECT alignment (at least
+    4096) and of torch's ``config.save.storage_alignment`` when that is a larger power of two."""
+    align = max(4096, int(io.native_module().alignment_of(directory)))
+    try:
+        from torch.utils.serialization import config
+
+        wanted = config.save.storage_alignment
+    except (ImportError, AttributeError):  # pragma: no cover - torch older than 2.6
+        return align
+    if isinstance(wanted, int) and wanted > align and wanted & (wanted - 1) == 0 and align & (align - 1) == 0:
+        return wanted
+    return align
