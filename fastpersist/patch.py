@@ -287,7 +287,7 @@ def is_patched() -> bool:
     return _is_ours(torch.save)
 
 
-def _apply_env_patch() -> None:
+def apply_env_patch() -> None:
     """Patch at import if ``FASTPERSIST_PATCH_TORCH_SAVE`` is true (called by ``fastpersist/__init__``).
 
     Raises:
