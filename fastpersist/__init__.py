@@ -53,6 +53,6 @@ __all__ = [
     "wait_all",
 ]
 
-from fastpersist.patch import _apply_env_patch  # noqa: E402
+from fastpersist.patch import apply_env_patch  # noqa: E402
 
-_apply_env_patch()
+apply_env_patch()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from typing import Any, Callable, Optional
+
 from fastpersist import _native
 
 __all__ = ["fault_point", "fsync", "open", "pwrite", "rename", "replace", "write"]

@@ -108,11 +108,29 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import _sys, asyncstage, config as config_mod, cudastage, distributed as D, handles, io as fpio, pending
+from fastpersist import _sys, asyncstage, cudastage, handles, pending
+from fastpersist import config as config_mod
+from fastpersist import distributed as D
+from fastpersist import io as fpio
 from fastpersist._inputs import is_path
-from fastpersist.asyncstage import BackgroundCrc, LazyFeed, StagingPool, copy_private, optimizer_ranges, owner_of, snapshot_plan
-from fastpersist.commit import (keep_mode, remove_quietly, clean_stale_temps, fsync_dir_after_rename, fsync_path,
-                                resolve_target, temp_path_for)
+from fastpersist.asyncstage import (
+    BackgroundCrc,
+    LazyFeed,
+    StagingPool,
+    copy_private,
+    optimizer_ranges,
+    owner_of,
+    snapshot_plan,
+)
+from fastpersist.commit import (
+    clean_stale_temps,
+    fsync_dir_after_rename,
+    fsync_path,
+    keep_mode,
+    remove_quietly,
+    resolve_target,
+    temp_path_for,
+)
 from fastpersist.errors import DirectorySyncError, UnsupportedLayoutError
 from fastpersist.formats import registry, split
 from fastpersist.plan import WritePlan
@@ -471,13 +489,11 @@ def _plan(obj: Any, final: str, fmt: str, align: int, cfg: Any, device_sources: 
           metadata: Optional[dict] = None) -> WritePlan:
     """The save's plan; ``device_sources`` (snapshots): CUDA storages recorded, not
     copied, for :func:`fastpersist.cudastage.stream_plan` (see docs/gpu.md)."""
-    if fmt == "safetensors":
-        if not isinstance(obj, dict):
-            raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        return registry.SAFETENSORS.plan(obj, align, cfg, metadata=metadata, device_sources=device_sources)
+    plan = registry.FORMATS[fmt].plan
+    assert plan is not None
     try:
-        return registry.TORCH.plan(obj, align, cfg, device_sources=device_sources)
-    except UnsupportedLayoutError as e:
+        return plan(obj, align, cfg, metadata=metadata, device_sources=device_sources, target=final)
+    except UnsupportedLayoutError as e:  # torch's format only
         log.debug("fast torch layout not possible for %s (%s); pickling with torch's writer", final, e)
         return _bytes_plan(obj)
 

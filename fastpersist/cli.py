@@ -21,26 +21,21 @@ import sys
 import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from fastpersist.bench.units import parse_int_list, parse_size, parse_size_list
-from fastpersist.bench import stream_bench
-from fastpersist.bench.machine import collect_machine_info
-from fastpersist.commit import clean_stale_temps
-from fastpersist import _native
-from fastpersist.config import get_default
-from fastpersist.io import gpu_path
-from fastpersist.commit import scan_temps
-from fastpersist.bench.units import format_bytes
 import fastpersist
-from fastpersist.errors import FastPersistError
-from fastpersist.verifytree import collect, is_dcp_dir
+from fastpersist import _native
 from fastpersist._inputs import check_input
-from fastpersist.bench import report
-from fastpersist.bench.io_bench import run_io_bench
-from fastpersist.bench.save_bench import PEERS, run_save_bench
-from fastpersist.bench import gpu_bench, report
-from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
+from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
-from fastpersist.bench import cgroup
+from fastpersist.bench.io_bench import run_io_bench
+from fastpersist.bench.machine import collect_machine_info
+from fastpersist.bench.save_bench import PEERS, run_save_bench
+from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
+from fastpersist.bench.units import format_bytes, parse_int_list, parse_size, parse_size_list
+from fastpersist.commit import clean_stale_temps, scan_temps
+from fastpersist.config import get_default
+from fastpersist.errors import FastPersistError
+from fastpersist.io import gpu_path
+from fastpersist.verifytree import collect, is_dcp_dir
 
 PROG = "fastpersist"
 #: where ``bench save`` writes its chart unless told otherwise (``--plot``, ``--no-plot``)

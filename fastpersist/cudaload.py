@@ -35,10 +35,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fastpersist._sys import pread_full
 from fastpersist import _native
-from fastpersist.cudastage import mark_side_streams
-from fastpersist.cudastage import wait_events
+from fastpersist._sys import pread_full
+from fastpersist.cudastage import mark_side_streams, wait_events
 from fastpersist.io import gpu_path, require_cufile
 
 log = logging.getLogger(__name__)

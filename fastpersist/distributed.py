@@ -106,20 +106,27 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from fastpersist import _compat, _sys, config as config_mod, handles, io as fpio, pending, pipeline
+from fastpersist import _compat, _native, _sys, handles, pending, pipeline
+from fastpersist import config as config_mod
+from fastpersist import io as fpio
 from fastpersist._inputs import is_path
 from fastpersist._sys import pread_full
-from fastpersist.commit import (FOREIGN_TMP_GRACE_S, UNKNOWN_HOST, classify, clean_stale_temps, fsync_dir,
-                                fsync_dir_after_rename, fsync_path, keep_mode, process_identity, resolve_target,
-                                stat_fields, temp_path_for)
+from fastpersist.commit import (
+    FOREIGN_TMP_GRACE_S,
+    UNKNOWN_HOST,
+    classify,
+    clean_stale_temps,
+    fsync_dir,
+    fsync_dir_after_rename,
+    fsync_path,
+    keep_mode,
+    process_identity,
+    resolve_target,
+    stat_fields,
+    temp_path_for,
+)
 from fastpersist.errors import FastPersistError, UnsupportedLayoutError
 from fastpersist.formats import registry, split
-from fastpersist import _compat
-from fastpersist.commit import FOREIGN_TMP_GRACE_S, classify
-from fastpersist.commit import resolve_target
-from fastpersist import _native
-from fastpersist.commit import clean_stale_temps, temp_path_for
-from fastpersist.commit import keep_mode, fsync_dir, fsync_dir_after_rename, fsync_path, temp_path_for
 from fastpersist.formats.safetensors import load_safetensors
 
 log = logging.getLogger(__name__)
@@ -684,13 +691,11 @@ def last_save_phases() -> list[tuple[str, float, float]]:
 
 def _plan(obj: Any, final: str, fmt: str, cfg: Any) -> tuple[Optional[split.Layout], int]:
     align = handles.alignment_for(os.path.dirname(final))
-    if fmt == "safetensors":
-        if not isinstance(obj, dict):
-            raise TypeError(f"saving {final!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
-        return split.Layout(registry.SAFETENSORS.plan(obj, align, cfg), fmt), align
+    plan = registry.FORMATS[fmt].plan
+    assert plan is not None
     try:
-        return split.Layout(registry.TORCH.plan(obj, align, cfg), fmt), align
-    except UnsupportedLayoutError as e:
+        return split.Layout(plan(obj, align, cfg, target=final), fmt), align
+    except UnsupportedLayoutError as e:  # torch's format only
         log.debug("fast torch layout not possible for %s (%s): group leaders write with torch's writer", final, e)
         return None, align
 
@@ -1301,7 +1306,7 @@ def _load_memfd(fd: int, fspath: str, cfg: Any, map_location: Any, local_load: C
     """Load the assembled bytes with the ordinary loader, through the memory file's /proc path."""
 
     proc = f"/proc/self/fd/{fd}"
-    if fspath.endswith(".safetensors"):
+    if registry.format_for(fspath) is registry.SAFETENSORS:
         return load_safetensors(proc, handles.handle_for(cfg, read=True), registry.safetensors_device(map_location),
                                 checksum=cfg.checksum)
     return local_load(proc)

@@ -21,9 +21,10 @@ from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
 
+from fastpersist import config as config_mod
+from fastpersist import handles, pending
 from fastpersist._inputs import check_input
 from fastpersist.formats.torchindex import CheckpointFile, TensorInfo, open_checkpoint
-from fastpersist import config as config_mod, handles, pending
 
 __all__ = ["CheckpointReader", "open"]
 

@@ -33,12 +33,18 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from fastpersist.errors import FastPersistError, UnsupportedLayoutError
-from fastpersist.formats.torchindex import CheckpointFile, Piece, TensorInfo, open_checkpoint, tensor_leaves, tensor_name
-from fastpersist import _native
-from fastpersist import config as config_mod, handles
-from fastpersist.formats.torchindex import step
-from fastpersist.errors import CheckpointFormatError
+from fastpersist import _native, handles
+from fastpersist import config as config_mod
+from fastpersist.errors import CheckpointFormatError, FastPersistError, UnsupportedLayoutError
+from fastpersist.formats.torchindex import (
+    CheckpointFile,
+    Piece,
+    TensorInfo,
+    open_checkpoint,
+    step,
+    tensor_leaves,
+    tensor_name,
+)
 
 __all__ = ["IncompatibleKeys", "PartialLoadError", "StateDictMismatchError", "load_state_dict"]
 

@@ -57,11 +57,12 @@ import threading
 from typing import Any, Callable, Optional
 
 import torch
-from fastpersist.api import save as fast_save
-from fastpersist.torcherrors import for_torch_save
+
 from fastpersist.api import load as fast_load
-from fastpersist.torcherrors import for_torch_load
+from fastpersist.api import save as fast_save
 from fastpersist.config import parse_bool
+from fastpersist.formats import registry
+from fastpersist.torcherrors import for_torch_load, for_torch_save
 
 __all__ = ["is_patched", "patch_torch_save", "unpatch_torch_save"]
 
@@ -85,7 +86,7 @@ def _is_path(f: Any) -> bool:
 
 
 def _is_safetensors_name(f: Any) -> bool:
-    return os.fspath(f).endswith(".safetensors")
+    return registry.format_for(os.fspath(f)) is registry.SAFETENSORS
 
 
 def _save_fast_path(args: tuple, kwargs: dict) -> Optional[inspect.BoundArguments]:
@@ -287,7 +288,7 @@ def is_patched() -> bool:
     return _is_ours(torch.save)
 
 
-def _apply_env_patch() -> None:
+def apply_env_patch() -> None:
     """Patch at import if ``FASTPERSIST_PATCH_TORCH_SAVE`` is true (called by ``fastpersist/__init__``).
 
     Raises:

@@ -29,7 +29,8 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 
-from fastpersist import _compat, config as config_mod, handles, pending
+from fastpersist import _compat, handles, pending
+from fastpersist import config as config_mod
 from fastpersist._inputs import check_input, is_path, special_file_error
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
 from fastpersist.errors import UnsupportedLayoutError

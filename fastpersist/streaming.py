@@ -52,11 +52,11 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from fastpersist import _native
+from fastpersist import config as config_mod
 from fastpersist.errors import FastPersistError
 from fastpersist.formats.torchindex import CheckpointFile, Piece, TensorInfo, open_checkpoint
 from fastpersist.io import pinned_empty
-from fastpersist import _native
-from fastpersist import config as config_mod
 
 __all__ = ["Streamer", "StreamingError", "find_blocks", "stream_weights", "streamer_of"]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+
 from fastpersist import dircommit
 from fastpersist.commit import TMP_MARKER
 

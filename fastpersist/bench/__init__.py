@@ -13,6 +13,7 @@ Both return result objects with ``to_dict()`` (JSON) and are printed by
 """
 
 from __future__ import annotations
+
 from fastpersist.bench.io_bench import run_io_bench
 from fastpersist.bench.save_bench import run_save_bench
 

@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from fastpersist.bench.fsutil import fsync_dir, remove_path
 from fastpersist import config as config_mod
+from fastpersist.bench.fsutil import fsync_dir, remove_path
 from fastpersist.bench.io_bench import fill_pattern
 from fastpersist.io import IOHandle, pinned_empty
 

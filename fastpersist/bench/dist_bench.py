@@ -62,18 +62,17 @@ from typing import Any, Callable, Optional, TextIO
 
 import torch
 
+import fastpersist
+from fastpersist import config as config_mod
+from fastpersist.bench import cgroup, report
 from fastpersist.bench import state as state_mod
+from fastpersist.bench.cgroup import BandwidthGroup
 from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, remove_path, total_size
 from fastpersist.bench.machine import MachineInfo, collect_machine_info
-from fastpersist.bench.units import format_bytes, gbps, median, ratio
-import fastpersist
-from fastpersist.bench.cgroup import BandwidthGroup
-from fastpersist import config as config_mod
 from fastpersist.bench.save_bench import build_workload
+from fastpersist.bench.units import format_bytes, gbps, median, ratio
 from fastpersist.distributed import last_save_phases
 from fastpersist.io import libc_handle
-from fastpersist.bench import cgroup
-from fastpersist.bench import report
 
 REPLICATED = ("fastpersist group", "fastpersist rank 0", "torch rank 0")
 #: the replicated state through DCP (its planner deduplicates it across ranks)

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import shutil
+import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
+
 from fastpersist.bench.units import format_block
 
 DEFAULT_BLOCK_SIZES = (1 << 20, 8 << 20)

@@ -13,7 +13,6 @@ import os
 import shutil
 from typing import Iterable
 
-
 # The same helpers the atomic commit uses (directory fsync tolerant of filesystems that refuse it).
 from fastpersist.commit import fsync_dir, fsync_path  # noqa: E402
 

@@ -29,12 +29,10 @@ from typing import Any, Optional, Sequence, TextIO
 
 import torch
 
-from fastpersist.bench.fsutil import fsync_path
-from fastpersist.bench.units import format_bytes, gbps, median
-from fastpersist.bench.fio import fio_ceiling
 import fastpersist
-from fastpersist.bench.fsutil import drop_page_cache
-from fastpersist.io import gpu_path
+from fastpersist.bench.fio import fio_ceiling
+from fastpersist.bench.fsutil import drop_page_cache, fsync_path
+from fastpersist.bench.units import format_bytes, gbps, median
 from fastpersist.io import IOHandle, cufile_status, gpu_path
 
 

@@ -15,10 +15,10 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from fastpersist.bench import memprobe
-from fastpersist.bench.units import format_bytes
 import fastpersist
 from fastpersist import _native
+from fastpersist.bench import memprobe
+from fastpersist.bench.units import format_bytes
 
 
 @dataclass

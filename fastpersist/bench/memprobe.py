@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
+
 from fastpersist.io import libc_handle
 
 _MADV_HUGEPAGE = 14

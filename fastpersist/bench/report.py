@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import json
 import math
+import os
 import sys
 from typing import Any, Optional, Sequence, TextIO
 

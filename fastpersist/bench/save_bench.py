@@ -77,6 +77,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+import fastpersist
+from fastpersist import config as config_mod
 from fastpersist.bench import ceiling as ceiling_mod
 from fastpersist.bench import fio as fio_mod
 from fastpersist.bench import state as state_mod
@@ -84,8 +86,6 @@ from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, fsync_path,
 from fastpersist.bench.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.progress import progress as make_progress
 from fastpersist.bench.units import gbps, median, ratio
-import fastpersist
-from fastpersist import config as config_mod
 from fastpersist.config import Config
 from fastpersist.io import available_engines
 

@@ -36,16 +36,17 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
-from fastpersist import config as config_mod, handles
-from fastpersist.commit import atomic_write
-from fastpersist.formats.safetensors import plan_safetensors
+
 import fastpersist
-from fastpersist.streaming import find_blocks, streamer_of
+from fastpersist import config as config_mod
+from fastpersist import handles
+from fastpersist.bench import report
 from fastpersist.bench.fio import FioProbe
 from fastpersist.bench.machine import collect_machine_info
-from fastpersist.bench.report import print_header, render_table
-from fastpersist.bench.report import parent_dir
-from fastpersist.bench import report
+from fastpersist.bench.report import parent_dir, print_header, render_table
+from fastpersist.commit import atomic_write
+from fastpersist.formats.safetensors import plan_safetensors
+from fastpersist.streaming import find_blocks, streamer_of
 
 METHODS = ("fastpersist", "accelerate", "memory")
 _CGROUP_V1 = "/sys/fs/cgroup/memory"

@@ -86,6 +86,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+import fastpersist
+from fastpersist.bench import state as state_mod
+from fastpersist.bench.progress import progress as make_progress
+from fastpersist.bench.report import finish_plot, print_header, render_table
 from fastpersist.bench.rss import PeakMemory
 from fastpersist.bench.train_peers import (
     DcpAsyncSaver,
@@ -93,15 +97,10 @@ from fastpersist.bench.train_peers import (
     deepspeed_decoupled_status,
     make_saver,
     process_staging_options,
-    str_keys,
     stop_dcp_daemon,
+    str_keys,
     unavailable,
 )
-import fastpersist
-from fastpersist.bench import state as state_mod
-from fastpersist.bench.progress import progress as make_progress
-from fastpersist.bench.report import print_header, render_table
-from fastpersist.bench.report import finish_plot
 
 METHODS = ("none", "torch.save", "fastpersist.save", "async-snapshot", "async-lazy", "dcp.async_save",
            "dcp.async_save-process", "lightning-async")

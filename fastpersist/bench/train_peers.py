@@ -13,6 +13,7 @@ import os
 from typing import Any, Optional
 
 import torch
+
 import fastpersist
 
 

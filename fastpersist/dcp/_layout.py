@@ -37,10 +37,10 @@ from typing import Any, Optional
 
 import torch
 
+from fastpersist import _native
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats.base import PATCH_U32LE
 from fastpersist.formats.torchzip import plan_torch
-from fastpersist import _native
 
 log = logging.getLogger(__name__)
 

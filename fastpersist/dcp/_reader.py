@@ -13,11 +13,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from fastpersist import _compat
-from fastpersist.formats.dcpmetadata import ADVICE, inside, item_name, load_metadata, table_problems
-from fastpersist.errors import ChecksumError, CheckpointFormatError, FastPersistError
-from fastpersist import _native
+from fastpersist import _compat, _native
 from fastpersist.config import get_default
+from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
+from fastpersist.formats.dcpmetadata import ADVICE, inside, item_name, load_metadata, table_problems
 from fastpersist.formats.zipindex import buffer_reader, parse_zip_index
 
 log = logging.getLogger("fastpersist.dcp")

@@ -18,13 +18,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from fastpersist import _compat
-from fastpersist import _sys
+from fastpersist import _compat, _native, _sys
 from fastpersist.commit import clean_stale_temps, fsync_dir, fsync_dir_after_rename, temp_path_for
+from fastpersist.config import get_default
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
 from fastpersist.formats.dcpmetadata import load_metadata, seal
-from fastpersist import _native
-from fastpersist.config import get_default
 from fastpersist.handles import alignment_for
 
 log = logging.getLogger("fastpersist.dcp")

@@ -139,8 +139,13 @@ def _malformed(md: Any) -> Optional[str]:
     these with a bare ``AttributeError``/``TypeError`` or place chunks wrongly."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     def sizes(v: Any) -> bool:
         return isinstance(v, (torch.Size, tuple, list)) and all(type(x) is int and x >= 0 for x in v)

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from fastpersist import _compat
-from fastpersist.formats.dcpmetadata import ADVICE, MetadataUnpickler, item_name, load_metadata, table_problems
 from fastpersist.errors import CheckpointFormatError
 from fastpersist.formats.base import VerifyResult
+from fastpersist.formats.dcpmetadata import ADVICE, MetadataUnpickler, item_name, load_metadata, table_problems
 
 _MetadataUnpickler = MetadataUnpickler  # the name this module used to define
 

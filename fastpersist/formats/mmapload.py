@@ -67,11 +67,11 @@ import torch
 
 from fastpersist.errors import UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats import crcpolicy, torchload
+from fastpersist.formats import safetensors as st
 from fastpersist.formats.picklescan import scan_pickle
 from fastpersist.formats.torchverify import crc_mismatch, element_size, storage_ref
 from fastpersist.formats.zipindex import CentralEntry, ZipEntry, parse_zip_index, pread_full, read_central_directory
 from fastpersist.io import libc_handle
-from fastpersist.formats import safetensors as st
 
 log = logging.getLogger(__name__)
 

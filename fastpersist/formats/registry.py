@@ -3,7 +3,7 @@ load and verify it.
 
 A :class:`Format` is what the modes above need of a file format, and nothing else:
 
-- ``plan(obj, alignment, cfg, metadata=, device_sources=)``: the complete byte layout
+- ``plan(obj, alignment, cfg, metadata=, device_sources=, target=)``: the complete byte layout
   (a :class:`~fastpersist.formats.base.WritePlan`), for modes that stage or split the
   bytes themselves (async, collective). May raise ``UnsupportedLayoutError`` (torch's
   writer must lay the object out: the mode decides the fallback).
@@ -78,7 +78,7 @@ class Format:
 
 
 def _plan_torch(obj: Any, alignment: int, cfg: Any, *, metadata: Optional[dict] = None,
-                device_sources: Any = None) -> WritePlan:
+                device_sources: Any = None, target: str = "") -> WritePlan:
     return torchzip.plan_torch(obj, alignment, fast=cfg.fast_pickle, device_sources=device_sources)
 
 
@@ -183,7 +183,9 @@ def _verify_torch(fspath: str, handle: Any) -> VerifyResult:
 
 
 def _plan_safetensors(obj: Any, alignment: int, cfg: Any, *, metadata: Optional[dict] = None,
-                      device_sources: Any = None) -> WritePlan:
+                      device_sources: Any = None, target: str = "") -> WritePlan:
+    if not isinstance(obj, dict):
+        raise TypeError(f"saving {target!r} as safetensors needs a dict of tensors, got {type(obj).__name__}")
     return safetensors.plan_safetensors(obj, safetensors.safetensors_metadata(metadata), alignment,
                                         checksum=cfg.checksum, device_sources=device_sources)
 

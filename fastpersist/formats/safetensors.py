@@ -41,14 +41,13 @@ from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 
+from fastpersist import _native
+from fastpersist._sys import pread_full
+from fastpersist.cudaload import RingItem, ring_read
+from fastpersist.cudastage import DeviceSources
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.base import PATCH_HEX8, WritePlan
-from fastpersist._sys import pread_full
-from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
-from fastpersist.cudastage import DeviceSources
-from fastpersist.io import pinned_empty
-from fastpersist import _native
-from fastpersist.cudaload import RingItem, ring_read
+from fastpersist.io import pinned_empty, plan_read, reader_handle, record_read, staging_auto
 
 __all__ = [
     "ENTRY_CRC_KEY",

@@ -37,9 +37,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from fastpersist.plan import PATCH_U32LE, WritePlan, patch_bytes
 from fastpersist import _native
 from fastpersist.formats.zipindex import read_central_directory
+from fastpersist.plan import PATCH_U32LE, WritePlan, patch_bytes
 
 Extent = tuple[int, int, int, int]
 

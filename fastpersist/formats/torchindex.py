@@ -37,10 +37,10 @@ What a read checks
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import pickle
-import gc
 import stat
 import struct
 import sys
@@ -51,16 +51,14 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError, UnsupportedLayoutError
+from fastpersist import _compat, _native
 from fastpersist._sys import pread_full
-from fastpersist.formats.torchload import HeaderMismatch
-from fastpersist.formats import torchload
-from fastpersist.io import record_read
-from fastpersist import _native
+from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError, UnsupportedLayoutError
 from fastpersist.formats import safetensors as st
-from fastpersist.formats.torchload import Reader
+from fastpersist.formats import torchload
+from fastpersist.formats.torchload import HeaderMismatch, Reader
 from fastpersist.formats.torchload import bad as zbad
-from fastpersist import _compat
+from fastpersist.io import record_read
 
 __all__ = [
     "AmbiguousNameError",

@@ -44,6 +44,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from fastpersist import _compat, _native, cudaload
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats import crcpolicy, fastunpickle
 from fastpersist.formats.picklescan import data_free, scan_pickle
@@ -56,9 +57,6 @@ from fastpersist.formats.zipindex import (
     read_central_directory,
 )
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
-from fastpersist import _compat
-from fastpersist import _native
-from fastpersist import cudaload
 
 log = logging.getLogger(__name__)
 

@@ -41,19 +41,18 @@ from __future__ import annotations
 import functools
 import io
 import os
-import stat
 import re
+import stat
 import sys
 import warnings
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from fastpersist.errors import ZipFormatError
-from fastpersist.formats.picklescan import StandIn, global_ref
-from fastpersist.formats.zipindex import ZipEntry, ZipIndex, buffer_reader, fd_reader, parse_zip_index
-from fastpersist.formats.picklescan import ONE, DryUnpickler
 from fastpersist._inputs import special_file_error
+from fastpersist.errors import ZipFormatError
+from fastpersist.formats.picklescan import ONE, DryUnpickler, StandIn, global_ref
+from fastpersist.formats.zipindex import ZipEntry, ZipIndex, buffer_reader, fd_reader, parse_zip_index
 
 #: The first bytes of a legacy (``_use_new_zipfile_serialization=False``) torch file:
 #: protocol 2 and the magic number ``0x1950a86a20f9469cfc6c`` as a LONG1.

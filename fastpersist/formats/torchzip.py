@@ -244,12 +244,10 @@ def _save_cuda(obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool,
 # --------------------------------------------------------------------------- reading
 
 # The reader lives in fastpersist.formats.torchload; re-exported for existing importers.
+from fastpersist import _sys, cudastage
+from fastpersist.cudastage import DeviceSources
 from fastpersist.formats.torchload import fast_load_supported, load_torch  # noqa: E402,F401
-
+from fastpersist.formats.torchstream import stream_torch
 
 # verify moved to fastpersist.formats.torchverify; re-exported for existing importers
 from fastpersist.formats.torchverify import TorchCheck, check_torch, read_index_from_bytes, verify_torch  # noqa: E402,F401
-from fastpersist.cudastage import DeviceSources
-from fastpersist.formats.torchstream import stream_torch
-from fastpersist import cudastage
-from fastpersist import _sys

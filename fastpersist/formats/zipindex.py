@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Iterator, Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from fastpersist._sys import pread_full  # noqa: F401 (the formats import it from here too)
 from fastpersist.errors import ZipFormatError

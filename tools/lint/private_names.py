@@ -35,14 +35,20 @@ def _package_files(package: str) -> Iterator[tuple[str, str]]:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(f"package {package!r} not found on sys.path")
-    root = list(spec.submodule_search_locations)[0]
-    for dirpath, _, files in os.walk(root):
-        for f in sorted(files):
-            if not f.endswith(".py"):
-                continue
-            rel = os.path.relpath(os.path.join(dirpath, f), root)[:-3].replace(os.sep, ".")
-            name = package if rel == "__init__" else f"{package}.{rel}"
-            yield name.removesuffix(".__init__"), os.path.join(dirpath, f)
+    seen = set()
+    # the locations holding the package's __init__.py: an editable install also lists its
+    # build folder (extension modules only) and the repository root
+    roots = [r for r in spec.submodule_search_locations if os.path.isfile(os.path.join(r, "__init__.py"))]
+    for root in roots:
+        for dirpath, _, files in os.walk(root):
+            for f in sorted(files):
+                if not f.endswith(".py"):
+                    continue
+                rel = os.path.relpath(os.path.join(dirpath, f), root)[:-3].replace(os.sep, ".")
+                name = (package if rel == "__init__" else f"{package}.{rel}").removesuffix(".__init__")
+                if name not in seen:
+                    seen.add(name)
+                    yield name, os.path.join(dirpath, f)
 
 
 class _Index:
@@ -59,9 +65,15 @@ class _Index:
     def module(self, name: str) -> bool:
         """Whether ``name`` is a module of the packages (a file, or an extension module
         such as ``fastpersist._native`` whose name is private by design)."""
-        return name in self.files or (self.internal(name) and name.rsplit(".", 1)[-1].startswith("_")
-                                      and not name.rsplit(".", 1)[-1].startswith("__")
-                                      and importlib.util.find_spec(name) is not None)
+        if name in self.files:
+            return True
+        parent, _, leaf = name.rpartition(".")
+        if not (self.is_pkg.get(parent) and _private(leaf)):
+            return False
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
 
     def absolute(self, me: str, node: ast.ImportFrom) -> str:
         if not node.level:
@@ -209,3 +221,80 @@ class RootImportsContract(_AstContract):
 
     def problems(self) -> list[str]:
         return root_imports([str(p) for p in self.packages], {str(a) for a in self.allowed})
+
+
+def import_graph(packages: list[str]) -> dict[str, set[str]]:
+    """Module -> the packages' modules it imports (anywhere in the file, functions
+    included). Extension modules such as ``fastpersist._native`` are nodes of their own
+    (an import graph built from ``.py`` files alone would map them to the root package
+    and report a false cycle through it)."""
+    idx = _Index(packages)
+    graph: dict[str, set[str]] = {m: set() for m in idx.files}
+
+    def target(name: str) -> str:
+        while name and name not in idx.files and not idx.module(name) and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    for me, path in idx.files.items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                src = idx.absolute(me, node)
+                names = [f"{src}.{a.name}" if idx.module(f"{src}.{a.name}") else src for a in node.names]
+            else:
+                continue
+            for n in names:
+                if idx.internal(n):
+                    t = target(n)
+                    if t != me:
+                        graph[me].add(t)
+                        graph.setdefault(t, set())
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
