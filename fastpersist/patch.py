@@ -224,7 +224,7 @@ def open_file_target(f: Any) -> tuple[Optional[Any], str]:
     inner = _fsspec_local_file(f)
     target = inner if inner is not None else f
     if type(target) not in _OPEN_TYPES:
-        return None, f"{type(f).__name__} is not a file opened by open()"
+        return None, f"{type(f).__name__} is not one of open()'s writable binary file types"
     try:
         if target.closed:
             return None, "the file is closed"
