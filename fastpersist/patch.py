@@ -10,7 +10,15 @@ Code you do not control (a trainer, a framework) calls ``torch.save(obj, path)``
 Only the attributes ``torch.save`` and ``torch.load`` are replaced
 (``torch.serialization.save``/``load`` stay torch's own). Calls with a path (``str``
 or ``os.PathLike``) and torch's default arguments go to :func:`fastpersist.save` /
-:func:`fastpersist.load`; file-like objects (``io.BytesIO``, fsspec files) and
+:func:`fastpersist.load`. ``torch.save`` into an open file (``with open(name, "wb") as
+f: torch.save(obj, f)``) goes to :func:`fastpersist.openfile.save_into_fd` when the
+object is one :func:`open_file_target` takes (``open()``'s ``FileIO``/``BufferedWriter``/
+``BufferedRandom``, or fsspec's ``LocalFileOpener`` around one, on a named, empty,
+regular file, writable, not appended to, at position 0): the bytes a path save writes,
+written in place (the caller holds the inode, so there is no rename; a failed write
+leaves the file partly written, as torch does), the position left at the end. Other
+file-like objects (``io.BytesIO``, pipes, sockets, appended, non-empty or unlinked
+files, files at an offset, ``tempfile`` wrappers), ``torch.load`` of any file object, and
 arguments the fast path does not implement (a custom ``pickle_module``, a
 ``pickle_protocol`` other than torch's default, ``_use_new_zipfile_serialization=False``,
 ``_disable_byteorder_record=True``) go to the original functions unchanged.
@@ -354,7 +362,8 @@ def patch_torch_save() -> TorchSavePatch:
     for a block (the previous functions come back on exit; blocks nest). Patching
     an already patched torch changes nothing. The wrappers keep torch's signatures
     (``inspect.signature(torch.save)`` is unchanged) and fall back to the original
-    functions for file-like objects and non-default arguments.
+    functions for non-default arguments and for file-like objects other than the
+    open files :func:`open_file_target` takes.
 
     Returns:
         A :class:`TorchSavePatch`, usable with ``with``.
