@@ -223,8 +223,9 @@ def open_file_target(f: Any) -> tuple[Optional[Any], str]:
     ``write``), and fsspec's ``LocalFileOpener`` around one of them, when the file is
     open, writable (``O_WRONLY``/``O_RDWR``), not in append mode (``"a"``/``O_APPEND``),
     a regular file of length 0 with a name in the filesystem that still refers to it
-    (not deleted, not renamed away), writable by this process through that name, at
-    position 0 (object and descriptor), with nothing buffered.
+    (not deleted, not renamed away), that ``/proc/self/fd/N`` reopens for writing (its
+    permissions allow it; ``/proc`` is mounted), at position 0 (object and descriptor),
+    with nothing buffered.
 
     A file of length > 0 goes to torch too: torch writes over its start and leaves
     its tail, where the fast path sets the length to the archive's.
@@ -251,10 +252,12 @@ def open_file_target(f: Any) -> tuple[Optional[Any], str]:
             return None, "the file is not empty (torch writes over its start and keeps its tail)"
         if target.tell() != 0 or os.lseek(fd, 0, os.SEEK_CUR) != 0:
             return None, "the file's position is not 0"
-        name = openfile.fd_name(fd)
-        check = {"effective_ids": True} if os.access in os.supports_effective_ids else {}
-        if not os.access(name, os.W_OK, **check):
-            return None, "the file cannot be reopened for writing through its name"
+        openfile.fd_name(fd)  # a named regular file, the same inode (OSError otherwise)
+        try:  # the writer reopens it as /proc/self/fd/N: refused there (permissions, a
+            # filesystem that does not reopen), torch writes through the caller's descriptor
+            os.close(os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC))
+        except OSError as e:
+            return None, f"the file cannot be reopened for writing ({e.strerror})"
     except (OSError, ValueError) as e:
         return None, f"not a plain named file ({e})"
     return target, ""

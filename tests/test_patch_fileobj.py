@@ -160,6 +160,57 @@ def test_open_file_written_by_fastpersist(kind: str, tmp_path: Path, calls: list
     _assert_same(ORIGINAL_LOAD(target, weights_only=True), obj)
 
 
+def test_read_back_through_the_same_object(tmp_path: Path, calls: list[int]) -> None:
+    """A ``w+b`` file read back through the caller's own object after the save sees the
+    archive (the writer's descriptor and the caller's share the inode)."""
+    obj = _state()
+    expected = _path_bytes(obj, tmp_path)
+    fastpersist.patch_torch_save()
+    with open(tmp_path / "rw.pt", "w+b") as f:
+        torch.save(obj, f)
+        f.seek(0)
+        assert f.read() == expected
+        f.seek(0)
+        _assert_same(ORIGINAL_LOAD(f, weights_only=True), obj)
+    assert calls
+
+
+def test_write_protected_file_goes_to_torch(tmp_path: Path, calls: list[int]) -> None:
+    """A file open for writing whose permissions no longer allow opening it for writing
+    (made read-only after the open) cannot be reopened by the writer: torch writes through
+    the caller's descriptor, as stock torch does."""
+    if os.geteuid() == 0:
+        pytest.skip("root opens write-protected files")
+    p = tmp_path / "wp.pt"
+    fastpersist.patch_torch_save()
+    with open(p, "wb") as f:
+        p.chmod(0o444)
+        torch.save({"a": torch.ones(3)}, f)
+    assert calls == []
+    assert torch.equal(ORIGINAL_LOAD(p)["a"], torch.ones(3))
+
+
+def test_reopen_refused_goes_to_torch(tmp_path: Path, calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``/proc/self/fd/N`` cannot be reopened for writing (as root, simulated: a
+    filesystem or permission that refuses it), the save is torch's, not an error."""
+    real_open = os.open
+
+    def refusing(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        if str(path).startswith("/proc/self/fd/"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", refusing)
+    p = tmp_path / "np.pt"
+    fastpersist.patch_torch_save()
+    with open(p, "wb") as f:
+        assert "cannot be reopened" in patch.open_file_target(f)[1]
+        torch.save({"a": torch.ones(3)}, f)
+    monkeypatch.undo()
+    assert calls == []
+    assert torch.equal(ORIGINAL_LOAD(p)["a"], torch.ones(3))
+
+
 def test_length_is_the_archive(tmp_path: Path, calls: list[int]) -> None:
     """No padding beyond the archive's end (O_DIRECT writes whole blocks): the file is
     exactly as long as the path save's, closed without writing more."""
