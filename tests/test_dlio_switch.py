@@ -127,7 +127,9 @@ def test_dlio_checkpoints_through_the_switch(tmp_path: Path) -> None:
     env["FASTPERSIST_PATCH_TORCH_SAVE"] = "1"
     _run_dlio(env, conf, tmp_path / "run")
 
-    zeros = lambda n: torch.zeros(n, dtype=torch.int8)  # noqa: E731 - DLIO's randint(high=1)
+    def zeros(n: int) -> torch.Tensor:  # DLIO's tensors: torch.randint(high=1, dtype=int8)
+        return torch.zeros(n, dtype=torch.int8)
+
     states = {
         "model": {"a": zeros(300000)},
         "optimizer": {"0": {"a": zeros(100000), "b": zeros(100000)}, "combined": zeros(100000)},

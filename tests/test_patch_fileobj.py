@@ -354,7 +354,7 @@ def test_pipe_goes_to_torch(calls: list[int]) -> None:
             fastpersist.patch_torch_save()
         r, w = os.pipe()
         chunks: list[bytes] = []
-        reader = threading.Thread(target=lambda: chunks.append(os.fdopen(r, "rb").read()))
+        reader = threading.Thread(target=lambda r=r, chunks=chunks: chunks.append(os.fdopen(r, "rb").read()))
         reader.start()
         with open(w, "wb") as f:
             torch.save(obj, f)
