@@ -10,7 +10,15 @@ Code you do not control (a trainer, a framework) calls ``torch.save(obj, path)``
 Only the attributes ``torch.save`` and ``torch.load`` are replaced
 (``torch.serialization.save``/``load`` stay torch's own). Calls with a path (``str``
 or ``os.PathLike``) and torch's default arguments go to :func:`fastpersist.save` /
-:func:`fastpersist.load`; file-like objects (``io.BytesIO``, fsspec files) and
+:func:`fastpersist.load`. ``torch.save`` into an open file (``with open(name, "wb") as
+f: torch.save(obj, f)``) goes to :func:`fastpersist.openfile.save_into_fd` when the
+object is one :func:`open_file_target` takes (``open()``'s ``FileIO``/``BufferedWriter``/
+``BufferedRandom``, or fsspec's ``LocalFileOpener`` around one, on a named, empty,
+regular file, writable, not appended to, at position 0): the bytes a path save writes,
+written in place (the caller holds the inode, so there is no rename; a failed write
+leaves the file partly written, as torch does), the position left at the end. Other
+file-like objects (``io.BytesIO``, pipes, sockets, appended, non-empty or unlinked
+files, files at an offset, ``tempfile`` wrappers), ``torch.load`` of any file object, and
 arguments the fast path does not implement (a custom ``pickle_module``, a
 ``pickle_protocol`` other than torch's default, ``_use_new_zipfile_serialization=False``,
 ``_disable_byteorder_record=True``) go to the original functions unchanged.
@@ -48,23 +56,27 @@ variable is set. Check it in the environment that runs your job::
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import inspect
+import io
 import logging
 import os
 import stat
+import sys
 import threading
 from typing import Any, Callable, Optional
 
 import torch
 
+from fastpersist import openfile
 from fastpersist.api import load as fast_load
 from fastpersist.api import save as fast_save
 from fastpersist.config import parse_bool
 from fastpersist.formats import registry
 from fastpersist.torcherrors import for_torch_load, for_torch_save
 
-__all__ = ["is_patched", "patch_torch_save", "unpatch_torch_save"]
+__all__ = ["is_patched", "open_file_target", "patch_torch_save", "unpatch_torch_save"]
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +102,13 @@ def _is_safetensors_name(f: Any) -> bool:
 
 
 def _save_fast_path(args: tuple, kwargs: dict) -> Optional[inspect.BoundArguments]:
-    """The bound arguments if this ``torch.save`` call can go to fastpersist, else None."""
+    """The bound arguments if this ``torch.save`` call can go to fastpersist, else None
+    (``f`` may be a path or a file object; :func:`open_file_target` checks the latter)."""
     try:
         bound = _SAVE_SIG.bind(*args, **kwargs)
     except TypeError:
         return None  # let the original raise its own error
-    if not _is_path(bound.arguments.get("f")):
+    if "f" not in bound.arguments:
         return None
     for name, value in bound.arguments.items():
         if name in ("obj", "f"):
@@ -181,19 +194,111 @@ def _written_in_place(f: Any) -> Optional[str]:
     return None
 
 
+_OPEN_TYPES = (io.FileIO, io.BufferedWriter, io.BufferedRandom)
+
+
+def _fsspec_local_file(f: Any) -> Optional[Any]:
+    """The ``open()`` object inside fsspec's ``LocalFileOpener`` ``f`` (uncompressed), else None.
+
+    fsspec (2026.9) opens local files with the built-in ``open()`` and keeps that
+    object as ``.f`` (with ``autocommit=False``, a ``mkstemp`` file it moves into
+    place on ``commit()``); its ``write``/``seek``/``tell`` are ``.f``'s. With a
+    ``compression=`` the inner object is a compressor: refused. fsspec is not imported
+    here: a ``LocalFileOpener`` exists only if its module is already loaded."""
+    local = sys.modules.get("fsspec.implementations.local")
+    opener = getattr(local, "LocalFileOpener", None)
+    if opener is None or type(f) is not opener or getattr(f, "compression", None):
+        return None
+    return getattr(f, "f", None)
+
+
+def open_file_target(f: Any) -> tuple[Optional[Any], str]:
+    """``(file, "")`` when the patched ``torch.save`` writes into the file object ``f``
+    itself (``file``: the ``open()`` object to write through and to move), else
+    ``(None, why)`` and torch's own ``torch.save`` writes it.
+
+    Taken: exactly ``io.FileIO``, ``io.BufferedWriter`` and ``io.BufferedRandom`` (what
+    the built-in ``open()`` returns for binary modes ``"wb"``, ``"w+b"``, ``"r+b"``,
+    ``"xb"``, ``buffering=0`` included; subclasses are not taken: they may change
+    ``write``), and fsspec's ``LocalFileOpener`` around one of them, when the file is
+    open, writable (``O_WRONLY``/``O_RDWR``), not in append mode (``"a"``/``O_APPEND``),
+    a regular file of length 0 with a name in the filesystem that still refers to it
+    (not deleted, not renamed away), that ``/proc/self/fd/N`` reopens for writing (its
+    permissions allow it; ``/proc`` is mounted), at position 0 (object and descriptor),
+    with nothing buffered.
+
+    A file of length > 0 goes to torch too: torch writes over its start and leaves
+    its tail, where the fast path sets the length to the archive's.
+    """
+    inner = _fsspec_local_file(f)
+    target = inner if inner is not None else f
+    if type(target) not in _OPEN_TYPES:
+        return None, f"{type(f).__name__} is not one of open()'s writable binary file types"
+    try:
+        if target.closed:
+            return None, "the file is closed"
+        if not target.writable():
+            return None, "the file is not open for writing"
+        if "a" in str(getattr(target, "mode", "")):
+            return None, "the file is open in append mode"
+        fd = target.fileno()
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if flags & os.O_APPEND or (flags & os.O_ACCMODE) not in (os.O_WRONLY, os.O_RDWR):
+            return None, "the descriptor is in append mode or not open for writing"
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a regular file (pipe, socket or device)"
+        if st.st_size != 0:
+            return None, "the file is not empty (torch writes over its start and keeps its tail)"
+        if target.tell() != 0 or os.lseek(fd, 0, os.SEEK_CUR) != 0:
+            return None, "the file's position is not 0"
+        openfile.fd_name(fd)  # a named regular file, the same inode (OSError otherwise)
+        try:  # the writer reopens it as /proc/self/fd/N: refused there (permissions, a
+            # filesystem that does not reopen), torch writes through the caller's descriptor
+            os.close(os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC))
+        except OSError as e:
+            return None, f"the file cannot be reopened for writing ({e.strerror})"
+    except (OSError, ValueError) as e:
+        return None, f"not a plain named file ({e})"
+    return target, ""
+
+
+def _save_into_open_file(obj: Any, target: Any) -> None:
+    """Write ``obj`` into the ``open()`` object ``target`` (see :func:`open_file_target`)
+    and leave its position at the end, as torch does."""
+    fd = target.fileno()
+    try:
+        size = openfile.save_into_fd(obj, fd)
+    except BaseException:
+        try:
+            target.seek(0, os.SEEK_END)  # where torch's failed writes leave it
+        except (OSError, ValueError):
+            pass
+        raise
+    target.seek(size)
+
+
 def _make_save(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def save(*args: Any, **kwargs: Any) -> Any:
         bound = _save_fast_path(args, kwargs)
         if bound is None:
             return original(*args, **kwargs)
-        why = _torch_settings_differ() or _written_in_place(bound.arguments["f"])
-        if why is not None:
-            log.debug("torch.save(%r): %s; using torch's own save", bound.arguments["f"], why)
+        f = bound.arguments["f"]
+        target = None
+        if _is_path(f):
+            why = _torch_settings_differ() or _written_in_place(f)
+        else:
+            target, why = open_file_target(f)
+            why = why or _torch_settings_differ() or ""
+        if why:
+            log.debug("torch.save(%r): %s; using torch's own save", f, why)
             return original(*args, **kwargs)
 
         try:
-            return fast_save(bound.arguments["obj"], bound.arguments["f"], format="torch")
+            if target is not None:
+                return _save_into_open_file(bound.arguments["obj"], target)
+            return fast_save(bound.arguments["obj"], f, format="torch")
         except Exception as e:
             dual = for_torch_save(e)
             if dual is None:
@@ -260,7 +365,8 @@ def patch_torch_save() -> TorchSavePatch:
     for a block (the previous functions come back on exit; blocks nest). Patching
     an already patched torch changes nothing. The wrappers keep torch's signatures
     (``inspect.signature(torch.save)`` is unchanged) and fall back to the original
-    functions for file-like objects and non-default arguments.
+    functions for non-default arguments and for file-like objects other than the
+    open files :func:`open_file_target` takes.
 
     Returns:
         A :class:`TorchSavePatch`, usable with ``with``.

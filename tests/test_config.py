@@ -325,7 +325,7 @@ def _record_new_handles(monkeypatch: pytest.MonkeyPatch, prop: str) -> list:
     """From now on, every native Handle made appends its ``prop`` to the returned
     list (and fastpersist's cache of handles starts empty)."""
     native = pytest.importorskip("fastpersist._native", reason="native extension not built")
-    from fastpersist import api
+    from fastpersist import handles
 
     made: list = []
     real = native.Handle
@@ -336,7 +336,7 @@ def _record_new_handles(monkeypatch: pytest.MonkeyPatch, prop: str) -> list:
         return h
 
     monkeypatch.setattr(native, "Handle", recording_handle)
-    monkeypatch.setattr(api, "_handles", {})
+    monkeypatch.setattr(handles, "_handles", {})
     return made
 
 

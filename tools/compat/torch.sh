@@ -58,10 +58,16 @@ fi
 xml="$scratch/results/torch-$mode.xml"
 cd "$(dirname "$file")"
 status=0
-# shellcheck disable=SC2086 # FASTPERSIST_COMPAT_PYTEST_ARGS is word-split on purpose
+# FASTPERSIST_COMPAT_PYTEST_ARGS is split as the shell splits a command line, quotes
+# included ("-k 'not 2gb and not mmap'" is two arguments), without running anything in it.
+extra=()
+if [ -n "${FASTPERSIST_COMPAT_PYTEST_ARGS:-}" ]; then
+    mapfile -t extra < <("$python" -c 'import shlex, sys; print("\n".join(shlex.split(sys.argv[1])))' \
+        "$FASTPERSIST_COMPAT_PYTEST_ARGS")
+fi
 FASTPERSIST_PATCH_TORCH_SAVE=$switch nice -n 10 timeout "${FASTPERSIST_COMPAT_TIMEOUT:-3600}" \
     "$python" -m pytest -q -p no:cacheprovider "$(basename "$file")" --junitxml="$xml" \
-    ${FASTPERSIST_COMPAT_PYTEST_ARGS:-} || status=$?
+    "${extra[@]}" || status=$?
 echo "$0: $mode: exit status $status, results in $xml"
 # 1: some tests failed (compare the two runs); anything else: the run itself broke
 [ "$status" -le 1 ] || exit "$status"
