@@ -158,7 +158,7 @@ class ReplicasDifferError(DistributedCheckpointError):
     tensor values); raised on every rank before anything is written under the final name.
     ``difference`` names the first difference in words (the tensor's key path in the
     state, or the file record, and the ranks). A framework adapter catching it lets its
-    designated rank write its own state alone (``integrations/_replicated.py``)."""
+    designated rank write its own state alone (``fastpersist/replicated.py``)."""
 
     def __init__(self, message: str, difference: str = "") -> None:
         super().__init__(message)

@@ -73,7 +73,6 @@ import torch
 
 import fastpersist
 import fastpersist.asyncsave
-from fastpersist.dcp import FastPersistWriter
 from fastpersist.distributed import ReplicasDifferError
 from fastpersist.localpath import is_local, local_path
 from fastpersist.ranks import world_group
@@ -100,8 +99,14 @@ HAS_ASYNC = hasattr(fastpersist, "save_async") and hasattr(fastpersist, "wait_al
 HAS_GROUP_SAVE = group_save_available()
 
 
+try:  # the DCP storage layer needs a torch whose torch.distributed.checkpoint it supports
+    from fastpersist.dcp import FastPersistWriter as _FastPersistWriter
+except ImportError:  # without it, fsdp_fastpersist saves through Lightning's own FSDP path
+    _FastPersistWriter = None
+
+
 def _dcp_writer() -> Optional[type]:
-    return FastPersistWriter
+    return _FastPersistWriter
 
 
 # Every FastPersistCheckpointIO alive, so that ModelCheckpoint's link of last.ckpt can
