@@ -111,20 +111,10 @@ from fastpersist import config as config_mod
 from fastpersist import io as fpio
 from fastpersist._inputs import is_path
 from fastpersist._sys import pread_full
-from fastpersist.commit import (
-    FOREIGN_TMP_GRACE_S,
-    UNKNOWN_HOST,
-    classify,
-    clean_stale_temps,
-    fsync_dir,
-    fsync_dir_after_rename,
-    fsync_path,
-    keep_mode,
-    process_identity,
-    resolve_target,
-    stat_fields,
-    temp_path_for,
-)
+# commit's functions are called through the module (``commit.fsync_path(...)``): fault
+# injection and tests replace them there, and the collective save must see that
+from fastpersist import commit
+from fastpersist.commit import FOREIGN_TMP_GRACE_S, UNKNOWN_HOST
 from fastpersist.errors import FastPersistError, UnsupportedLayoutError
 from fastpersist.formats import registry, split
 from fastpersist.formats.safetensors import load_safetensors
@@ -204,7 +194,7 @@ def check_group(group: Any) -> None:
 def _my_identity() -> str:
     """``HOST|PID|START`` of this process (see ``commit.identity``): lets a peer on the
     same host tell for sure that this process has exited."""
-    host, start = process_identity()
+    host, start = commit.process_identity()
     return f"{host}|{os.getpid()}|{start}"
 
 
@@ -218,10 +208,10 @@ def _provably_dead(identity: Optional[str]) -> bool:
         pid = int(pid_s)
     except ValueError:
         return False
-    mine = process_identity()[0]
+    mine = commit.process_identity()[0]
     if host != mine or mine == UNKNOWN_HOST or start in ("", "0") or pid == os.getpid():
         return False
-    fields = stat_fields(pid)
+    fields = commit.stat_fields(pid)
     if fields is None or fields[0] in ("Z", "X"):
         return True
     try:
@@ -555,7 +545,7 @@ def clean_stale_probes(directory: str, *, grace: Optional[float] = None) -> list
                 continue
             st = entry.stat(follow_symlinks=False)
             pid = int(m["pid"]) if m["pid"] else 0
-            _state, removable, reason = classify(pid, m["host"], m["start"], st, now, grace)
+            _state, removable, reason = commit.classify(pid, m["host"], m["start"], st, now, grace)
             if not removable:
                 continue
             os.unlink(entry.path)
@@ -571,7 +561,7 @@ def clean_stale_probes(directory: str, *, grace: Optional[float] = None) -> list
 
 def _make_probe(directory: str) -> tuple[str, str]:
     clean_stale_probes(directory)
-    host, start = process_identity()
+    host, start = commit.process_identity()
     name = f"{_PROBE_PREFIX}{os.getpid()}-{host}-{start}-{secrets.token_hex(8)}"
     token = secrets.token_hex(16)
     path = os.path.join(directory, name)
@@ -739,7 +729,7 @@ def agree(co: Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str],
     tensor values, find who shares the target. Raises on every rank (nothing written)
     when a rank failed, the targets differ or the states differ.
     ``loc`` may already hold an error of the caller's (reported at the plan step)."""
-    final = loc.run(lambda: resolve_target(path))
+    final = loc.run(lambda: commit.resolve_target(path))
     directory = os.path.dirname(final) if final else None
     fmt = loc.run(lambda: registry.format_for(final, format).name) if final else None
     planned = loc.run(lambda: _plan(obj, final, fmt, cfg)) if fmt else None
@@ -914,8 +904,8 @@ def _first_value_difference(co: Coordinator, obj: Any, layout: split.Layout, eve
 
 def create_temp(final: str, size: int) -> str:
     """The write group leader's temporary file next to ``final``, preallocated to ``size``."""
-    clean_stale_temps(os.path.dirname(final))
-    name = temp_path_for(final)
+    commit.clean_stale_temps(os.path.dirname(final))
+    name = commit.temp_path_for(final)
     fd = _sys.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         _preallocate(fd, size)
@@ -932,7 +922,7 @@ def _save(co: Coordinator, obj: Any, path: Any, cfg: Any, format: Optional[str])
     loc = Local()
     # This rank's pending async saves to the file finish first (and an uncollected async
     # error fails every rank at the plan step, before anything is written).
-    loc.run(lambda: pending.before_blocking_save(resolve_target(path)))
+    loc.run(lambda: pending.before_blocking_save(commit.resolve_target(path)))
     agreed = agree(co, obj, path, cfg, format, loc)
     final, directory, layout, align = agreed.final, agreed.directory, agreed.layout, agreed.align
     groups, mygroup = agreed.groups, agreed.mygroup
@@ -1092,7 +1082,7 @@ def commit_agreed(co: Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "Lo
     several = len(agreed.groups) > 1
     if several:
         if leader and cfg.fsync:
-            loc.run(lambda: fsync_path(tmp))
+            loc.run(lambda: commit.fsync_path(tmp))
         ready = co.gather("ready", loc.status)
         try:
             co.check("ready", ready, local=loc.exc,
@@ -1105,10 +1095,10 @@ def commit_agreed(co: Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "Lo
 
     def place() -> None:
         if cfg.fsync and not several:
-            fsync_path(tmp)
-        keep_mode(final, tmp)
+            commit.fsync_path(tmp)
+        commit.keep_mode(final, tmp)
         if several and os.path.exists(final):
-            backup = temp_path_for(final)
+            backup = commit.temp_path_for(final)
             try:
                 os.link(final, backup)
                 state["backup"] = backup
@@ -1118,7 +1108,7 @@ def commit_agreed(co: Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "Lo
         _sys.rename(tmp, final)
         state["renamed"] = True
         if cfg.fsync:
-            fsync_dir_after_rename(final)  # its error says the new file is in place
+            commit.fsync_dir_after_rename(final)  # its error says the new file is in place
 
     if leader:
         loc.run(place)
@@ -1141,7 +1131,7 @@ def commit_agreed(co: Coordinator, agreed: _Agreed, tmp: str, cfg: Any, loc: "Lo
                     after = (f"Write groups {agreed.groups}: this group's new file could not be rolled back "
                              "(no hard link of the previous one)")
                 if cfg.fsync:
-                    fsync_dir(directory)
+                    commit.fsync_dir(directory)
             except OSError as e:
                 after = f"Write groups {agreed.groups}: putting the previous {final!r} back failed: {e}"
         elif backup is not None:
