@@ -454,13 +454,13 @@ def test_fallback_to_torchs_writer_round_trips(tmp_path, monkeypatch, assert_sam
     file. torch names a path's archive after the file name up to its last dot and
     refuses an empty one, which the temporary names (.fp-tmp-HASH-...) would give:
     every fallback save failed with "invalid file name" on every torch."""
-    import fastpersist.api as api
     from fastpersist.errors import UnsupportedLayoutError
+    from fastpersist.formats import torchzip
 
     def refuse(*args, **kwargs):
         raise UnsupportedLayoutError("refused by the test")
 
-    monkeypatch.setattr(api.torchzip, "stream_save_torch", refuse)
+    monkeypatch.setattr(torchzip, "stream_save_torch", refuse)
     obj = {"w": torch.randn(3, 5), "step": 7, "view": torch.arange(10)[2:6]}
     path = tmp_path / "ckpt.pt"
     fastpersist.save(obj, path)
