@@ -112,3 +112,23 @@ def slow_finisher(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(asyncsave, "_finish", finish)
     yield
     fastpersist.wait_all()
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch, tmp_path):
+    """The Accelerate adapter (``fastpersist.integrations.accelerate``) in a clean state: the
+    working directory is ``tmp_path``, no switch variable set, and afterwards Accelerate's
+    singletons reset and the adapter's hooks removed (tests of the adapter and transformers')."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    from fastpersist.integrations import accelerate as fpa
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("FASTPERSIST_ACCELERATE", "FASTPERSIST_PATCH_TORCH_SAVE"):
+        monkeypatch.delenv(var, raising=False)
+    yield fpa
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    fpa._uninstall()

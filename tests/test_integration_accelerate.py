@@ -130,22 +130,6 @@ def _all_verified(directory: str) -> None:
         assert written_by_fastpersist(os.path.join(directory, name)), name
 
 
-@pytest.fixture
-def fresh_accelerate(monkeypatch, tmp_path):
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from fastpersist.integrations import accelerate as fpa
-
-    monkeypatch.chdir(tmp_path)
-    for var in ("FASTPERSIST_ACCELERATE", "FASTPERSIST_PATCH_TORCH_SAVE"):
-        monkeypatch.delenv(var, raising=False)
-    yield fpa
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-    fpa._uninstall()
-
-
 def test_round_trip_with_retention(fresh_accelerate, monkeypatch, tmp_path):
     fpa = fresh_accelerate
     log: list = []

@@ -112,23 +112,6 @@ def test_switch_pytorch_model_bin_loads_with_from_pretrained(tmp_path: Path) -> 
         assert len(names) == 1 and int(z.read(names[0])) >= 4096
 
 
-@pytest.fixture
-def fresh_accelerate(monkeypatch: Any, tmp_path: Path) -> Any:
-    pytest.importorskip("accelerate")
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    from fastpersist.integrations import accelerate as fpa
-
-    monkeypatch.chdir(tmp_path)
-    for var in ("FASTPERSIST_ACCELERATE", "FASTPERSIST_PATCH_TORCH_SAVE"):
-        monkeypatch.delenv(var, raising=False)
-    yield fpa
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    PartialState._reset_state()
-    fpa._uninstall()
-
-
 def test_accelerate_adapter_model_safetensors_loads_with_from_pretrained(fresh_accelerate: Any,
                                                                          tmp_path: Path) -> None:
     """The Accelerate adapter's save_state writes model.safetensors with {"format": "pt"}, as
