@@ -29,7 +29,7 @@ import textwrap
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -936,25 +936,40 @@ def _digest_path(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def _every_fault(save: Callable[[], Any], reset: Callable[[], None], path: str, directory: str) -> dict:
-    """Fail, one by one, every call of each op in OPS that ``save`` makes; ``{op: [outcome per call]}``."""
-    out: dict = {}
-    for op in OPS:
-        out[op] = []
+def _sweep(ops: tuple, call: Callable[[Any], Any], before: Callable[[str, int], Any]) -> Iterator[tuple]:
+    """Fail with EIO, one by one, every call of each op in ``ops`` that ``call(ctx)`` makes,
+    yielding ``(op, nth, error or None, ctx)`` for each call reached, right after it (check
+    the outcome before the next iteration's ``before`` resets the files). ``before(op, nth)``
+    runs first, with nothing armed, and returns the ``ctx`` passed to ``call``. An op stops at
+    its first call number that ``call`` no longer reaches."""
+    for op in ops:
         for nth in range(1, MAX_NTH + 1):
-            reset()
-            before = _digest_path(path)
+            ctx = before(op, nth)
             _native.set_fault(op, nth, "EIO")
             try:
-                save()
+                call(ctx)
                 err = None
-            except Exception as e:  # noqa: BLE001 - classified
+            except BaseException as e:  # noqa: BLE001 - checked by the caller (DCP's CheckpointException is one)
+                if isinstance(e, KeyboardInterrupt):
+                    raise
                 err = e
             hits = _native.fault_hits()
             _native.clear_faults()
             if not hits:
                 break
-            out[op].append(_classify(err, path, before, directory))
+            yield op, nth, err, ctx
+
+
+def _every_fault(save: Callable[[], Any], reset: Callable[[], None], path: str, directory: str) -> dict:
+    """Fail, one by one, every call of each op in OPS that ``save`` makes; ``{op: [outcome per call]}``."""
+
+    def before(_op: str, _nth: int) -> str:
+        reset()
+        return _digest_path(path)
+
+    out: dict = {op: [] for op in OPS}
+    for op, _nth, err, digest in _sweep(OPS, lambda _digest: save(), before):
+        out[op].append(_classify(err, path, digest, directory))
     return out
 
 
@@ -1013,29 +1028,17 @@ def test_every_syscall_of_a_dcp_save_is_a_fault_point(tmp_path):
 
     from fastpersist.dcp import FastPersistWriter
 
-    counts: dict = {}
-    for op in OPS:
-        counts[op] = 0
-        for nth in range(1, MAX_NTH + 1):
-            d = tmp_path / f"{op}-{nth}"
-            _native.set_fault(op, nth, "EIO")
-            try:
-                dcp.save({"w": torch.randn(300, 300), "b": torch.arange(10)}, storage_writer=FastPersistWriter(d),
-                         no_dist=True)
-                err = None
-            except BaseException as e:  # noqa: BLE001 - checked below (DCP's CheckpointException is a BaseException)
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                err = e
-            hits = _native.fault_hits()
-            _native.clear_faults()
-            if not hits:
-                break
-            counts[op] += 1
-            assert err is not None, f"{op} #{nth}: dcp.save succeeded though the fault was hit"
-            causes = [err, *(getattr(err, "failures", None) or {}).values()]  # DCP's CheckpointException: per rank
-            assert any(getattr(c, "errno", None) == errno.EIO or "Input/output error" in str(c) for c in causes), \
-                f"{op} #{nth}: {err!r}"
+    def save(d: Any) -> None:
+        dcp.save({"w": torch.randn(300, 300), "b": torch.arange(10)}, storage_writer=FastPersistWriter(d),
+                 no_dist=True)
+
+    counts = dict.fromkeys(OPS, 0)
+    for op, nth, err, _d in _sweep(OPS, save, lambda op, nth: tmp_path / f"{op}-{nth}"):
+        counts[op] += 1
+        assert err is not None, f"{op} #{nth}: dcp.save succeeded though the fault was hit"
+        causes = [err, *(getattr(err, "failures", None) or {}).values()]  # DCP's CheckpointException: per rank
+        assert any(getattr(c, "errno", None) == errno.EIO or "Input/output error" in str(c) for c in causes), \
+            f"{op} #{nth}: {err!r}"
     assert counts["fsync"] and counts["rename"] and counts["open"], counts
 
 
@@ -1044,40 +1047,34 @@ def test_every_syscall_of_a_directory_commit_is_a_fault_point(tmp_path):
     directory): a failed fsync, rename or open before the new directory is visible leaves the
     previous one in place; one after it (the parents' fsync) raises with the new one in place."""
     import logging
+    import shutil
 
     from fastpersist import dircommit
 
     target = tmp_path / "ckpt"
-    counts: dict = {}
-    for op in ("fsync", "rename", "open"):
-        counts[op] = 0
-        for nth in range(1, MAX_NTH + 1):
-            import shutil
+    staging = tmp_path / ".fastpersist-staging-ckpt-x"
 
-            for p in tmp_path.iterdir():
-                shutil.rmtree(p)
-            target.mkdir()
-            (target / "model.pt").write_bytes(b"old")
-            staging = tmp_path / ".fastpersist-staging-ckpt-x"
-            staging.mkdir()
-            (staging / "model.pt").write_bytes(b"new")
-            visible = []
-            _native.set_fault(op, nth, "EIO")
-            try:
-                dircommit.swap_in(str(staging), str(target), str(tmp_path / ".fastpersist-old-ckpt-x"),
-                                  lambda name: name == "model.pt", what="a test checkpoint",
-                                  logger=logging.getLogger("test"), on_visible=lambda: visible.append(1))
-                err = None
-            except OSError as e:
-                err = e
-            hits = _native.fault_hits()
-            _native.clear_faults()
-            if not hits:
-                break
-            counts[op] += 1
-            assert err is not None and err.errno == errno.EIO, f"{op} #{nth}: {err!r}"
-            want = b"new" if visible else b"old"
-            assert (target / "model.pt").read_bytes() == want, (op, nth, visible)
+    def before(_op: str, _nth: int) -> list:
+        for p in tmp_path.iterdir():
+            shutil.rmtree(p)
+        target.mkdir()
+        (target / "model.pt").write_bytes(b"old")
+        staging.mkdir()
+        (staging / "model.pt").write_bytes(b"new")
+        return []  # on_visible's record
+
+    def swap(visible: list) -> None:
+        dircommit.swap_in(str(staging), str(target), str(tmp_path / ".fastpersist-old-ckpt-x"),
+                          lambda name: name == "model.pt", what="a test checkpoint",
+                          logger=logging.getLogger("test"), on_visible=lambda: visible.append(1))
+
+    ops = ("fsync", "rename", "open")
+    counts = dict.fromkeys(ops, 0)
+    for op, nth, err, visible in _sweep(ops, swap, before):
+        counts[op] += 1
+        assert isinstance(err, OSError) and err.errno == errno.EIO, f"{op} #{nth}: {err!r}"
+        want = b"new" if visible else b"old"
+        assert (target / "model.pt").read_bytes() == want, (op, nth, visible)
     assert counts["fsync"] and counts["rename"], counts
 
 
