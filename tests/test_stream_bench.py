@@ -69,3 +69,14 @@ def test_bench_stream_cli_smoke(tmp_path, capsys) -> None:
         assert all(r["limit"] == 2 << 30 and r["cgroup_peak"] for r in runs)
     assert os.path.getsize(tmp_path / "r.png") > 0
     assert not [n for n in os.listdir(tmp_path) if n.startswith("fastpersist-stream-")]  # work dir removed
+    assert d["malloc_mmap_threshold"] == 1 << 20 and "MALLOC_MMAP_THRESHOLD_" in out
+
+
+def test_runs_get_a_fixed_malloc_mmap_threshold(monkeypatch) -> None:
+    # Accelerate's disk offload frees a copy of every layer's weights after each forward; under
+    # glibc's dynamic threshold those blocks stay in the heap and the process grows to most of
+    # the model (the OOM killer then ends it under any limit the benchmark sets).
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "999")
+    assert sb.child_env(1 << 20)["MALLOC_MMAP_THRESHOLD_"] == str(1 << 20)
+    assert "MALLOC_MMAP_THRESHOLD_" not in sb.child_env(0)
+    assert sb.child_env(0)["PATH"] == os.environ["PATH"]
