@@ -7,6 +7,7 @@ Public API::
     fastpersist.verify(path)             # checksum every payload byte
     fastpersist.save_file(tensors, path, metadata=None)  # drop-in for safetensors.torch.save_file
     fastpersist.load_file(path, device="cpu")            # drop-in for safetensors.torch.load_file
+    fastpersist.load_model(model, path)                  # drop-in for safetensors.torch.load_model
     fastpersist.save_async(obj, path)    # background save, bytes as at the call (snapshot or lazy + guard)
     fastpersist.patch_torch_save()       # route torch.save/torch.load through fastpersist
     fastpersist.Config                   # engine, buffers, queue depth, threads, O_DIRECT, fsync, checksum
@@ -21,7 +22,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from fastpersist import io  # noqa: E402
-from fastpersist.api import load, load_file, save, save_file, verify  # noqa: E402
+from fastpersist.api import load, load_file, load_model, save, save_file, verify  # noqa: E402
 from fastpersist.asyncsave import SaveFuture, guard, save_async, wait_all  # noqa: E402
 from fastpersist.config import Config  # noqa: E402
 from fastpersist.patch import patch_torch_save, unpatch_torch_save  # noqa: E402
@@ -42,6 +43,7 @@ __all__ = [
     "io",
     "load",
     "load_file",
+    "load_model",
     "guard",
     "patch_torch_save",
     "save",

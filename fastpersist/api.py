@@ -25,9 +25,10 @@ import torch
 from fastpersist import distributed, pending, pipeline
 from fastpersist.formats.base import VerifyResult
 from fastpersist.formats.registry import FORMATS as _FORMAT_TABLE
-from fastpersist.formats.safetensors import DEFAULT_SAFETENSORS_METADATA, safetensors_metadata
+from fastpersist.formats.safetensors import DEFAULT_SAFETENSORS_METADATA, load_into_model, safetensors_metadata
 
-__all__ = ["DEFAULT_SAFETENSORS_METADATA", "FORMATS", "VerifyResult", "load", "load_file", "safetensors_metadata",
+__all__ = ["DEFAULT_SAFETENSORS_METADATA", "FORMATS", "VerifyResult", "load", "load_file", "load_model",
+           "safetensors_metadata",
            "save", "save_file", "verify"]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -116,6 +117,28 @@ def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu",
         TypeError: ``filename`` is not str or os.PathLike.
     """
     return pipeline.load_file(filename, device, backend=backend, config=config)
+
+
+def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
+               device: Union[str, int, torch.device] = "cpu", *, backend: str = "mmap",
+               config: Any = None) -> tuple[list[str], list[str]]:
+    """Drop-in for ``safetensors.torch.load_model``: the tensors of a ``.safetensors``
+    file (read as :func:`load_file` reads it) into ``model``. The file holds one name
+    of each group of tied weights (what ``safetensors.torch.save_model`` writes); the
+    model's other names of the group count neither as missing nor, unless the file
+    has them too, as unexpected.
+
+    Returns:
+        ``(missing, unexpected)``: the model's names the file did not fill, the file's
+        names the model did not use.
+
+    Raises:
+        RuntimeError: ``strict`` and a name is missing or unexpected (all are listed),
+            or tied weights none of whose names covers their storage.
+        Everything :func:`load_file` raises.
+    """
+    state_dict = pipeline.load_file(filename, device, backend=backend, config=config)
+    return load_into_model(model, state_dict, strict)
 
 
 def load(

@@ -220,29 +220,9 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
 
 def _load_model(model: Any, filename: Any, strict: bool = True, device: Any = "cpu", **kwargs: Any) -> Any:
     s = _active.get()
-    try:
-        from safetensors.torch import _remove_duplicate_names
-    except ImportError:  # pragma: no cover - a safetensors without the helper
-        _remove_duplicate_names = None
-    if s is None or _remove_duplicate_names is None or kwargs:
+    if s is None or set(kwargs) - {"backend"}:
         return _originals["load_model"](model, filename, strict=strict, device=device, **kwargs)
-    # safetensors.torch.load_model, reading the file with fastpersist.
-    state_dict = fastpersist.load(filename, map_location=str(device), config=s.config)
-    to_removes = _remove_duplicate_names(model.state_dict(), preferred_names=state_dict.keys())
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = set(missing)
-    for group in to_removes.values():
-        for name in group:
-            if name not in missing:
-                unexpected.append(name)
-            else:
-                missing.remove(name)
-    if strict and (missing or unexpected):
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {model.__class__.__name__}: "
-            f"missing keys {sorted(missing)}, unexpected keys {sorted(unexpected)}"
-        )
-    return missing, unexpected
+    return fastpersist.load_model(model, filename, strict=strict, device=str(device), config=s.config, **kwargs)
 
 
 class _TorchForCheckpointing:

@@ -440,6 +440,24 @@ def spawn_ranks(world: int, target: Callable[..., None], args: tuple, limit: flo
     return codes
 
 
+def gloo_rank(rank: int, world: int, port: int, d: str, body: Callable[..., dict], *args: Any) -> None:
+    """A :func:`spawn_ranks` target: joins a gloo group of ``world`` ranks, runs
+    ``body(rank, world, d, *args)`` (a module-level function returning this rank's results),
+    leaves the group, and writes the results to ``result-{rank}.pkl`` in ``d`` for
+    :func:`rank_results`; an exception is reported as ``{"error": traceback}``."""
+    import torch.distributed as dist
+
+    out: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        out.update(body(rank, world, d, *args))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test
+        out["error"] = traceback.format_exc()
+    with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
 def rank_results(d: str, world: int) -> list[dict]:
     """Every rank's ``result-{rank}.pkl`` in ``d`` (``{}`` for a rank that wrote none)."""
     results = []

@@ -98,7 +98,7 @@ def _same(a, b, path="") -> None:
 
 
 def _spy(monkeypatch, log: list) -> None:
-    real_save, real_load = fastpersist.save, fastpersist.load
+    real_save, real_load, real_load_model = fastpersist.save, fastpersist.load, fastpersist.load_model
 
     def save(obj, path, **kw):
         log.append(("save", os.path.basename(os.fspath(path)), kw.get("group") is not None))
@@ -108,8 +108,13 @@ def _spy(monkeypatch, log: list) -> None:
         log.append(("load", os.path.basename(os.fspath(path)), False))
         return real_load(path, *a, **kw)
 
+    def load_model(model, path, *a, **kw):  # the model's safetensors file
+        log.append(("load", os.path.basename(os.fspath(path)), False))
+        return real_load_model(model, path, *a, **kw)
+
     monkeypatch.setattr(fastpersist, "save", save)
     monkeypatch.setattr(fastpersist, "load", load)
+    monkeypatch.setattr(fastpersist, "load_model", load_model)
 
 
 def written_by_fastpersist(path: str) -> bool:

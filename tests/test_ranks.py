@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import pickle
-import traceback
-
 import torch.distributed as dist
 
 from fastpersist import ranks
@@ -31,24 +27,15 @@ def test_one_initialized_rank_has_no_world_group():
         dist.destroy_process_group()
 
 
-def _worker(rank: int, world: int, port: int, d: str) -> None:
-    out: dict = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        out["rank"], out["world"] = ranks.global_rank(), ranks.world_size()
-        out["gathered"] = ranks.all_gather((rank, f"r{rank}"))
-        out["world_group"] = ranks.world_group() is dist.group.WORLD
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the test
-        out["error"] = traceback.format_exc()
-    with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
+def _body(rank: int, world: int, d: str) -> dict:
+    return {"rank": ranks.global_rank(), "world": ranks.world_size(),
+            "gathered": ranks.all_gather((rank, f"r{rank}")), "world_group": ranks.world_group() is dist.group.WORLD}
 
 
 def test_three_ranks(tmp_path):
-    from test_distributed import rank_results, spawn_ranks
+    from test_distributed import gloo_rank, rank_results, spawn_ranks
 
-    assert spawn_ranks(3, _worker, (str(tmp_path),), 240) == [0, 0, 0]
+    assert spawn_ranks(3, gloo_rank, (str(tmp_path), _body), 240) == [0, 0, 0]
     for r, res in enumerate(rank_results(str(tmp_path), 3)):
         assert "error" not in res, res.get("error")
         assert (res["rank"], res["world"]) == (r, 3)

@@ -4,8 +4,6 @@ when the replicas are equal, else by the designated writer alone (real gloo rank
 from __future__ import annotations
 
 import os
-import pickle
-import traceback
 
 import torch
 
@@ -26,37 +24,31 @@ def _state(rank: int, differ: bool) -> dict:
     return state
 
 
-def _worker(rank: int, world: int, port: int, d: str) -> None:
+def _body(rank: int, world: int, d: str) -> dict:
     import torch.distributed as dist
 
     out: dict = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        calls: list = []
+    calls: list = []
 
-        def counting_save(obj, path, **kw):
-            calls.append((os.path.basename(os.fspath(path)), kw.get("group") is not None))
-            return fastpersist.save(obj, path, **kw)
+    def counting_save(obj, path, **kw):
+        calls.append((os.path.basename(os.fspath(path)), kw.get("group") is not None))
+        return fastpersist.save(obj, path, **kw)
 
-        group = dist.group.WORLD
-        out["same"] = replicated.save_replicated(_state(rank, False), os.path.join(d, "same.pt"), group=group,
-                                                 writer=rank == 0, format="torch", save=counting_save)
-        out["differ"] = replicated.save_replicated(_state(rank, True), os.path.join(d, "differ.pt"), group=group,
-                                                   writer=rank == 0, format="torch", save=counting_save)
-        out["calls"] = calls
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the test
-        out["error"] = traceback.format_exc()
-    with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
+    group = dist.group.WORLD
+    out["same"] = replicated.save_replicated(_state(rank, False), os.path.join(d, "same.pt"), group=group,
+                                             writer=rank == 0, format="torch", save=counting_save)
+    out["differ"] = replicated.save_replicated(_state(rank, True), os.path.join(d, "differ.pt"), group=group,
+                                               writer=rank == 0, format="torch", save=counting_save)
+    out["calls"] = calls
+    dist.barrier()
+    return out
 
 
 def test_two_ranks_write_together_or_the_writer_alone(tmp_path):
-    from test_distributed import rank_results, spawn_ranks  # tests/ is on sys.path (rootdir conftest)
+    from test_distributed import gloo_rank, rank_results, spawn_ranks  # tests/ is on sys.path (rootdir conftest)
 
     d = str(tmp_path)
-    assert spawn_ranks(2, _worker, (d,), 240) == [0, 0]
+    assert spawn_ranks(2, gloo_rank, (d, _body), 240) == [0, 0]
     results = rank_results(d, 2)
     for r in results:
         assert "error" not in r, r.get("error")
@@ -95,37 +87,31 @@ class _Unpicklable:
         raise TypeError("cannot pickle this (test)")
 
 
-def _agree_worker(rank: int, world: int, port: int, d: str) -> None:
+def _agree_body(rank: int, world: int, d: str) -> dict:
     import torch.distributed as dist
 
     out: dict = {}
+    group = dist.group.WORLD
+    same = {"epoch": 3, "cb": ["a", "b"]}
+    differ, got = replicated.rank0_if_different(same, group)
+    out["same"] = (differ, got is same)  # this rank's own object, untouched
+    shared = [rank]
+    mine = {"metric": float(rank), "x": shared, "y": shared}
+    differ, got = replicated.rank0_if_different(mine, group)
+    out["differ"] = (differ, got, got["x"] is got["y"], got is mine)
+    bad = {"ok": 1} if rank == 0 else {"ok": _Unpicklable()}
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        group = dist.group.WORLD
-        same = {"epoch": 3, "cb": ["a", "b"]}
-        differ, got = replicated.rank0_if_different(same, group)
-        out["same"] = (differ, got is same)  # this rank's own object, untouched
-        shared = [rank]
-        mine = {"metric": float(rank), "x": shared, "y": shared}
-        differ, got = replicated.rank0_if_different(mine, group)
-        out["differ"] = (differ, got, got["x"] is got["y"], got is mine)
-        bad = {"ok": 1} if rank == 0 else {"ok": _Unpicklable()}
-        try:
-            replicated.rank0_if_different(bad, group, what="the test state")
-            out["unpicklable"] = None
-        except ReplicasDifferError as e:
-            out["unpicklable"] = (str(e), e.difference)
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the test
-        out["error"] = traceback.format_exc()
-    with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
+        replicated.rank0_if_different(bad, group, what="the test state")
+        out["unpicklable"] = None
+    except ReplicasDifferError as e:
+        out["unpicklable"] = (str(e), e.difference)
+    return out
 
 
 def test_rank0_if_different(tmp_path):
-    from test_distributed import rank_results, spawn_ranks
+    from test_distributed import gloo_rank, rank_results, spawn_ranks
 
-    assert spawn_ranks(2, _agree_worker, (str(tmp_path),), 240) == [0, 0]
+    assert spawn_ranks(2, gloo_rank, (str(tmp_path), _agree_body), 240) == [0, 0]
     results = rank_results(str(tmp_path), 2)
     for r in results:
         assert "error" not in r, r.get("error")

@@ -14,6 +14,7 @@ import torch
 safetensors = pytest.importorskip("safetensors")
 import safetensors.torch as st  # noqa: E402
 
+import fastpersist  # noqa: E402
 from fastpersist.config import Config  # noqa: E402
 from fastpersist.errors import ChecksumError  # noqa: E402
 from fastpersist.formats import safetensors as fst  # noqa: E402
@@ -608,3 +609,63 @@ def test_header_checksum_in_two_entries_is_reported(tmp_path: Path) -> None:
     path.write_bytes(data[:8] + text + b" " * (n - len(text)) + data[8 + n :])
     result = fastpersist.verify(path)
     assert result.status == "corrupt" and fst.ENTRY_HEADER_CRC_KEY in "\n".join(result.problems)
+
+
+# --------------------------------------------------------------------------- load_model
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied, as a language model's head
+
+
+def _fresh_tied(seed: int) -> _Tied:
+    torch.manual_seed(seed)
+    return _Tied()
+
+
+def test_load_model_matches_safetensors_load_model(tmp_path) -> None:
+    # The same file into two fresh models, by safetensors and by fastpersist: the same
+    # (missing, unexpected), the same weights, the tie kept.
+    path = str(tmp_path / "m.safetensors")
+    st.save_model(_fresh_tied(0), path)
+    a, b = _fresh_tied(1), _fresh_tied(2)
+    want = st.load_model(a, path)
+    got = fastpersist.load_model(b, path)
+    assert (sorted(got[0]), sorted(got[1])) == (sorted(want[0]), sorted(want[1])) == ([], [])
+    for (na, ta), (nb, tb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and torch.equal(ta, tb)
+    assert b.head.weight is b.embed.weight
+    # fastpersist's own file (the model's tensors, one name per tie) loads the same way
+    fastpersist.save_file({k: v for k, v in _fresh_tied(0).state_dict().items() if k != "head.weight"},
+                          str(tmp_path / "fp.safetensors"))
+    c = _fresh_tied(3)
+    assert fastpersist.load_model(c, str(tmp_path / "fp.safetensors")) == ([], [])
+    assert torch.equal(c.embed.weight, a.embed.weight) and c.head.weight is c.embed.weight
+
+
+def test_load_model_reports_names_like_safetensors(tmp_path) -> None:
+    sd = {k: v for k, v in _fresh_tied(0).state_dict().items() if k not in ("head.weight", "body.bias")}
+    sd["extra"] = torch.zeros(3)
+    path = str(tmp_path / "partial.safetensors")
+    st.save_file(sd, path)
+    for strict in (True, False):
+        outcomes = []
+        for loader in (st.load_model, fastpersist.load_model):
+            try:
+                m, u = loader(_fresh_tied(1), path, strict=strict)
+                outcomes.append((sorted(m), sorted(u)))
+            except RuntimeError as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[1] == (["body.bias"], ["extra"])
+    # the file naming the tie by its other name: that name is kept, nothing is reported
+    swapped = {k: v for k, v in _fresh_tied(0).state_dict().items() if k != "embed.weight"}
+    st.save_file(swapped, str(tmp_path / "swapped.safetensors"))
+    m = _fresh_tied(1)
+    assert fastpersist.load_model(m, str(tmp_path / "swapped.safetensors")) == ([], [])
+    assert torch.equal(m.embed.weight, swapped["head.weight"])

@@ -365,6 +365,67 @@ def _find_shared(tensors: dict[str, torch.Tensor]) -> list[list[str]]:
     return groups
 
 
+def _covers_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its storage's whole extent (the one name of a shared group that can stand for it)."""
+    return t.data_ptr() == t.untyped_storage().data_ptr() and \
+        t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
+def duplicate_names(state_dict: dict[str, torch.Tensor], preferred: Any = ()) -> dict[str, list[str]]:
+    """For every group of names sharing bytes in ``state_dict`` (a model's tied weights),
+    the name kept and the others, as ``safetensors.torch.save_model``/``load_model``
+    choose them: among the names covering the whole storage, the first in sorted order
+    of those in ``preferred`` (the names a file holds), else the first of all.
+
+    Raises:
+        RuntimeError: no name of a group covers its whole storage (safetensors' refusal).
+    """
+    preferred = set(preferred)
+    out: dict[str, list[str]] = {}
+    for group in _find_shared(state_dict):
+        complete = sorted(n for n in group if _covers_storage(state_dict[n]))
+        if not complete:
+            raise RuntimeError(
+                f"tensors {group} share memory and none of them covers the whole storage: no name can stand for "
+                "the others (safetensors refuses such a model too; see "
+                "https://huggingface.co/docs/safetensors/torch_shared_tensors)")
+        keep = next((n for n in complete if n in preferred), complete[0])
+        out[keep] = [n for n in group if n != keep]
+    return out
+
+
+def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True
+                    ) -> tuple[list[str], list[str]]:
+    """``model.load_state_dict(state_dict)`` as ``safetensors.torch.load_model`` does it:
+    a file holds one name of each group of tied weights, so the model's other names of
+    a group are neither missing nor (when the file has them too) silently taken.
+
+    Returns:
+        ``(missing, unexpected)``: the model's names the file did not fill, the file's
+        names the model did not use.
+
+    Raises:
+        RuntimeError: ``strict`` and either list is not empty (the names are listed).
+    """
+    drop = duplicate_names(model.state_dict(), preferred=state_dict.keys())
+    missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = set(missing_list)
+    for names in drop.values():
+        for name in names:
+            if name in missing:
+                missing.remove(name)
+            else:
+                unexpected.append(name)
+    if strict and (missing or unexpected):
+        error = f"Error(s) in loading state_dict for {model.__class__.__name__}:"
+        if missing:
+            error += "\n    Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(missing))
+        if unexpected:
+            error += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected))
+        raise RuntimeError(error)
+    return sorted(missing), unexpected
+
+
 def _prepare(name: str, t: torch.Tensor, keep_device: Any = None) -> torch.Tensor:
     """Validate one tensor and return a CPU tensor whose memory holds exactly its bytes
     (a tensor on its own device when ``keep_device(storage)`` says so: a device source)."""

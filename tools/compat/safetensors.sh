@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # safetensors' own torch tests (bindings/python/tests/test_pt_comparison.py and
 # test_pt_model.py), stock or with fastpersist standing in for
-# safetensors.torch.save_file/load_file (tools/compat/safetensors_plugin.py).
+# safetensors.torch.save_file/load_file/load_model (tools/compat/safetensors_plugin.py).
 #
 #   bash tools/compat/safetensors.sh SCRATCH stock|fastpersist
 #
