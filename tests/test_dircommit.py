@@ -332,7 +332,10 @@ def test_why_not_staged(tmp_path, monkeypatch):
             == f"{tmp_path} and {tmp_path / 'elsewhere'} are on different filesystems")
 
 
-def test_fsync_tree_syncs_every_file_and_directory_but_not_the_parent(tmp_path, monkeypatch):
+@pytest.mark.parametrize("with_parent", [False, True], ids=["fsync_tree", "fsync_tree_and_parent"])
+def test_fsync_tree_syncs_every_file_and_directory_bottom_up(tmp_path, monkeypatch, with_parent):
+    # fsync_tree: every file (not a link) and every directory, bottom-up, not the parent;
+    # fsync_tree_and_parent: the same, then the parent (which holds the tree's name) last.
     root = tmp_path / "root"
     _write(str(root / "a"), "a")
     _write(str(root / "sub" / "b"), "b")
@@ -340,9 +343,9 @@ def test_fsync_tree_syncs_every_file_and_directory_but_not_the_parent(tmp_path, 
     files, dirs = [], []
     monkeypatch.setattr(dircommit, "fsync_path", files.append)
     monkeypatch.setattr(dircommit, "fsync_dir", dirs.append)
-    dircommit.fsync_tree(str(root))
+    (dircommit.fsync_tree_and_parent if with_parent else dircommit.fsync_tree)(str(root))
     assert sorted(files) == [str(root / "a"), str(root / "sub" / "b")]
-    assert dirs == [str(root / "sub"), str(root)]  # bottom-up
+    assert dirs == [str(root / "sub"), str(root)] + ([str(tmp_path)] if with_parent else [])
 
 
 # ---- StagedDir, rebase, fsync_tree_and_parent: the steps both adapters compose
@@ -365,19 +368,6 @@ def test_rebase_compares_absolute_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert dircommit.rebase("tag/x.pt", str(tmp_path / "tag"), "/new") == "/new/x.pt"
     assert dircommit.rebase(str(tmp_path / "tag" / "x.pt"), "tag", "/new") == "/new/x.pt"
-
-
-def test_fsync_tree_and_parent_syncs_every_entry_then_the_parent(tmp_path, monkeypatch):
-    root = tmp_path / "ckpt"
-    _write(str(root / "a.pt"), "a")
-    _write(str(root / "sub" / "b.pt"), "b")
-    os.symlink("a.pt", root / "link")
-    files, dirs = [], []
-    monkeypatch.setattr(dircommit, "fsync_path", files.append)
-    monkeypatch.setattr(dircommit, "fsync_dir", dirs.append)
-    dircommit.fsync_tree_and_parent(str(root))
-    assert sorted(files) == [str(root / "a.pt"), str(root / "sub" / "b.pt")]  # not the link
-    assert dirs == [str(root / "sub"), str(root), str(tmp_path)]  # bottom-up, the parent last
 
 
 def test_staged_dir_names(tmp_path):
