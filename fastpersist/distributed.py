@@ -1193,6 +1193,7 @@ def load(
         raise TypeError(f"a collective load reads a file path (str or os.PathLike), got {type(path).__name__}")
     fspath = os.fsdecode(os.fspath(path))
     co = Coordinator(group, cfg.dist_timeout, f"fastpersist.load({fspath!r}) over {dist.get_world_size(group)} ranks")
+    global _last_load_phases
     try:
         mode = cfg.dist_load
         if mode == "auto":
@@ -1213,6 +1214,20 @@ def load(
         return result
     finally:
         co.finish()
+        _last_load_phases = co.phases(time.monotonic())
+        log.debug("%s: phases (step, local s, exchange s): %s", co.what, _last_load_phases)
+
+
+_last_load_phases: list[tuple[str, float, float]] = []
+
+
+def last_load_phases() -> list[tuple[str, float, float]]:
+    """Where this rank's last collective load (``load(..., group=...)``) spent its time, as
+    :func:`last_save_phases` says it for saves: ``open`` (the file's fingerprint), ``read``
+    (this rank's slice, or with ``dist_load="whole"`` nothing), ``exchange`` (the slices'
+    broadcasts: local time 0, all of it in the exchange), ``load`` (the ordinary loader on
+    the assembled bytes, or on the whole file), then ``end``. For benchmarks."""
+    return list(_last_load_phases)
 
 
 def _fingerprint(fspath: str) -> tuple[int, str]:
@@ -1290,6 +1305,7 @@ def _exchange(co: Coordinator, buf: torch.Tensor, bounds: list[tuple[int, int]])
                     buf[lo:hi].copy_(t)
     except Exception as exc:  # noqa: BLE001
         raise co._lost("exchange", exc, t0) from exc
+    co.trace.append(("exchange", t0, time.monotonic()))
 
 
 def _load_memfd(fd: int, fspath: str, cfg: Any, map_location: Any, local_load: Callable[[Any], Any]) -> Any:

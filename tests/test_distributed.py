@@ -81,11 +81,16 @@ def sc_identical(rank: int, world: int, d: str) -> Any:
 def sc_load(rank: int, world: int, d: str) -> Any:
     from conftest import assert_same_object
 
+    from fastpersist.distributed import last_load_phases
+
     wg = torch.distributed.group.WORLD
     for mode in ("slices", "whole"):
         c = cfg().replace(dist_load=mode)
         got = fastpersist.load(os.path.join(d, "ref.pt"), group=wg, config=c, weights_only=True)
         assert_same_object(got, state())
+        # where the load's time went, step by step (bench dist reports these)
+        steps = [step for step, local, wait in last_load_phases() if local >= 0 and wait >= 0]
+        assert steps == (["open", "read", "exchange", "load", "end"] if mode == "slices" else ["hosts", "load", "end"]), steps
         got = fastpersist.load(os.path.join(d, "ref.safetensors"), group=wg, config=c)
         assert_same_object(by_name(got), by_name(tensors()))
     # whole-file loads by ranks of one host go through the page cache (read once by the host)

@@ -86,7 +86,8 @@ else:
         torchload._Arena.allocate = allocate
     cfg = fastpersist.Config(**kw)
     t = time.perf_counter(); sd = fastpersist.load(path, config=cfg); out["s"] = time.perf_counter() - t
-r = os.getrusage(os.RUSAGE_SELF)
+import resource
+r = resource.getrusage(resource.RUSAGE_SELF)
 out.update(minflt=r.ru_minflt, utime=r.ru_utime, stime=r.ru_stime)
 print("RESULT " + json.dumps(out))
 """

@@ -71,7 +71,7 @@ from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, remove_path
 from fastpersist.bench.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.save_bench import build_workload
 from fastpersist.bench.units import format_bytes, gbps, median, ratio
-from fastpersist.distributed import last_save_phases
+from fastpersist.distributed import last_load_phases, last_save_phases
 from fastpersist.io import libc_handle
 
 REPLICATED = ("fastpersist group", "fastpersist rank 0", "torch rank 0")
@@ -116,6 +116,8 @@ class DistBenchResult:
     order: list[list[str]] = field(default_factory=list)
     #: per timed group save, per rank: ``(step, local s, exchange s)`` (``distributed.last_save_phases``)
     group_phases: list[Any] = field(default_factory=list)
+    #: per timed group load, per rank: ``(step, local s, exchange s)`` (``distributed.last_load_phases``)
+    group_load_phases: list[Any] = field(default_factory=list)
     #: each rank's write and read limit in bytes/s (its own cgroup), or None
     rank_bandwidth: Optional[int] = None
     #: the cgroup setup: controller, device, and what the limit files said
@@ -126,12 +128,13 @@ class DistBenchResult:
         """``ranks x rank_bandwidth`` in GB/s (None without limits)."""
         return self.ranks * self.rank_bandwidth / 1e9 if self.rank_bandwidth else None
 
-    def group_phase_medians(self) -> list[dict[str, Any]]:
-        """Per rank, per step: median seconds of local work before the step and of its exchange."""
+    def group_phase_medians(self, load: bool = False) -> list[dict[str, Any]]:
+        """Per rank, per step: median seconds of local work before the step and of its exchange
+        (of the group's saves, or with ``load`` of its loads)."""
         out = []
         for r in range(self.ranks):
             steps: dict[str, tuple[list[float], list[float]]] = {}
-            for run in self.group_phases:
+            for run in (self.group_load_phases if load else self.group_phases):
                 for step, local, wait in (run[r] if r < len(run) and run[r] else []):
                     a, b = steps.setdefault(step, ([], []))
                     a.append(local)
@@ -198,6 +201,8 @@ class DistBenchResult:
             "order": [list(r) for r in self.order],
             "group_save_phases": [[[list(p) for p in rk] if rk else [] for rk in run] for run in self.group_phases],
             "group_save_phase_medians": self.group_phase_medians(),
+            "group_load_phases": [[[list(p) for p in rk] if rk else [] for rk in run] for run in self.group_load_phases],
+            "group_load_phase_medians": self.group_phase_medians(load=True),
         }
 
 
@@ -369,6 +374,7 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
     shuffler = random.Random(opts["seed"])
     order: list[list[str]] = []
     phases: list[Any] = []  # per timed group save: every rank's last_save_phases()
+    load_phases: list[Any] = []  # per timed group load: every rank's last_load_phases()
     for run in range(opts["repeat"]):
         steps = list(names)
         shuffler.shuffle(steps)
@@ -410,6 +416,10 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
                 if any(statuses):
                     r["error"] = next(s for s in statuses if s)
                     continue
+                if name == "fastpersist group":
+                    per_rank = [None] * ranks
+                    dist.all_gather_object(per_rank, last_load_phases())
+                    load_phases.append(per_rank)
                 r["save"].append(save_s)
                 r["load"].append(load_s)
             finally:
@@ -417,7 +427,7 @@ def _run_rank(rank: int, ranks: int, workdir: str, opts: dict) -> dict:
                 if rank == 0 and not (opts["keep"] and run == opts["repeat"] - 1):
                     remove_path(target)
     return {"workload": workload, "results": res, "verification": verification, "order": order,
-            "group_phases": phases}
+            "group_phases": phases, "group_load_phases": load_phases}
 
 
 def _release_heap() -> None:
@@ -558,8 +568,8 @@ def run_dist_bench(
                      "(cgroup v1 leaves the flusher threads' background write-back unlimited: check with "
                      "fastpersist.bench.cgroup.check_limit)")
     return DistBenchResult(machine, ranks, threads, workload, repeat, methods, data["verification"], notes,
-                           data["order"], data.get("group_phases", []), rank_bandwidth=rank_bandwidth,
-                           bandwidth_setup=setup)
+                           data["order"], data.get("group_phases", []), data.get("group_load_phases", []),
+                           rank_bandwidth=rank_bandwidth, bandwidth_setup=setup)
 
 
 # --------------------------------------------------------------------------- report
@@ -611,10 +621,11 @@ def print_dist_report(result: DistBenchResult, out: Optional[TextIO] = None) -> 
     print(f"Group save vs 1-rank fastpersist.save: {_ratio(d['group_save_vs_one_rank'])}; "
           f"group load (slices) vs every rank reading the whole file: {_ratio(d['group_load_vs_every_rank_whole'])}",
           file=out)
-    for r, steps in enumerate(result.group_phase_medians()):
-        if steps:
-            parts = " ".join(f"{k} {_num2(x['local_s'])}+{_num2(x['exchange_s'])}" for k, x in steps.items())
-            print(f"Group phases rank {r} (median s, local+exchange): {parts}", file=out)
+    for what, load in (("", False), ("load ", True)):
+        for r, steps in enumerate(result.group_phase_medians(load=load)):
+            if steps:
+                parts = " ".join(f"{k} {_num2(x['local_s'])}+{_num2(x['exchange_s'])}" for k, x in steps.items())
+                print(f"Group {what}phases rank {r} (median s, local+exchange): {parts}", file=out)
     v = result.verification
     print(f"Verified   : group file byte-identical to the 1-rank file: "
           f"{v.get('group_file_identical_to_one_rank')}; group load equals the state on every rank: "
