@@ -523,18 +523,16 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(result.to_dict(), args.json)
         if args.json != "-":
-            print(f"JSON       : {os.path.abspath(args.json)} (every run, the fio sweep, the machine)", file=out)
+            report.say(f"JSON       : {os.path.abspath(args.json)} (every run, the fio sweep, the machine)", out)
     if not args.no_plot:
         try:
             report.plot_save(result, args.plot)
         except ImportError as exc:  # the chart is a convenience: its absence does not fail the benchmark
-            print(f"Plot       : not written ({exc}; pip install matplotlib)", file=out)
+            report.say(f"Plot       : not written ({exc}; pip install matplotlib)", out)
         except OSError as exc:
-            print(f"Plot       : not written ({_describe(exc)}; choose another path with --plot FILE.png)",
-                  file=out)
+            report.say(f"Plot       : not written ({_describe(exc)}; choose another path with --plot FILE.png)", out)
         else:
-            print(f"Plot       : {os.path.abspath(args.plot)} (--plot FILE.png to choose, --no-plot for none)",
-                  file=out)
+            report.say(f"Plot       : {os.path.abspath(args.plot)} (--plot FILE.png to choose, --no-plot for none)", out)
     fp = result.method("fastpersist")
     v = result.verification
     failed = fp is None or fp.error is not None or not v.get("ok", False) or v.get("into_ok") is False
