@@ -523,7 +523,7 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(result.to_dict(), args.json)
         if args.json != "-":
-            report.say(f"JSON       : {os.path.abspath(args.json)} (every run, the fio sweep, the machine)", out)
+            _say_path("JSON", os.path.abspath(args.json), "(every run, the fio sweep, the machine)", out)
     if not args.no_plot:
         try:
             report.plot_save(result, args.plot)
@@ -532,11 +532,22 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         except OSError as exc:
             report.say(f"Plot       : not written ({_describe(exc)}; choose another path with --plot FILE.png)", out)
         else:
-            report.say(f"Plot       : {os.path.abspath(args.plot)} (--plot FILE.png to choose, --no-plot for none)", out)
+            _say_path("Plot", os.path.abspath(args.plot), "(--plot FILE.png to choose, --no-plot for none)", out)
     fp = result.method("fastpersist")
     v = result.verification
     failed = fp is None or fp.error is not None or not v.get("ok", False) or v.get("into_ok") is False
     return 1 if failed else 0
+
+
+def _say_path(key: str, path: str, hint: str, out: Any) -> None:
+    """``Key        : path hint`` within 100 columns where it fits; else the path stays whole
+    on the key's line and the hint goes on the next one, indented."""
+    line = f"{key:<11}: {path} {hint}"
+    if len(line) <= report.WIDTH:
+        print(line, file=out)
+    else:
+        print(f"{key:<11}: {path}", file=out)
+        report.say(" " * 13 + hint, out)
 
 
 def _bench_gpu(args: argparse.Namespace, kind: str) -> int:

@@ -89,6 +89,7 @@ record's CRC, or the safetensors header).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -167,6 +168,18 @@ class DistributedTimeoutError(DistributedCheckpointError, TimeoutError):
 # --------------------------------------------------------------------------- coordination
 
 _side_groups: dict[tuple, Any] = {}
+
+
+def _drop_side_groups() -> None:
+    """At exit, drop this module's references to its gloo side groups while the interpreter
+    still runs, so that they are freed (their threads joined) then and not during interpreter
+    finalization, where a freed gloo group can abort the process with "terminate called
+    without an active exception" even after the user's ``destroy_process_group()`` (README's
+    multi-rank example did, once, in a CI run of session 14)."""
+    _side_groups.clear()
+
+
+atexit.register(_drop_side_groups)
 _op_counters: dict[tuple, int] = {}
 _stale_marks: dict[tuple, list[str]] = {}
 _announced: set[tuple] = set()
