@@ -121,7 +121,7 @@ def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu",
 
 def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
                device: Union[str, int, torch.device] = "cpu", *, backend: str = "mmap",
-               config: Any = None) -> tuple[list[str], list[str]]:
+               config: Any = None) -> tuple[set[str], list[str]]:
     """Drop-in for ``safetensors.torch.load_model``: the tensors of a ``.safetensors``
     file (read as :func:`load_file` reads it) into ``model``. The file holds one name
     of each group of tied weights (what ``safetensors.torch.save_model`` writes); the
@@ -129,8 +129,8 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
     has them too, as unexpected.
 
     Returns:
-        ``(missing, unexpected)``: the model's names the file did not fill, the file's
-        names the model did not use.
+        ``(missing, unexpected)``: the model's names the file did not fill (a set, as
+        safetensors returns it), the file's names the model did not use (a list).
 
     Raises:
         RuntimeError: ``strict`` and a name is missing or unexpected (all are listed),

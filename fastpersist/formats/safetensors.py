@@ -395,17 +395,17 @@ def duplicate_names(state_dict: dict[str, torch.Tensor], preferred: Any = ()) ->
 
 
 def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True
-                    ) -> tuple[list[str], list[str]]:
+                    ) -> tuple[set[str], list[str]]:
     """``model.load_state_dict(state_dict)`` as ``safetensors.torch.load_model`` does it:
     a file holds one name of each group of tied weights, so the model's other names of
     a group are neither missing nor (when the file has them too) silently taken.
 
     Returns:
-        ``(missing, unexpected)``: the model's names the file did not fill, the file's
-        names the model did not use.
+        ``(missing, unexpected)``: the model's names the file did not fill (a set, as
+        safetensors returns it), the file's names the model did not use (a list).
 
     Raises:
-        RuntimeError: ``strict`` and either list is not empty (the names are listed).
+        RuntimeError: ``strict`` and either is not empty (the names are listed).
     """
     drop = duplicate_names(model.state_dict(), preferred=state_dict.keys())
     missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
@@ -423,7 +423,7 @@ def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor],
         if unexpected:
             error += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected))
         raise RuntimeError(error)
-    return sorted(missing), unexpected
+    return missing, unexpected
 
 
 def _prepare(name: str, t: torch.Tensor, keep_device: Any = None) -> torch.Tensor:
