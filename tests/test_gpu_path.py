@@ -320,3 +320,30 @@ def test_safetensors_round_trip_on_cuda(tmp_path, monkeypatch):
     ref = load_file(p, device="cpu")
     for k, v in sd.items():
         _same(ref[k], out[k].cpu())
+
+
+def test_no_device_wide_synchronize_on_save_and_load(tmp_path, monkeypatch):
+    """Saves and loads order themselves with streams and events, never cudaDeviceSynchronize
+    (which would stall every stream of the device, the training step's too)."""
+    sd = {f"w{i}": torch.randn(1 << 20, device="cuda") for i in range(4)}
+    p = str(tmp_path / "a.pt")
+    fastpersist.save(sd, p)  # warm-up: windows registered, side streams made
+    calls = []
+    real = torch.cuda.synchronize
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", spy)
+    fastpersist.save(sd, p)
+    fut = fastpersist.save_async(sd, str(tmp_path / "b.pt"))
+    fut.wait()
+    assert fut.exception() is None
+    out = fastpersist.load(p, map_location="cuda", weights_only=True)
+    s = str(tmp_path / "c.safetensors")
+    fastpersist.save(sd, s)
+    out2 = fastpersist.load(s, map_location="cuda")
+    assert calls == []
+    for k, v in sd.items():
+        assert torch.equal(out[k], v) and torch.equal(out2[k], v)
