@@ -26,11 +26,12 @@ wrote them (docs/gpu.md).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -345,7 +346,16 @@ def read_to_device(load: Any, reader: Any, fd: int, dest: dict[str, torch.device
     items = [RingItem(r.entry.header_offset, r.data_offset, r.size, alloc(r.size, dest[r.short[5:]]))
              for r in records]
     if way is not None and way.load == "cufile":
-        _cufile_read(fd, load.path, reader, items)
+        try:
+            _cufile_read(fd, load.path, reader, items)
+        except OSError as e:
+            # cuFile loaded and its driver opened, but it refuses this file (no nvidia-fs, no
+            # compatibility mode): engine "auto" reads through the pinned ring instead
+            if engine == "cufile" or e.errno != errno.ENOTSUP:
+                raise
+            log.info("%s: cuFile refused the file (%s); reading through the pinned ring", load.path, e)
+            items = [replace(it, header=bytearray(), crc=0) for it in items]  # nothing half-read
+            ring_read(fd, reader, items, checksum=load.checksum)
     else:
         if way is not None:
             log.debug("%s: CUDA storages read through the pinned ring (%s)", load.path, way.load_reason)

@@ -10,6 +10,7 @@ destinations are covered by tests/test_gpu_path.py (skipped without a GPU).
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -17,8 +18,10 @@ import torch
 
 import fastpersist
 from fastpersist import _native, cudaload
+from fastpersist._sys import pread_full
 from fastpersist.errors import ChecksumError
 from fastpersist.formats import torchload
+from fastpersist.io import GpuPath
 
 
 def _state():
@@ -208,3 +211,40 @@ def test_ring_loads_leave_read_mode_statistics_alone(tmp_path, monkeypatch):
     _ring_for_cpu(monkeypatch)
     fastpersist.load(p, weights_only=True)
     assert len(recorded) == n  # no sample for a load whose storages took the ring
+
+
+@pytest.mark.parametrize("err", [errno.ENOTSUP, errno.EIO])
+def test_cufile_refusal_falls_back_to_the_ring(tmp_path, monkeypatch, err):
+    """cuFile's driver opened but cuFileHandleRegister refuses the file (ENOTSUP: seen on a
+    GPU VM whose filesystem has no nvidia-fs): engine "auto" reads the same records through
+    the ring, with nothing left over from the refused attempt (its headers were read already);
+    any other error is raised. CUDA destinations are declared, the bytes land in CPU tensors."""
+    p = str(tmp_path / "a.pt")
+    fastpersist.save(_state(), p)
+    monkeypatch.setattr(cudaload, "gpu_path", lambda *a, **k: GpuPath("pinned", "test", "cufile", "test"))
+    tried = []
+
+    def refused(fd, path, reader, items):  # as _cufile_read: headers read first, then the data op fails
+        for it in items:
+            it.header = bytearray(pread_full(fd, it.data_offset - it.header_offset, it.header_offset, path))
+        tried.append(len(items))
+        raise OSError(err, "cuFileHandleRegister refused the file", path)
+
+    monkeypatch.setattr(cudaload, "_cufile_read", refused)
+    fd, load = _open_load(p)
+    try:
+        dest = {r.short[5:]: torch.device("cuda") for r in load.records if r.short.startswith("data/") and r.size}
+        cpu = lambda n, dev: torch.empty(n, dtype=torch.uint8)  # noqa: E731
+        if err != errno.ENOTSUP:
+            with pytest.raises(OSError) as info:
+                cudaload.read_to_device(load, _native.Handle(), fd, dest, allocate=cpu)
+            assert info.value.errno == err
+            return
+        records = cudaload.read_to_device(load, _native.Handle(), fd, dest, allocate=cpu)
+    finally:
+        os.close(fd)
+    assert tried == [len(dest)] and len(records) == len(dest)
+    with open(p, "rb") as f:
+        data = f.read()
+    for r in records:
+        assert bytes(r.device.numpy()) == data[r.data_offset:r.data_offset + r.size]

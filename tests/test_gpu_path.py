@@ -239,7 +239,8 @@ def test_write_error_mid_copy_keeps_previous_checkpoint(tmp_path):
     _native.set_fault("write", 2, "EIO")
     try:
         fut = fastpersist.save_async(second, p, config=fastpersist.Config(async_staging_limit=4 << 20))
-        fut.wait()
+        with pytest.raises(OSError, match="previous file at this path is untouched"):
+            fut.wait()  # wait() raises the save's error
         assert isinstance(fut.exception(), OSError)
     finally:
         _native.clear_faults()
@@ -272,8 +273,13 @@ def test_gpu_path_and_cufile(tmp_path, monkeypatch):
     if cufile_status() != "available" or gpu_path(tmp_path, checksum=False).load != "cufile":
         pytest.skip(f"cuFile not usable here: {gpu_path(tmp_path, checksum=False).load_reason}")
     calls = _spy(monkeypatch, cudaload, "_cufile_read")
+    ring = _spy(monkeypatch, cudaload, "ring_read")
     out = fastpersist.load(f, map_location="cuda", weights_only=True, config=fastpersist.Config(checksum=False))
     assert calls and torch.equal(out["w"], sd["w"])
+    if ring:  # cuFile refused this file (ENOTSUP): the auto engine fell back to the ring, the loud one says why
+        with pytest.raises(OSError, match="cuFileHandleRegister refused"):
+            fastpersist.load(f, map_location="cuda", weights_only=True,
+                             config=fastpersist.Config(checksum=False, engine="cufile"))
 
 
 def test_cufile_fallback_reason_logged(tmp_path, caplog):
@@ -309,7 +315,7 @@ def test_safetensors_round_trip_on_cuda(tmp_path, monkeypatch):
     sd = {k: v for k, v in sd.items() if v.dtype in fastpersist.formats.safetensors.DTYPE_CODES}
     p = str(tmp_path / "a.safetensors")
     fastpersist.save(sd, p)
-    calls = _spy(monkeypatch, cudaload, "ring_read")
+    calls = _spy(monkeypatch, fastpersist.formats.safetensors, "ring_read")  # imported by name there
     out = fastpersist.load(p, map_location="cuda")
     assert calls
     for k, v in sd.items():

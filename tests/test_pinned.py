@@ -172,6 +172,10 @@ def test_is_page_locked_false_for_ordinary_memory() -> None:
 @needs_cuda
 def test_pinned_empty_cuda_registered() -> None:
     t = fio.pinned_empty(MiB, torch.float32)
+    # torch's is_pinned() answers False for any memory until torch itself has initialised
+    # CUDA (seen on an H200 with torch 2.11: cudaHostRegister had succeeded, is_pinned() was
+    # False before torch.cuda.init() and True after); every device copy initialises it first
+    torch.cuda.init()
     assert t.is_pinned()
     assert fio.is_page_locked(t)
     t.copy_(torch.arange(MiB, dtype=torch.float32))

@@ -134,7 +134,14 @@ CufileFile::CufileFile(int fd, std::string path) : path_(std::move(path)) {
   d.handle.fd = fd;
   CUfileHandle_t fh = nullptr;
   CUfileError_t e = c.handle_register(&fh, &d);
-  if (e.err != 0) throw IoError(EIO, "cuFileHandleRegister", path_, 0, 0);
+  // A refused registration means cuFile cannot serve this file (no nvidia-fs and no
+  // compatibility mode, a filesystem it does not support): ENOTSUP, so that callers
+  // that may choose another way (engine "auto") fall back instead of failing.
+  if (e.err != 0)
+    throw IoError(ENOTSUP,
+                  "cuFileHandleRegister refused the file (cuFile error " + std::to_string(e.err) +
+                      ", CUDA error " + std::to_string(e.cu_err) + "; see CUfileOpError in cufile.h)",
+                  path_, 0, 0);
   fh_ = fh;
 }
 
