@@ -20,8 +20,8 @@ storages after the callable saw a CPU storage, which it may rely on).
 
 :func:`ring_read` works for CPU destinations too (plain copies); the tests use
 that to check the windowing, the header and CRC checks and the error handling on
-machines without a GPU. The CUDA parts are UNVERIFIED on a GPU by the session that
-wrote them (docs/gpu.md).
+machines without a GPU; the CUDA parts are checked by tests/test_gpu_path.py on a GPU
+(docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class H2DCopier:
     """Copies window bytes into destination tensors: for CUDA destinations on a side
     stream per device (ordered after the device's current stream, which waits for the
     copies at :meth:`end`), one event per device and window; for CPU destinations a
-    plain copy. UNVERIFIED on a GPU by the session that wrote it."""
+    plain copy."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}
@@ -303,7 +303,8 @@ def ring_read(fd: int, reader: Any, items: list[RingItem], *, checksum: bool = T
 def _cufile_read(fd: int, path: str, reader: Any, items: list[RingItem]) -> None:
     """GPUDirect: each record's data read by cuFile straight into its device tensor
     (one native op, the file registered once), local headers read with pread. Only
-    with checksums off (no host bytes to check). UNVERIFIED on a GPU."""
+    with checksums off (no host bytes to check). Its data path has not run on a GPU yet:
+    the one GPU machine tried refused cuFileHandleRegister (docs/gpu.md)."""
     for it in items:
         it.header = bytearray(pread_full(fd, it.data_offset - it.header_offset, it.header_offset, path))
     for dev in {it.dest.device for it in items}:

@@ -164,9 +164,7 @@ def wait_events(token: Any) -> None:
 class CudaCopier:
     """D2H copies on one side stream per device, ordered after the producing (current)
     stream, one event per device and window; the caching allocator is told
-    (``record_stream``) that the side stream reads the sources.
-
-    UNVERIFIED on a GPU by the session that wrote it (docs/gpu.md)."""
+    (``record_stream``) that the side stream reads the sources."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}

@@ -31,8 +31,8 @@ How it works (docs/streaming.md has the design):
   GIL), in block order.
 * ``device="cuda"``: each slot's bytes are copied to a device slot on a side stream
   once read, and the compute stream waits for that copy (an event) before the
-  block's forward. UNVERIFIED on a GPU: written without one; only the host-side
-  logic is tested.
+  block's forward. Checked on a GPU: the same greedy tokens as the model held in GPU
+  memory (docs/gpu.md).
 
 Inference only: the streamed parameters do not require grad and are gone after
 each block's forward.
@@ -428,8 +428,7 @@ def stream_weights(
         prefetch: blocks whose reads are in flight while one computes (>= 1). Memory:
             ``prefetch + 1`` slots of the largest block's size.
         device: where the model computes (default: CPU). ``"cuda"``: resident weights go
-            to the GPU, streamed ones through the pinned ring and a side stream
-            (UNVERIFIED on a GPU).
+            to the GPU, streamed ones through the pinned ring and a side stream.
         blocks: the modules to stream, in execution order (default: :func:`find_blocks`).
         config: a :class:`fastpersist.Config` for the reader (engine, queue depth,
             threads, ``checksum``); its ``read_mode`` is forced to ``"direct"``, and

@@ -17,7 +17,7 @@ GPUDirect Storage, run only when :func:`fastpersist.io.cufile_status` says it is
 available, else reported with the reason).
 
 Figures are decimal GB/s, each run and the median. Raises ``RuntimeError`` when
-there is no CUDA device. UNVERIFIED on a GPU by the session that wrote it.
+there is no CUDA device.
 """
 
 from __future__ import annotations

@@ -926,8 +926,7 @@ def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: to
                    checksum: bool, fd: Optional[int] = None) -> dict[str, torch.Tensor]:
     """Every tensor read through :func:`fastpersist.cudaload.ring_read` into its own
     ``device`` tensor (CRC-32s checked from the host windows when the file has them),
-    no host copy of the file. Used for CUDA devices; works for any device. UNVERIFIED
-    on a GPU by the session that wrote it (docs/gpu.md).
+    no host copy of the file. Used for CUDA devices; works for any device (docs/gpu.md).
 
     ``fd``: the descriptor ``header`` was read through (:func:`load_safetensors`), so
     the data comes from the same file even if ``path`` is replaced meanwhile; None:

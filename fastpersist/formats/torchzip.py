@@ -234,7 +234,7 @@ def _save_cuda(obj: Any, path: str, handle: Any, alignment: int, *, fsync: bool,
                pred: Any = None, copier: Any = None) -> None:
     """Blocking save of an object with CUDA tensors: plan with device sources, then
     :func:`fastpersist.cudastage.write_plan_blocking` through the shared staging pool
-    (one capture at a time with the async saves). UNVERIFIED on a GPU (docs/gpu.md)."""
+    (one capture at a time with the async saves); see docs/gpu.md."""
     plan = plan_torch(obj, alignment, fast=fast, device_sources=pred or cudastage.is_cuda_storage)
     pool = asyncstage.shared_pool(get_default().async_staging_limit)
     with asyncstage.capture_lock():
