@@ -50,6 +50,7 @@ from fastpersist.formats import crcpolicy, fastunpickle
 from fastpersist.formats.picklescan import data_free, scan_pickle
 from fastpersist.formats.zipindex import (
     CentralEntry,
+    check_deflated,
     check_local_fields,
     fd_reader,
     parse_zip_index,
@@ -283,7 +284,10 @@ class LoadState:
             # Handed to torch.load, which believes the central directory alone: first every
             # local header must agree with it (as verify requires), or a directory saying
             # "deflated" over stored bytes comes back as heap memory torch never filled.
-            parse_zip_index(fd_reader(self.fd, self.path), self.size, self.path)
+            full = parse_zip_index(fd_reader(self.fd, self.path), self.size, self.path)
+            # and a record marked deflated must inflate to its size and CRC-32: torch.load
+            # returns heap memory for one that does not
+            check_deflated(fd_reader(self.fd, self.path), self.path, full.entries)
             raise UnsupportedLayoutError(unsupported)
         offsets = None if exact else _predict(entries, cd_off)
         if offsets is None:
