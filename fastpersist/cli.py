@@ -22,7 +22,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native
+from fastpersist import _native, describe
 from fastpersist._inputs import check_input
 from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
@@ -111,8 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("info", parents=[debug],
-                       help="version, engines, O_DIRECT and storage of a directory, leftover temporary files")
-    p.add_argument("dir_arg", nargs="?", metavar="DIR", help="same as --dir DIR")
+                       help="what a checkpoint holds; or version, engines, O_DIRECT and storage of a directory, "
+                       "leftover temporary files",
+                       description="fastpersist info CHECKPOINT: format, writer, tensors, bytes, dtypes and checksum "
+                       "state of a checkpoint file or DCP directory (and of each checkpoint in a Lightning, "
+                       "Accelerate or DeepSpeed folder). fastpersist info [DIR]: this installation and the storage "
+                       "of DIR.")
+    p.add_argument("dir_arg", nargs="?", metavar="PATH",
+                   help="a checkpoint file or DCP directory, or a directory (same as --dir DIR)")
+    p.add_argument("--verify", dest="check", action="store_true", default=None,
+                   help="check every checkpoint's bytes against its CRC-32s (the default for a file or DCP "
+                   "directory named; reads every byte)")
+    p.add_argument("--no-verify", dest="check", action="store_false",
+                   help="describe checkpoints from their index alone")
     p.add_argument("--dir", default=None, help="directory whose filesystem to describe and whose leftover "
                    "temporary files (.fp-tmp-*) to list (default: .)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -273,7 +284,41 @@ def cmd_info(args: argparse.Namespace) -> int:
     """``fastpersist info``: what this installation and the storage of ``--dir`` can do."""
     if args.dir_arg is not None and args.dir is not None and args.dir_arg != args.dir:
         raise UsageError(f"two directories given: {args.dir_arg!r} and --dir {args.dir!r} (give one)")
+    if args.dir_arg is not None and args.dir is None and (
+            os.path.isfile(args.dir_arg) or (os.path.isdir(args.dir_arg) and describe.is_checkpoint_path(args.dir_arg))):
+        if not os.path.isdir(args.dir_arg) or is_dcp_dir(args.dir_arg):
+            return _info_checkpoints(args, args.dir_arg, check=args.check is not False, machine=False)
+        return _info_checkpoints(args, args.dir_arg, check=bool(args.check), machine=True)
     args.dir = args.dir_arg or args.dir or "."
+    return _info_machine(args)
+
+
+def _info_checkpoints(args: argparse.Namespace, path: str, *, check: bool, machine: bool) -> int:
+    """``fastpersist info CHECKPOINT``: :mod:`fastpersist.describe` of each checkpoint at
+    ``path``; ``machine``: the storage lines of the directory first."""
+    check_input(path, "info", directory_ok=True)
+    found, skipped = describe.describe(path, check=check)
+    if args.json:
+        data: dict[str, Any] = {"checkpoints": [c.to_dict() for c in found],
+                                "skipped": [{"path": p, "reason": r} for p, r in skipped]}
+        print(json.dumps(data, indent=2))
+    else:
+        if machine:
+            args.dir = path
+            _info_machine(args)
+            print()
+        for i, c in enumerate(found):
+            if i:
+                print()
+            for line in c.lines():
+                print(line)
+        if machine and not check:
+            print("\n(checksums not checked: `fastpersist info --verify DIR` or `fastpersist verify DIR`)")
+    return 1 if any(c.status == "corrupt" for c in found) else 0
+
+
+def _info_machine(args: argparse.Namespace) -> int:
+    """``fastpersist info [DIR]``: this installation and the storage of ``args.dir``."""
     info = collect_machine_info(args.dir)
     temps, temps_error = _temp_files(args.dir)
     removed: list[str] = []
@@ -300,15 +345,15 @@ def cmd_info(args: argparse.Namespace) -> int:
             data["temp_files_error"] = temps_error
         print(json.dumps(data, indent=2))
         return 0
-    print(f"fastpersist {info.fastpersist_version}" + (f" (native {native_version})" if native_version else ""))
+    lines = [f"fastpersist {info.fastpersist_version}" + (f" (native {native_version})" if native_version else "")]
     if compiled is not None:
-        print(f"Compiled   : {', '.join(compiled)}")
-    for line in info.summary_lines():
-        print(line)
-    for line in ([f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()):
-        print(line)
-    for line in _temp_lines(temps, temps_error, removed, args.clean):
-        print(line)
+        lines.append(f"Compiled   : {', '.join(compiled)}")
+    lines += info.summary_lines()
+    lines += [f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()
+    lines += _temp_lines(temps, temps_error, removed, args.clean)
+    for line in lines:
+        for piece in describe.wrap(line):  # within 100 columns
+            print(piece)
     return 0
 
 

@@ -76,3 +76,59 @@ def test_load_model_of_a_training_checkpoint_names_load_state_dict(tmp_path):
         fastpersist.load_model(_model(), str(p))
     out = fastpersist.load_state_dict(_model(), p, key="state_dict")  # what the message says works
     assert not out.missing_keys and not out.unexpected_keys
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fastpersist", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_info_describes_checkpoint_files_and_folders(tmp_path):
+    """``fastpersist info FILE`` answered "benchmark directory ... does not exist"; it now
+    describes the checkpoint: format, writer, tensors, bytes, dtypes, checksum state; every
+    line within 100 columns, the machine lines included."""
+    sd = {"w": torch.randn(64, 32), "b": torch.zeros(10, dtype=torch.bfloat16), "i": torch.arange(3)}
+    torch.save(sd, tmp_path / "t.pt")
+    fastpersist.save(sd, tmp_path / "f.pt")
+    fastpersist.save(sd, tmp_path / "f.safetensors")
+    want = {"t.pt": ("torch zip, written by torch.save", "OK"), "f.pt": ("torch zip, written by fastpersist", "OK"),
+            "f.safetensors": ("safetensors, written by fastpersist", "OK")}
+    for name, (fmt, status) in want.items():
+        r = _cli("info", str(tmp_path / name))
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0] == f"Checkpoint : {tmp_path / name}"
+        assert lines[1].startswith(f"Format     : {fmt};")
+        assert "Tensors    : 3, 8.04 KiB" in lines, lines  # 8192 + 20 + 24 bytes
+        assert any(ln.startswith("Dtypes     : float32 1 (8") for ln in lines), lines
+        assert lines[-1].startswith(f"Checksums  : {status}")
+        assert all(len(ln) <= 100 for ln in lines)
+    r = _cli("info", "--json", str(tmp_path / "f.pt"))
+    data = __import__("json").loads(r.stdout)["checkpoints"][0]
+    assert (data["writer"], data["tensors"], data["status"]) == ("fastpersist", 3, "ok")
+    assert data["dtypes"] == {"float32": [1, 8192], "bfloat16": [1, 20], "int64": [1, 24]}
+    # a folder: the storage lines, then each checkpoint from its index (checksums only with --verify)
+    r = _cli("info", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "Directory  :" in r.stdout and r.stdout.count("Checkpoint : ") == 3 and "not checked" in r.stdout
+    assert all(len(ln) <= 100 for ln in r.stdout.splitlines()), [ln for ln in r.stdout.splitlines() if len(ln) > 100]
+    # a damaged file: CORRUPT, exit status 1
+    from fastpersist.formats.zipindex import read_zip_index
+
+    e = next(e for e in read_zip_index(tmp_path / "f.pt").entries if e.name.endswith("data/0"))
+    raw = bytearray((tmp_path / "f.pt").read_bytes())
+    raw[e.data_offset + 5] ^= 0xFF  # a tensor byte
+    (tmp_path / "bad.pt").write_bytes(raw)
+    r = _cli("info", str(tmp_path / "bad.pt"))
+    assert r.returncode == 1 and "CORRUPT" in r.stdout, r.stdout + r.stderr
+
+
+def test_info_describes_a_dcp_checkpoint(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from fastpersist.dcp import FastPersistWriter
+
+    dcp.save({"w": torch.ones(4, 4), "step": 3}, storage_writer=FastPersistWriter(str(tmp_path / "c")), no_dist=True)
+    r = _cli("info", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "DCP directory, written by fastpersist" in r.stdout and "Tensors    : 1, 64 B" in r.stdout
+    assert "Checksums  : OK" in r.stdout
