@@ -197,8 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: torch,safetensors,dcp,fio)")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
-    p.add_argument("--plot", metavar="FILE.png", default=SAVE_PLOT,
-                   help=f"where to write the bar chart (PNG; default: {SAVE_PLOT} in the current directory)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help=f"where to write the bar chart (PNG; default: {SAVE_PLOT} in --dir, beside the runs' files)")
     p.add_argument("--no-plot", action="store_true", help="write no chart")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--verbose", "-v", action="store_true",
@@ -570,6 +570,8 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         if args.json != "-":
             _say_path("JSON", os.path.abspath(args.json), "(every run, the fio sweep, the machine)", out)
     if not args.no_plot:
+        if args.plot is None:
+            args.plot = os.path.join(args.dir, SAVE_PLOT)
         try:
             report.plot_save(result, args.plot)
         except ImportError as exc:  # the chart is a convenience: its absence does not fail the benchmark
