@@ -25,6 +25,7 @@ import fastpersist
 from fastpersist import _native, describe
 from fastpersist._inputs import check_input
 from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
+from fastpersist.bench.conditions import Conditions, auto_size, plan_line
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
 from fastpersist.bench.io_bench import run_io_bench
 from fastpersist.bench.machine import collect_machine_info
@@ -187,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
         "its peers on the same disk, in the same run.",
     )
     p.add_argument("--dir", required=True, help="directory on the disk to measure")
-    p.add_argument("--size", type=_size, default=parse_size("2GiB"),
-                   help="checkpoint size (tensor bytes) of the training state (default: 2GiB)")
+    p.add_argument("--size", type=_size, default=None,
+                   help="checkpoint size (tensor bytes) of the training state (default: 512MiB, less where free "
+                   "memory or disk is short; the report's first line says what it picked and what it will take)")
     p.add_argument("--small-tensors", type=_positive, metavar="N",
                    help="instead of the training state, N tensors of random sizes 1 KB - 1 MB")
     p.add_argument("--peers", type=_names, default=["torch", "safetensors", "dcp", "fio"],
@@ -557,16 +559,28 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
     bad = sorted(set(args.peers) - set(PEERS))
     if bad:
         raise UsageError(f"--peers: unknown peer(s) {', '.join(bad)} (use {', '.join(PEERS)} or none)")
+    conditions = Conditions.before()
+    why = None
+    if args.size is None:
+        args.size, why = auto_size(args.dir) if args.small_tensors is None else (parse_size("512MiB"), None)
     if getattr(args, "device", "cpu") == "cuda":
         return _bench_gpu(args, "save")
+    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    if args.small_tensors is None:
+        report.say(plan_line(args.size, why, 1 + len([p for p in args.peers if p != "fio"]), args.repeat,
+                             "fio" in args.peers), out)
+        out.flush()
     result = run_save_bench(
         args.dir, size=args.size, small_tensors=args.small_tensors, peers=args.peers, repeat=args.repeat,
         keep=args.keep, progress=not args.no_progress, load_into=args.load_into, load_process=args.load_process,
     )
-    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    fresh = (result.machine.fresh_memory or {}).get("fresh_gbps_n")
+    conditions.after(fresh, result.to_dict().get("read_ceiling_gbps"))
     report.print_save_report(result, out, verbose=args.verbose)
+    for line in conditions.lines():
+        report.say(line, out)
     if args.json:
-        report.write_json(result.to_dict(), args.json)
+        report.write_json(dict(result.to_dict(), conditions=conditions.to_dict()), args.json)
         if args.json != "-":
             _say_path("JSON", os.path.abspath(args.json), "(every run, the fio sweep, the machine)", out)
     if not args.no_plot:
