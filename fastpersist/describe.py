@@ -43,6 +43,18 @@ class CheckpointSummary:
     problems: list[str] = field(default_factory=list)
     error: Optional[str] = None  #: why the index could not be read
 
+    def count(self, dtype: Any, shape: Any) -> int:
+        """Count one tensor of ``dtype`` and ``shape`` under its dtype; returns its bytes."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        nbytes = n * dtype.itemsize
+        entry = self.dtypes.setdefault(_dtype_name(dtype), [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+        self.tensors = (self.tensors or 0) + 1
+        return nbytes
+
     def to_dict(self) -> dict[str, Any]:
         """The summary as plain data (for ``--json``)."""
         return asdict(self)
@@ -126,15 +138,7 @@ def _dcp_tensors(s: CheckpointSummary, metadata_path: str) -> None:
         props, size = getattr(item, "properties", None), getattr(item, "size", None)
         if props is None or size is None:
             continue  # a bytes item
-        n = 1
-        for d in size:
-            n *= d
-        nbytes = n * props.dtype.itemsize
-        entry = s.dtypes.setdefault(_dtype_name(props.dtype), [0, 0])
-        entry[0] += 1
-        entry[1] += nbytes
-        s.tensors += 1
-        s.tensor_bytes += nbytes
+        s.tensor_bytes += s.count(props.dtype, size)
 
 
 def describe_file(path: str, *, check: bool = True) -> CheckpointSummary:
@@ -170,14 +174,7 @@ def describe_file(path: str, *, check: bool = True) -> CheckpointSummary:
                     s.tensors, s.tensor_bytes = 0, 0
                     for name in r.keys():
                         info = r.info(name)
-                        n = 1
-                        for d in info.shape:
-                            n *= d
-                        nbytes = n * info.dtype.itemsize
-                        entry = s.dtypes.setdefault(_dtype_name(info.dtype), [0, 0])
-                        entry[0] += 1
-                        entry[1] += nbytes
-                        s.tensors += 1
+                        nbytes = s.count(info.dtype, info.shape)
                         key = (info.record, int(getattr(info, "record_offset", 0)))
                         if key not in seen:
                             seen.add(key)
