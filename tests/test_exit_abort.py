@@ -49,9 +49,11 @@ print("returned", flush=True)
 # The extension is loaded alone (no torch import: a run takes a fraction of a second).
 DAEMON_IN_NATIVE = """
 import importlib.util, sys, threading, time
-spec = importlib.util.spec_from_file_location("fastpersist._native", sys.argv[2])
-_native = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(_native)
+_native = sys.modules.get("fastpersist._native")  # preloaded by .ci/sanitize's sitecustomize
+if _native is None:
+    spec = importlib.util.spec_from_file_location("fastpersist._native", sys.argv[2])
+    _native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(_native)
 buf = _native.PinnedBuffer(32 << 20, 4096, False)
 def spin():
     while True:
