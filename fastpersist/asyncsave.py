@@ -102,6 +102,7 @@ from __future__ import annotations
 import atexit
 import io
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -884,11 +885,12 @@ _exit_handled = False  # the atexit hook ran (reset in a forked child)
 def _at_exit(interpreter_exit: bool = False) -> None:
     """Finish pending saves at exit; report the errors nobody collected.
 
-    Each such error is printed on stderr. At interpreter exit (the ``atexit`` hook) the
-    process then exits with status :data:`EXIT_STATUS` (1, as with an uncaught
-    exception) instead of the status it would have had, once every other exit handler
-    has run (``_native.set_exit_status``). From multiprocessing's exit handling (a
-    child that leaves through ``os._exit``) the error is printed only.
+    Each such error is printed on stderr, and a process that ends through the
+    interpreter's exit then exits with status :data:`EXIT_STATUS` (1, as with an
+    uncaught exception) instead of the status it would have had, once every other exit
+    handler has run (``_native.set_exit_status``). Called by the ``atexit`` hook
+    (``interpreter_exit``) and by multiprocessing's exit handling, whose ``fork``
+    children leave through ``os._exit``: there the error is printed only.
     """
     global _exit_handled
     if _exit_handled:  # multiprocessing's exit handling, after the atexit hook of this process
@@ -913,8 +915,10 @@ def _at_exit(interpreter_exit: bool = False) -> None:
     for f in failed:
         print(f"fastpersist: asynchronous save of {f.path!r} failed: {type(f._exc).__name__}: {f._exc}",
               file=sys.stderr)
+    # Set whatever the path: a process that leaves through os._exit never runs the hook.
     status = ""
-    if interpreter_exit and fpio.native_module().set_exit_status(EXIT_STATUS):
+    if fpio.native_module().set_exit_status(EXIT_STATUS) and (
+            interpreter_exit or multiprocessing.parent_process() is None):
         status = f"; exit status {EXIT_STATUS}"
     print(f"fastpersist: {len(failed)} asynchronous save(s) failed and nobody collected the error "
           f"(SaveFuture.wait(), wait_all(), the next save){status}", file=sys.stderr, flush=True)
