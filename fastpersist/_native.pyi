@@ -244,6 +244,19 @@ class PinnedBuffer:
     def cuda_register(self) -> bool:
         """cudaHostRegister via the already-loaded CUDA runtime (dlopen RTLD_NOLOAD). False if no runtime."""
 
+# ---- interpreter exit -------------------------------------------------------
+# Every binding that releases the GIL takes it back through an exit gate: once the
+# gate is closed (or the interpreter is finalizing), a thread other than the one
+# exiting never takes the GIL again and sleeps in the call until the process ends
+# (CPython 3.11-3.13 would end it with pthread_exit, which aborts C++ code).
+def close_exit_gate() -> None:
+    """Close the gate; waits until every thread already past it holds the GIL.
+    Registered with ``atexit`` when the module is loaded; not for other callers."""
+def set_exit_status(status: int) -> bool:
+    """Make the process exit with ``status`` at the end of interpreter finalization
+    (after every Python exit handler; C atexit handlers are skipped, as with
+    ``os._exit``). False if the hook could not be installed."""
+
 # ---- fault injection (tests) ----------------------------------------------
 # Also read once at import from FASTPERSIST_FAULT="op:nth:action[:count]", e.g.
 # "write:3:EIO", "write:2:short", "read:1:eintr:5", "fsync:1:ENOSPC".

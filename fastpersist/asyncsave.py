@@ -58,8 +58,12 @@ file, fsync, rename, directory fsync, as ``fastpersist.save``); a failed save
 removes its temporary file and leaves the previous checkpoint intact. Its error is
 raised by ``SaveFuture.wait()``/``exception()``, or else by the next
 ``save_async()`` or ``wait_all()``. At interpreter exit pending saves are finished;
-an error nobody collected is printed on stderr. (``os._exit`` and fatal signals
-skip this: the previous checkpoint then stays.)
+an error nobody collected is printed on stderr and the process exits with status 1
+(as with an uncaught exception; see :func:`_at_exit`). (``os._exit`` and fatal
+signals skip this: the previous checkpoint then stays.) A failed save stops its
+background work (CRC thread, writes in flight) before its error is reported, and no
+thread takes the GIL back from a native call once the interpreter's exit has begun
+(it waits there until the process ends: ``native/bindings/module.cpp``).
 
 Pickling (the layout plan) runs on the caller's thread at call time, with the
 process's cyclic GC paused only for that planning. Saves queue in call order.
@@ -98,6 +102,7 @@ from __future__ import annotations
 import atexit
 import io
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -231,12 +236,13 @@ _guards: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
 def _reset_in_child() -> None:
     """A forked child inherits none of the parent's pending saves (their writes run in the parent)."""
     _io_handles.clear()
-    global _lock, _jobs, _unreported, _finisher, _finisher_cv
+    global _lock, _jobs, _unreported, _finisher, _finisher_cv, _exit_handled
     _lock = threading.Lock()
     _finisher_cv = threading.Condition(_lock)
     _jobs = deque()
     _unreported = []
     _finisher = None
+    _exit_handled = False
 
 
 if hasattr(os, "register_at_fork"):
@@ -442,9 +448,28 @@ def _finish(job: _Job) -> None:
         if job.fsync:
             fsync_dir_after_rename(fut.path)  # its error says the new file is in place
     except BaseException as e:  # noqa: BLE001 - reported through the future
+        _stop_background(job)
         remove_quietly(job.tmp)
         exc = _naming(fut.path, job.tmp, e)
     _settle(job, exc)
+
+
+def _stop_background(job: _Job) -> None:
+    """After a failure, before the temporary file goes and the error is reported: wait
+    until nothing of the job runs any more. The other writes may still be in flight
+    (one that opens the temporary file after its removal would create it again), and
+    the CRC thread may still be reading the staging windows (for nothing: it is told
+    to stop). A future that is done thus has no thread of its own left in native code,
+    so the exit handling that waits for it leaves none there either (issue 33)."""
+    if job.feed is not None:
+        job.feed.done.wait()  # the feeder submits no more writes
+    crc = job.crc if job.crc is not None else (job.feed.crc if job.feed is not None else None)
+    if crc is not None:
+        crc.abort()
+    for f in list(job.writes):
+        f.wait()  # GIL released
+    if crc is not None:
+        crc.done.wait()
 
 
 def _settle(job: _Job, exc: Optional[BaseException]) -> None:
@@ -852,8 +877,25 @@ def guard(optimizer: Any) -> Guard:
     return g
 
 
-def _at_exit() -> None:
-    """Finish pending saves at interpreter exit; print errors nobody collected."""
+#: The exit status of a process that ends with an async save's error nobody collected.
+EXIT_STATUS = 1
+_exit_handled = False  # the atexit hook ran (reset in a forked child)
+
+
+def _at_exit(interpreter_exit: bool = False) -> None:
+    """Finish pending saves at exit; report the errors nobody collected.
+
+    Each such error is printed on stderr, and a process that ends through the
+    interpreter's exit then exits with status :data:`EXIT_STATUS` (1, as with an
+    uncaught exception) instead of the status it would have had, once every other exit
+    handler has run (``_native.set_exit_status``). Called by the ``atexit`` hook
+    (``interpreter_exit``) and by multiprocessing's exit handling, whose ``fork``
+    children leave through ``os._exit``: there the error is printed only.
+    """
+    global _exit_handled
+    if _exit_handled:  # multiprocessing's exit handling, after the atexit hook of this process
+        return
+    _exit_handled = interpreter_exit
     with _lock:
         pending = [j.future for j in _jobs]
     try:
@@ -865,12 +907,24 @@ def _at_exit() -> None:
               "the previous files at those paths are intact", file=sys.stderr)
     with _lock:
         failed = list(_unreported)
+        for f in failed:
+            f._reported = True
         _unreported.clear()
+    if not failed:
+        return
     for f in failed:
-        print(f"fastpersist: asynchronous save of {f.path!r} failed: {f._exc!r}", file=sys.stderr)
+        print(f"fastpersist: asynchronous save of {f.path!r} failed: {type(f._exc).__name__}: {f._exc}",
+              file=sys.stderr)
+    # Set whatever the path: a process that leaves through os._exit never runs the hook.
+    status = ""
+    if fpio.native_module().set_exit_status(EXIT_STATUS) and (
+            interpreter_exit or multiprocessing.parent_process() is None):
+        status = f"; exit status {EXIT_STATUS}"
+    print(f"fastpersist: {len(failed)} asynchronous save(s) failed and nobody collected the error "
+          f"(SaveFuture.wait(), wait_all(), the next save){status}", file=sys.stderr, flush=True)
 
 
-atexit.register(_at_exit)
+atexit.register(_at_exit, True)
 
 _mp_hooked: set[int] = set()
 

@@ -484,6 +484,7 @@ def test_exit_with_failing_save_prints_error(tmp_path):
         fastpersist.save_async({{"w": torch.ones(1_000_000)}}, {str(p)!r})
     """, FASTPERSIST_FAULT="write:1:EIO:100000")
     assert "asynchronous save of" in r.stderr and "failed" in r.stderr, r.stderr
+    assert r.returncode == 1, r.stderr  # as an uncaught exception (tests/test_exit_abort.py)
     assert not p.exists()
 
 

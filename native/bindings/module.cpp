@@ -6,12 +6,21 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <thread>
 
 #include "fastpersist/crc32.hpp"
 #include "fastpersist/cuda_rt.hpp"
 #include "fastpersist/engine.hpp"
 #include "fastpersist/error.hpp"
 #include "fastpersist/file.hpp"
+#include "fastpersist/fork.hpp"
 #include "fastpersist/handle.hpp"
 #include "fastpersist/sys.hpp"
 
@@ -146,6 +155,131 @@ int pinned_getbuffer(PyObject* self, Py_buffer* view, int flags) {
 PyType_Slot pinned_slots[] = {{Py_bf_getbuffer, reinterpret_cast<void*>(pinned_getbuffer)},
                               {0, nullptr}};
 
+// ---- the GIL at interpreter exit ---------------------------------------------------
+//
+// CPython 3.11-3.13 end a thread that takes the GIL back once finalization has begun:
+// PyEval_RestoreThread calls pthread_exit, whose forced unwind runs through every C++
+// frame between it and the thread's start. nanobind's gil_scoped_release takes the
+// GIL back in its destructor (noexcept) and nanobind's call dispatch catches (...):
+// either turns that unwind into std::terminate ("terminate called without an active
+// exception", SIGABRT; issue 33). So every GIL release here is a GilRelease, whose
+// way back goes through one process-wide gate:
+//
+// * The gate closes in an atexit hook (close_exit_gate, registered when this module
+//   is loaded, so it runs after the hooks registered later, fastpersist.asyncsave's
+//   included), before CPython marks the interpreter as finalizing. Closing waits,
+//   GIL released, until every thread that passed the gate before holds the GIL: none
+//   is still waiting for it when finalization begins.
+// * A thread that reaches the gate once it is closed (or once the interpreter is
+//   finalizing, had the hook not run) does not take the GIL: it sleeps until the
+//   process ends, as CPython 3.14 does with such threads. Only daemon threads can
+//   get there (the others were joined before atexit); the thread that closed the
+//   gate (the one finalizing) passes.
+// * The gate is per process (rebuilt in a forked child, fork.hpp) and never freed:
+//   a sleeping thread may outlive static destructors.
+struct ExitGate {
+  explicit ExitGate(uint64_t g) : gen(g) {}
+  const uint64_t gen;  // fork_generation() of the process it belongs to
+  std::mutex mu;
+  std::condition_variable cv;
+  bool closed = false;
+  unsigned long passer = 0;  // PyThread_get_thread_ident() of the thread that closed it
+  size_t transit = 0;        // threads past the gate, not yet holding the GIL
+};
+
+std::atomic<ExitGate*> g_gate{nullptr};
+unsigned long g_main_thread = 0;  // threading.main_thread() when the module was loaded
+
+ExitGate& exit_gate() {
+  const uint64_t gen = fork_generation();
+  ExitGate* g = g_gate.load(std::memory_order_acquire);
+  while (g == nullptr || g->gen != gen) {
+    auto* fresh = new ExitGate(gen);
+    if (g_gate.compare_exchange_strong(g, fresh, std::memory_order_acq_rel)) return *fresh;  // a parent's: leaked
+    delete fresh;  // another thread was first; g is now its gate
+  }
+  return *g;
+}
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+[[noreturn]] void sleep_until_process_exit() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(24));
+}
+
+// Take the GIL back for `ts`, unless the interpreter's exit has begun (see above).
+void take_gil_back(PyThreadState* ts) noexcept {
+  ExitGate& g = exit_gate();
+  const unsigned long me = PyThread_get_thread_ident();
+  {
+    std::unique_lock<std::mutex> lk(g.mu);
+    const bool passes = g.closed ? me == g.passer : (me == g_main_thread || !interpreter_finalizing());
+    if (!passes) {
+      lk.unlock();
+      sleep_until_process_exit();
+    }
+    ++g.transit;
+  }
+  PyEval_RestoreThread(ts);
+  {
+    std::lock_guard<std::mutex> lk(g.mu);
+    --g.transit;
+  }
+  g.cv.notify_all();
+}
+
+// nb::gil_scoped_release with the exit gate on the way back. Also a call_guard.
+class GilRelease {
+ public:
+  GilRelease() : ts_(PyEval_SaveThread()) {}
+  ~GilRelease() { take_gil_back(ts_); }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* ts_;
+};
+
+// atexit: see above. Called with the GIL held, on the thread that will finalize.
+void close_exit_gate() {
+  ExitGate& g = exit_gate();
+  {
+    std::lock_guard<std::mutex> lk(g.mu);
+    if (g.closed) return;
+    g.closed = true;
+    g.passer = PyThread_get_thread_ident();
+  }
+  PyThreadState* ts = PyEval_SaveThread();
+  {
+    std::unique_lock<std::mutex> lk(g.mu);
+    g.cv.wait(lk, [&] { return g.transit == 0; });
+  }
+  PyEval_RestoreThread(ts);
+}
+
+// The exit status of a process whose async save failed and nobody collected the
+// error (fastpersist.asyncsave._at_exit). Python cannot change a finishing
+// interpreter's exit status from atexit, so a Py_AtExit function, run at the very
+// end of Py_FinalizeEx (after every Python exit handler ran and sys.stdout/stderr
+// were flushed), ends the process with it: C stdio is flushed, C atexit handlers
+// and static destructors are skipped, as with os._exit.
+std::atomic<int> g_exit_status{0};
+bool g_exit_hook = false;
+
+void exit_with_status() {
+  const int status = g_exit_status.load();
+  if (status != 0) {
+    std::fflush(nullptr);
+    ::_exit(status);
+  }
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -210,7 +344,7 @@ NB_MODULE(_native, m) {
   m.def(
       "crc32",
       [](uint64_t ptr, uint64_t len, uint32_t crc) {
-        nb::gil_scoped_release r;
+        GilRelease r;
         return crc32(crc, reinterpret_cast<const void*>(ptr), len);
       },
       nb::arg("ptr"), nb::arg("length"), nb::arg("crc") = 0);
@@ -223,7 +357,7 @@ NB_MODULE(_native, m) {
         std::vector<std::pair<uint64_t, uint64_t>> v = ptr_ranges(ranges);
         std::vector<uint32_t> out(v.size());
         {
-          nb::gil_scoped_release r;
+          GilRelease r;
           for (size_t i = 0; i < v.size(); ++i) {
             out[i] = crc32(0, reinterpret_cast<const void*>(v[i].first), v[i].second);
           }
@@ -233,6 +367,20 @@ NB_MODULE(_native, m) {
       nb::arg("ranges"));
   m.def("crc32_combine", [](uint32_t a, uint32_t b, uint64_t len2) { return crc32_combine(a, b, len2); },
         nb::arg("crc1"), nb::arg("crc2"), nb::arg("len2"));
+
+  // Interpreter exit (see "the GIL at interpreter exit" above).
+  g_main_thread = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
+  m.def("close_exit_gate", &close_exit_gate);
+  nb::module_::import_("atexit").attr("register")(m.attr("close_exit_gate"));
+  g_exit_hook = Py_AtExit(&exit_with_status) == 0;
+  m.def(
+      "set_exit_status",
+      [](int status) {
+        if (!g_exit_hook) return false;
+        g_exit_status.store(status);
+        return true;
+      },
+      nb::arg("status"));
 
   m.def("set_fault", &sys::set_fault, nb::arg("op"), nb::arg("nth"), nb::arg("action"), nb::arg("count") = 1);
   m.def("clear_faults", &sys::clear_faults);
@@ -257,7 +405,7 @@ NB_MODULE(_native, m) {
           [](Handle& h, nb::handle target, nb::handle extents, nb::handle patches, int nslots, bool truncate,
              bool fsync) {
             OpSpec op = make_spec(true, target, extents, patches, nslots, truncate, fsync);
-            nb::gil_scoped_release r;
+            GilRelease r;
             return h.run(op);
           },
           nb::arg("target"), nb::arg("extents"), nb::arg("patches") = nb::tuple(), nb::arg("nslots") = 0,
@@ -266,7 +414,7 @@ NB_MODULE(_native, m) {
           "read",
           [](Handle& h, nb::handle target, nb::handle extents, int nslots) {
             OpSpec op = make_spec(false, target, extents, nb::none(), nslots, false, false);
-            nb::gil_scoped_release r;
+            GilRelease r;
             return h.run(op);
           },
           nb::arg("target"), nb::arg("extents"), nb::arg("nslots") = 0)
@@ -299,14 +447,14 @@ NB_MODULE(_native, m) {
       .def(
           "wait",
           [](Handle& h) {
-            nb::gil_scoped_release r;
+            GilRelease r;
             return h.wait();
           })
       .def(
           "wait_op",
           [](Handle& h, uint64_t id, nb::handle timeout) {
             double t = as_timeout(timeout);
-            nb::gil_scoped_release r;
+            GilRelease r;
             return h.wait_op(id, t);
           },
           nb::arg("op_id"), nb::arg("timeout") = nb::none())
@@ -321,7 +469,7 @@ NB_MODULE(_native, m) {
               if (t.size() != 3) throw ArgError("each range must be a (dst_ptr, src_ptr, length) tuple");
               v[static_cast<size_t>(i)] = {as_u64(t[0], "dst_ptr"), as_u64(t[1], "src_ptr"), as_u64(t[2], "length")};
             }
-            nb::gil_scoped_release r;
+            GilRelease r;
             return h.copy_ranges(v, crc);
           },
           nb::arg("ranges"), nb::arg("crc") = false)
@@ -330,7 +478,7 @@ NB_MODULE(_native, m) {
           "crc32_ranges",
           [](Handle& h, nb::handle ranges) {
             std::vector<std::pair<uint64_t, uint64_t>> v = ptr_ranges(ranges);
-            nb::gil_scoped_release r;
+            GilRelease r;
             return h.crc32_ranges(v);
           },
           nb::arg("ranges"));
@@ -342,7 +490,7 @@ NB_MODULE(_native, m) {
           "wait",
           [](Future& f, nb::handle timeout) {
             double t = as_timeout(timeout);
-            nb::gil_scoped_release r;
+            GilRelease r;
             return f.wait(t);
           },
           nb::arg("timeout") = nb::none())
@@ -350,7 +498,7 @@ NB_MODULE(_native, m) {
           "result",
           [](Future& f, nb::handle timeout) {
             double t = as_timeout(timeout);
-            nb::gil_scoped_release r;
+            GilRelease r;
             return f.result(t);
           },
           nb::arg("timeout") = nb::none());
@@ -360,7 +508,7 @@ NB_MODULE(_native, m) {
       // of ms per 64 MiB of fresh memory): a lazy save's feeder thread allocates
       // staging windows while the training thread runs Python.
       .def(nb::init<size_t, size_t, bool>(), nb::arg("nbytes"), nb::arg("alignment") = 4096,
-           nb::arg("lock") = true, nb::call_guard<nb::gil_scoped_release>())
+           nb::arg("lock") = true, nb::call_guard<GilRelease>())
       .def_prop_ro("ptr", [](const PinnedBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); })
       .def_prop_ro("nbytes", &PinnedBuffer::size)
       .def_prop_ro("locked", &PinnedBuffer::locked)
