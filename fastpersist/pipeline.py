@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 
-from fastpersist import _compat, handles, pending
+from fastpersist import _compat, handles, objectstore, pending
 from fastpersist import config as config_mod
 from fastpersist._inputs import check_input, is_path, special_file_error
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
@@ -66,6 +66,8 @@ def naming_final(final: str, write: Callable[[str], T]) -> Callable[[str], T]:
 def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] = None,
          metadata: Optional[dict] = None) -> None:
     """:func:`fastpersist.save` in this process alone (see its docstring)."""
+    if objectstore.is_s3_url(path):
+        return objectstore.save(obj, path, config=config, format=format, metadata=metadata)
     if not is_path(path):
         raise TypeError(
             f"fastpersist.save writes to a file path (str or os.PathLike), got {type(path).__name__}; "
@@ -135,8 +137,10 @@ def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu",
 def load(path: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: Optional[bool] = None,
          mmap: Optional[bool] = None, config: Any = None, **pickle_load_args: Any) -> Any:
     """:func:`fastpersist.load` in this process alone (see its docstring)."""
-    pending.wait_before_reading(path)
     req = registry.LoadRequest(path, map_location, pickle_module, weights_only, mmap, dict(pickle_load_args))
+    if objectstore.is_s3_url(path):
+        return objectstore.load(path, req, config=config)
+    pending.wait_before_reading(path)
     if not is_path(path):
         return req.torch_load()
     fspath = os.fsdecode(os.fspath(path))
@@ -162,6 +166,8 @@ def refuse_special_file(path: str, action: str) -> None:
 
 def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     """:func:`fastpersist.verify` (see its docstring)."""
+    if objectstore.is_s3_url(path):
+        return objectstore.verify(path, config=config)
     fspath = os.fsdecode(os.fspath(path))
     pending.wait_before_reading(fspath, tree=True)
     st = check_input(fspath, "verify", directory_ok=True)  # a FIFO, device, link loop: an OSError at once

@@ -1,0 +1,176 @@
+"""Saves, loads and verifies of ``s3://bucket/key`` targets (direct mode).
+
+The same stages as a local save with another write and commit: the format plans the
+file exactly as for a local save (same bytes, same 4096-byte alignment of the
+payloads), :mod:`fastpersist.s3upload` streams it into one multipart upload and
+completes it (the commit). Loads and verifies fetch the object with parallel ranged
+GETs into anonymous memory (:mod:`fastpersist.s3download`) and hand it to the same
+loaders and verifiers as a local file, with the CRC-32s checked as for one.
+
+Needs the ``s3`` extra (boto3); see docs/objectstore.md for configuration.
+"""
+
+from __future__ import annotations
+
+import io as pyio
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+
+from fastpersist import _compat, handles, s3client, s3download, s3upload
+from fastpersist import config as config_mod
+from fastpersist.errors import UnsupportedLayoutError
+from fastpersist.formats import registry
+from fastpersist.formats.base import VerifyResult
+from fastpersist.plan import WritePlan
+from fastpersist.s3url import S3Url, is_s3_url, parse
+
+log = logging.getLogger("fastpersist.s3")
+
+__all__ = ["ALIGNMENT", "fetch", "is_s3_url", "load", "plan_for", "save", "stage", "upload_staged", "verify"]
+
+#: Payload alignment of objects: what a local save uses on an ordinary filesystem, so
+#: that the object's bytes equal those of a local save.
+ALIGNMENT = 4096
+#: Parallel requests per upload or download unless ``FASTPERSIST_S3_THREADS`` says.
+DEFAULT_THREADS = 8
+
+
+def threads() -> int:
+    """Parallel requests per transfer (``FASTPERSIST_S3_THREADS``, default 8)."""
+    v = os.environ.get("FASTPERSIST_S3_THREADS", "")
+    if not v:
+        return DEFAULT_THREADS
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"FASTPERSIST_S3_THREADS must be a positive integer, got {v!r}")
+    return int(v)
+
+
+def part_bytes() -> int:
+    """Preferred part and range size (``FASTPERSIST_S3_PART_MB``, MiB, default 16)."""
+    v = os.environ.get("FASTPERSIST_S3_PART_MB", "")
+    if not v:
+        return s3upload.DEFAULT_PART
+    if not v.isdigit() or int(v) < 5:
+        raise ValueError(f"FASTPERSIST_S3_PART_MB must be an integer >= 5 (S3's minimum part), got {v!r}")
+    return int(v) << 20
+
+
+def _bytes_plan(data: bytes) -> WritePlan:
+    buf = bytearray(data)
+    t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return WritePlan([(0, t.data_ptr(), len(buf), -1)] if buf else [], [], 0, len(buf), keepalive=[buf, t])
+
+
+def plan_for(obj: Any, url: S3Url, cfg: Any, format: Optional[str], metadata: Optional[dict]) -> WritePlan:
+    """The file's byte layout, as a local save of ``obj`` to a file named like the key
+    would write it (torch's own writer, aligned, where the planner cannot lay it out)."""
+    fmt = registry.format_for(url.key, format)
+    if metadata is not None and fmt is not registry.SAFETENSORS:
+        raise TypeError(f"metadata= is for safetensors files; {url} is saved in torch's format")
+    assert fmt.plan is not None
+    try:
+        return fmt.plan(obj, ALIGNMENT, cfg, metadata=metadata, target=str(url))
+    except UnsupportedLayoutError as e:
+        if fmt is not registry.TORCH:
+            raise
+        log.debug("fast torch layout not possible for %s (%s); laying it out with torch's writer", url, e)
+        out = pyio.BytesIO()
+        with _compat.save_storage_alignment(ALIGNMENT, required=False):
+            torch.serialization.save(obj, out)
+        return _bytes_plan(out.getbuffer().tobytes())
+
+
+def save(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = None,
+         metadata: Optional[dict] = None) -> None:
+    """Blocking save of ``obj`` to the ``s3://`` URL ``target`` (one multipart upload)."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    plan = plan_for(obj, url, cfg, format, metadata)
+    n = threads()
+    s3upload.upload_plan(plan, url, s3client.client(n + 2), handles.handle_for(cfg), threads=n,
+                         preferred_part=part_bytes())
+
+
+def stage(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = None,
+          metadata: Optional[dict] = None) -> tuple[S3Url, list[s3upload.StagedPart]]:
+    """An async save's capture: the whole file staged in memory (CRC fields filled);
+    ``obj`` may change afterwards."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    plan = plan_for(obj, url, cfg, format, metadata)
+    return url, s3upload.stage_all(plan, handles.handle_for(cfg), part_bytes())
+
+
+def upload_staged(url: S3Url, parts: list[s3upload.StagedPart]) -> None:
+    """Upload what :func:`stage` captured (an async save's background half)."""
+    n = threads()
+    s3upload.upload_parts(parts, url, s3client.client(n + 2), threads=n)
+
+
+def fetch(target: Any) -> s3download.Fetched:
+    """The object at ``target`` in anonymous memory (see :mod:`fastpersist.s3download`)."""
+    url = parse(target)
+    n = threads()
+    return s3download.fetch(url, s3client.client(n + 2), threads=n, range_size=part_bytes())
+
+
+def _cpu_target(map_location: Any) -> bool:
+    if map_location is None:
+        return True
+    if isinstance(map_location, (str, torch.device)):
+        try:
+            return torch.device(map_location).type == "cpu"
+        except (RuntimeError, TypeError, ValueError):
+            return False
+    return False
+
+
+def load(target: Any, req: registry.LoadRequest, *, config: Any = None) -> Any:
+    """``torch.load`` semantics for an object: fetched, then loaded by its format's
+    loader. Onto the CPU (and unless ``mmap=False``) the tensors are views of the
+    fetched memory (the loaders' mmap path: no copy)."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    fmt = registry.format_for(url.key)
+    assert fmt.load is not None
+    with fetch(url) as got:
+        mmap = req.mmap
+        if mmap is None and _cpu_target(req.map_location):
+            mmap = True
+        local = registry.LoadRequest(got.path, req.map_location, req.pickle_module, req.weights_only, mmap,
+                                     req.pickle_load_args)
+        try:
+            return fmt.load(got.path, cfg, local)
+        except (OSError, ValueError) as e:
+            _rename_error(e, got.path, str(url))
+            raise
+
+
+def _rename_error(e: BaseException, local: str, url: str) -> None:
+    """Make a loader's error name the URL instead of the memfd's path."""
+    if getattr(e, "path", None) == local:
+        try:
+            e.path = url  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+    if getattr(e, "filename", None) == local:
+        e.filename = url  # type: ignore[attr-defined]
+    if e.args and isinstance(e.args[0], str) and local in e.args[0]:
+        e.args = (e.args[0].replace(local, url),) + tuple(e.args[1:])
+
+
+def verify(target: Any, *, config: Any = None) -> VerifyResult:
+    """:func:`fastpersist.verify` of an object: fetched into memory (no file on disk),
+    then every record's CRC-32 checked."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    with fetch(url) as got:
+        result = registry.format_for(url.key).verify(got.path, handles.handle_for(cfg, read=True))
+    name = str(url)
+    result.path = name
+    result.problems = [p.replace(got.path, name) for p in result.problems]
+    result.notes = [p.replace(got.path, name) for p in result.notes]
+    return result
