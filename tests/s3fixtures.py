@@ -1,5 +1,6 @@
-"""Fixtures of the object-storage tests: a real s3proxy server (session), a fault proxy in
-front of it, a fresh bucket per test, and the standard AWS variables pointing at them."""
+"""Fixtures of the object-storage tests (``tests/test_s3_*.py`` import them by name): a
+real s3proxy server (session), a fault proxy in front of it, a fresh bucket per test,
+and the standard AWS variables pointing at them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-import faultproxy
+import s3faultproxy as faultproxy
 import s3server
 
 

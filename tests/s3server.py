@@ -25,7 +25,7 @@ from typing import Optional
 VERSION = "2.6.0"
 ARTIFACT = f"org.gaul:s3proxy:{VERSION}:jar:jar-with-dependencies"
 JAR_NAME = f"s3proxy-{VERSION}-jar-with-dependencies.jar"
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".ci-cache"
 ACCESS_KEY = "fastpersist-test"
 SECRET_KEY = "fastpersist-test-secret"
