@@ -13,8 +13,9 @@ Commit: the object appears under its key only when ``CompleteMultipartUpload``
 succeeds. On any error (a request that failed after botocore's retries, an interrupt,
 an error of ours) the upload is aborted and the previous object under the key stays.
 A process killed mid-upload leaves an incomplete multipart upload (never an object):
-the next successful save to the same key aborts the uploads of that key begun before
-it (:func:`abort_stale_uploads`); a bucket lifecycle rule
+the next successful save to the same key aborts the uploads of that key that existed
+when it started (:func:`stale_uploads`, :func:`abort_uploads`: one writer per key at a
+time, as for a local file); a bucket lifecycle rule
 (``AbortIncompleteMultipartUpload``) cleans the rest (docs/objectstore.md).
 """
 
@@ -27,7 +28,6 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 from fastpersist import _native, s3client
@@ -158,7 +158,6 @@ class MultipartUpload:
         self.url = url
         self.name = str(url)
         self.threads = max(1, threads)
-        self.started = datetime.now(timezone.utc)
         self.upload_id: Optional[str] = None
         self.etags: dict[int, str] = {}
         self._lock = threading.Lock()
@@ -243,6 +242,7 @@ def upload_plan(plan: WritePlan, url: S3Url, client: Any, handle: Any, *, thread
     stager = PartStager(plan, part_size(plan.file_size, preferred_part), handle)
     up = MultipartUpload(client, url, threads)
     held: list[StagedPart] = []
+    stale = stale_uploads(client, url)
     try:
         up.create()
         for i in range(stager.nparts):
@@ -269,7 +269,7 @@ def upload_plan(plan: WritePlan, url: S3Url, client: Any, handle: Any, *, thread
     except BaseException:
         up.abort()
         raise
-    abort_stale_uploads(client, url, up.started, keep=up.upload_id)
+    abort_uploads(client, url, stale)
 
 
 def stage_all(plan: WritePlan, handle: Any, preferred_part: int = DEFAULT_PART) -> list[StagedPart]:
@@ -285,6 +285,7 @@ def stage_all(plan: WritePlan, handle: Any, preferred_part: int = DEFAULT_PART) 
 def upload_parts(parts: list[StagedPart], url: S3Url, client: Any, *, threads: int = 8) -> None:
     """Upload already staged ``parts`` (from :func:`stage_all`) as one multipart upload."""
     up = MultipartUpload(client, url, threads)
+    stale = stale_uploads(client, url)
     try:
         up.create()
         for part in parts:
@@ -295,7 +296,7 @@ def upload_parts(parts: list[StagedPart], url: S3Url, client: Any, *, threads: i
     except BaseException:
         up.abort()
         raise
-    abort_stale_uploads(client, url, up.started, keep=up.upload_id)
+    abort_uploads(client, url, stale)
 
 
 def list_uploads(client: Any, url: S3Url) -> list[dict]:
@@ -311,21 +312,27 @@ def list_uploads(client: Any, url: S3Url) -> list[dict]:
         kwargs["UploadIdMarker"] = r.get("NextUploadIdMarker")
 
 
-def abort_stale_uploads(client: Any, url: S3Url, before: datetime, keep: Optional[str] = None) -> int:
-    """Abort the incomplete uploads of ``url``'s key begun before ``before`` (left by a
-    killed save); returns how many. Failures are logged, never raised."""
-    n = 0
+def stale_uploads(client: Any, url: S3Url) -> list[str]:
+    """The ids of the incomplete uploads of ``url``'s key that exist now (before a save
+    creates its own); an empty list when they cannot be listed (logged)."""
     try:
-        for u in list_uploads(client, url):
-            initiated = u.get("Initiated")
-            if u.get("UploadId") == keep:
-                continue
-            if isinstance(initiated, datetime) and initiated.tzinfo is not None and initiated > before:
-                continue  # begun after this save started: someone else's save in progress
-            client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=u["UploadId"])
-            n += 1
+        return [u["UploadId"] for u in list_uploads(client, url)]
     except Exception as e:  # noqa: BLE001 - cleanup is best effort
-        log.warning("could not clean up stale multipart uploads of %s: %s", url, e)
+        log.warning("could not list the multipart uploads of %s (%s): stale ones stay until a later save or a "
+                    "lifecycle rule", url, e)
+        return []
+
+
+def abort_uploads(client: Any, url: S3Url, upload_ids: list[str]) -> int:
+    """Abort ``upload_ids`` of ``url``'s key (left by killed saves); returns how many went.
+    Failures are logged, never raised."""
+    n = 0
+    for upload_id in upload_ids:
+        try:
+            client.abort_multipart_upload(Bucket=url.bucket, Key=url.key, UploadId=upload_id)
+            n += 1
+        except Exception as e:  # noqa: BLE001 - cleanup is best effort
+            log.warning("could not abort the stale multipart upload %s of %s: %s", upload_id, url, e)
     if n:
         log.info("aborted %d stale multipart upload(s) of %s", n, url)
     return n
