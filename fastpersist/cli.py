@@ -22,7 +22,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native
+from fastpersist import _native, objectstore
 from fastpersist._inputs import check_input
 from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
@@ -274,6 +274,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.dir_arg is not None and args.dir is not None and args.dir_arg != args.dir:
         raise UsageError(f"two directories given: {args.dir_arg!r} and --dir {args.dir!r} (give one)")
     args.dir = args.dir_arg or args.dir or "."
+    if objectstore.is_s3_url(args.dir):
+        return _info_s3(args)
     info = collect_machine_info(args.dir)
     temps, temps_error = _temp_files(args.dir)
     removed: list[str] = []
@@ -310,6 +312,26 @@ def cmd_info(args: argparse.Namespace) -> int:
     for line in _temp_lines(temps, temps_error, removed, args.clean):
         print(line)
     return 0
+
+
+def _info_s3(args: argparse.Namespace) -> int:
+    """``fastpersist info s3://bucket/prefix``: the client, its settings, the bucket, and
+    incomplete multipart uploads under the prefix (``--clean`` aborts them)."""
+    data = objectstore.describe(args.dir, clean=args.clean)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+        return 0
+    print(f"Object store: {data['url']}")
+    for name in ("client", "endpoint", "region", "addressing_style", "retries", "threads", "part_bytes", "bucket"):
+        print(f"  {name:16s}: {data[name]}")
+    uploads = data.get("incomplete_uploads")
+    if uploads is not None:
+        print(f"  incomplete multipart uploads under the prefix: {len(uploads)}"
+              + ("" if args.clean or not uploads else " (--clean aborts them; so does the next save to each key)"))
+        for u in uploads:
+            state = " (aborted)" if u.get("aborted") else ""
+            print(f"    s3://{data['url'].split('/')[2]}/{u['key']}  upload {u['upload_id']}{state}")
+    return 0 if data["bucket"] == "reachable" else 2
 
 
 def _gpu_path(directory: str) -> Any:
@@ -402,11 +424,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     One exit status: 1 if any FAILED, else 2 if any could not be read (or a directory held
     no checkpoint), else 3 if any is UNCHECKED, else 0 (every one OK)."""
     paths = list(args.paths)
-    single = len(paths) == 1 and not os.path.isdir(paths[0])
+    single = len(paths) == 1 and (objectstore.is_s3_url(paths[0]) or not os.path.isdir(paths[0]))
     if single:  # one file: its errors are the command's (exit 2, one line), as before
         path = paths[0]
-
-        check_input(path, "verify", directory_ok=True)  # the OS's error at once: ELOOP, a FIFO's ESPIPE
+        if not objectstore.is_s3_url(path):
+            check_input(path, "verify", directory_ok=True)  # the OS's error at once: ELOOP, a FIFO's ESPIPE
         data = _verify_one(path)
         if args.json:
             print(json.dumps(data, indent=2))

@@ -25,11 +25,12 @@ from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats import registry
 from fastpersist.formats.base import VerifyResult
 from fastpersist.plan import WritePlan
-from fastpersist.s3url import S3Url, is_s3_url, parse
+from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
 
 log = logging.getLogger("fastpersist.s3")
 
-__all__ = ["ALIGNMENT", "fetch", "is_s3_url", "load", "plan_for", "save", "stage", "upload_staged", "verify"]
+__all__ = ["ALIGNMENT", "fetch", "is_s3_url", "load", "name_url_in_error", "plan_for", "save", "stage", "upload_staged",
+           "verify", "describe"]
 
 #: Payload alignment of objects: what a local save uses on an ordinary filesystem, so
 #: that the object's bytes equal those of a local save.
@@ -144,12 +145,12 @@ def load(target: Any, req: registry.LoadRequest, *, config: Any = None) -> Any:
                                      req.pickle_load_args)
         try:
             return fmt.load(got.path, cfg, local)
-        except (OSError, ValueError) as e:
-            _rename_error(e, got.path, str(url))
+        except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
+            name_url_in_error(e, got.path, str(url))
             raise
 
 
-def _rename_error(e: BaseException, local: str, url: str) -> None:
+def name_url_in_error(e: BaseException, local: str, url: str) -> None:
     """Make a loader's error name the URL instead of the memfd's path."""
     if getattr(e, "path", None) == local:
         try:
@@ -174,3 +175,46 @@ def verify(target: Any, *, config: Any = None) -> VerifyResult:
     result.problems = [p.replace(got.path, name) for p in result.problems]
     result.notes = [p.replace(got.path, name) for p in result.notes]
     return result
+
+
+def describe(target: Any, *, clean: bool = False) -> dict:
+    """What ``fastpersist info s3://bucket/prefix`` reports: the client and its settings
+    (endpoint, region, addressing, retries; never the secrets), whether the bucket
+    answers, and the incomplete multipart uploads under the prefix (left by killed
+    saves); with ``clean``, those are aborted."""
+    url = parse_prefix(target)
+    n = threads()
+    c = s3client.client(n + 2)
+    cfg = c.meta.config
+    out: dict[str, Any] = {
+        "url": f"s3://{url.bucket}/{url.key}",
+        "client": s3client.client_version(),
+        "endpoint": c.meta.endpoint_url,
+        "region": c.meta.region_name,
+        "addressing_style": (cfg.s3 or {}).get("addressing_style", "auto"),
+        "retries": cfg.retries,
+        "threads": n,
+        "part_bytes": part_bytes(),
+    }
+    try:
+        c.head_bucket(Bucket=url.bucket)
+        out["bucket"] = "reachable"
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        if not s3client.is_client_error(e):
+            raise
+        out["bucket"] = str(s3client.store_error(e, out["url"], "HeadBucket", saving=False))
+        return out
+    uploads: list[dict] = []
+    kwargs: dict[str, Any] = {"Bucket": url.bucket, "Prefix": url.key}
+    while True:
+        r = c.list_multipart_uploads(**kwargs)
+        uploads.extend({"key": u["Key"], "upload_id": u["UploadId"], "initiated": str(u.get("Initiated", ""))}
+                       for u in r.get("Uploads", []))
+        if not r.get("IsTruncated"):
+            break
+        kwargs["KeyMarker"], kwargs["UploadIdMarker"] = r.get("NextKeyMarker"), r.get("NextUploadIdMarker")
+    if clean:
+        for u in uploads:
+            u["aborted"] = s3upload.abort_uploads(c, S3Url(url.bucket, u["key"]), [u["upload_id"]]) == 1
+    out["incomplete_uploads"] = uploads
+    return out

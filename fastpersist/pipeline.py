@@ -67,6 +67,7 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
          metadata: Optional[dict] = None) -> None:
     """:func:`fastpersist.save` in this process alone (see its docstring)."""
     if objectstore.is_s3_url(path):
+        pending.before_blocking_save(os.fspath(path))  # an async save to the same URL first
         return objectstore.save(obj, path, config=config, format=format, metadata=metadata)
     if not is_path(path):
         raise TypeError(
@@ -137,10 +138,10 @@ def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu",
 def load(path: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: Optional[bool] = None,
          mmap: Optional[bool] = None, config: Any = None, **pickle_load_args: Any) -> Any:
     """:func:`fastpersist.load` in this process alone (see its docstring)."""
+    pending.wait_before_reading(path)
     req = registry.LoadRequest(path, map_location, pickle_module, weights_only, mmap, dict(pickle_load_args))
     if objectstore.is_s3_url(path):
         return objectstore.load(path, req, config=config)
-    pending.wait_before_reading(path)
     if not is_path(path):
         return req.torch_load()
     fspath = os.fsdecode(os.fspath(path))
@@ -167,6 +168,7 @@ def refuse_special_file(path: str, action: str) -> None:
 def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     """:func:`fastpersist.verify` (see its docstring)."""
     if objectstore.is_s3_url(path):
+        pending.wait_before_reading(os.fspath(path))
         return objectstore.verify(path, config=config)
     fspath = os.fsdecode(os.fspath(path))
     pending.wait_before_reading(fspath, tree=True)

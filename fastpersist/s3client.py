@@ -120,7 +120,7 @@ def store_error(e: BaseException, url: str, operation: str, saving: bool) -> Obj
     after = (" The previous object under this key, if any, is untouched and the multipart upload was aborted."
              if saving else "")
     if code in _MISSING or code == "NoSuchUpload":
-        if code == "NoSuchKey" or (code in ("404", "NotFound") and not saving):
+        if code == "NoSuchKey" or (code in ("404", "NotFound") and not saving and operation != "HeadBucket"):
             what = f"no object at {url}"
         elif code == "NoSuchUpload":
             what = f"the multipart upload of {url} vanished (aborted by someone else, or by a lifecycle rule)"
@@ -157,6 +157,14 @@ def head(c: Any, bucket: str, key: str, url: str) -> tuple[int, str]:
             raise
         raise store_error(e, url, "HeadObject", saving=False) from e
     return int(r["ContentLength"]), str(r.get("ETag", ""))
+
+
+def client_version() -> str:
+    """``boto3 X, botocore Y`` of the installed client."""
+    boto3 = _import_boto3()
+    import botocore  # noqa: PLC0415 - optional dependency
+
+    return f"boto3 {boto3.__version__}, botocore {botocore.__version__}"
 
 
 def max_attempts(default: Optional[int] = None) -> int:

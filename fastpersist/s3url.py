@@ -10,7 +10,7 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["S3Url", "is_s3_url", "parse"]
+__all__ = ["S3Url", "is_s3_url", "parse", "parse_prefix"]
 
 _SCHEME = "s3://"
 # S3's bucket rules (3-63 characters of lowercase letters, digits, dots and hyphens,
@@ -55,4 +55,17 @@ def parse(target: object) -> S3Url:
         raise ValueError(f"{url!r} ends with '/': a checkpoint is an object, give its full key")
     if len(key.encode("utf-8")) > 1024:
         raise ValueError(f"{url!r}: S3 keys are at most 1024 bytes")
+    return S3Url(bucket, key)
+
+
+def parse_prefix(target: object) -> S3Url:
+    """``s3://bucket`` or ``s3://bucket/prefix`` (a "directory": the key may be empty or
+    end with '/'); ``ValueError`` naming the URL and what is wrong."""
+    url = os.fspath(target) if isinstance(target, os.PathLike) else target
+    if not isinstance(url, str) or not url.startswith(_SCHEME):
+        raise ValueError(f"not an s3:// URL: {url!r}")
+    bucket, _sep, key = url[len(_SCHEME):].partition("/")
+    if not _BUCKET.match(bucket):
+        raise ValueError(f"{url!r}: bucket name {bucket!r} is not a valid S3 bucket name "
+                         "(3-63 lowercase letters, digits, dots or hyphens)")
     return S3Url(bucket, key)

@@ -1,0 +1,116 @@
+"""s3:// URLs through save_async, load_state_dict and the CLI (info, verify), and stock
+readers (s3fs/fsspec) of the objects, against a real S3 server (s3proxy)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastpersist
+from fastpersist.errors import ObjectStoreError
+
+pytest.importorskip("boto3", reason="the s3 extra is not installed: pip install 'fastpersist[s3]'")
+
+from conftest import assert_same_object  # noqa: E402
+from s3fixtures import boto, bucket, s3_env, s3_server  # noqa: E402,F401 (fixtures)
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128), torch.nn.Linear(128, 8))
+
+
+@pytest.mark.parametrize("mode", ["snapshot", "lazy"])
+def test_save_async_holds_the_state_of_the_call(boto, bucket, mode, monkeypatch):  # noqa: ANN001
+    monkeypatch.setenv("FASTPERSIST_S3_PART_MB", "5")
+    w = torch.randn(3 * (1 << 20))  # 12 MiB: three parts
+    want = {"w": w.clone(), "step": 1}
+    url = f"s3://{bucket}/async.pt"
+    fut = fastpersist.save_async({"w": w, "step": 1}, url, mode=mode)
+    w.add_(1.0)  # changed right after the call: the object holds the values of the call
+    assert fut.wait() is True and fut.done() and fut.exception() is None
+    assert_same_object(torch.load(io.BytesIO(boto.get_object(Bucket=bucket, Key="async.pt")["Body"].read())), want)
+    assert_same_object(fastpersist.load(url), want)
+
+
+def test_save_async_error_surfaces_and_previous_stays(boto, bucket, s3_env, monkeypatch):  # noqa: ANN001
+    url = f"s3://{bucket}/e.pt"
+    fastpersist.save({"v": torch.zeros(4)}, url)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    fut = fastpersist.save_async({"v": torch.ones(4)}, url)
+    with pytest.raises(ObjectStoreError, match="credentials"):
+        fut.wait()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_key)
+    assert torch.equal(fastpersist.load(url)["v"], torch.zeros(4))
+
+
+def test_load_waits_for_a_pending_async_save(boto, bucket):  # noqa: ANN001
+    url = f"s3://{bucket}/p.pt"
+    fastpersist.save({"v": torch.zeros(1 << 20)}, url)
+    fastpersist.save_async({"v": torch.ones(1 << 20)}, url)
+    assert torch.equal(fastpersist.load(url)["v"], torch.ones(1 << 20))  # the newer save's bytes
+    assert fastpersist.wait_all()
+
+
+def test_load_state_dict_into_existing_tensors(boto, bucket):  # noqa: ANN001
+    src, dst = _model(1), _model(2)
+    url = f"s3://{bucket}/m.pt"
+    fastpersist.save({"model": src.state_dict(), "epoch": 4}, url)
+    before = [p.data_ptr() for p in dst.parameters()]
+    fastpersist.load_state_dict(dst, url, key="model")
+    assert [p.data_ptr() for p in dst.parameters()] == before  # the same tensors, filled in place
+    for (k, a), (_k, b) in zip(src.state_dict().items(), dst.state_dict().items()):
+        assert torch.equal(a, b), k
+    with pytest.raises(FileNotFoundError):
+        fastpersist.load_state_dict(dst, f"s3://{bucket}/none.pt")
+
+
+def test_load_state_dict_names_the_url_on_mismatch(boto, bucket):  # noqa: ANN001
+    url = f"s3://{bucket}/small.pt"
+    fastpersist.save(torch.nn.Linear(3, 3).state_dict(), url)
+    with pytest.raises(Exception) as e:  # noqa: PT011 - fastpersist's own mismatch error
+        fastpersist.load_state_dict(torch.nn.Linear(4, 4), url)
+    assert "/proc/self/fd" not in str(e.value)
+
+
+def test_cli_verify_and_info(boto, bucket, s3_env):  # noqa: ANN001
+    url = f"s3://{bucket}/dir/v.safetensors"
+    fastpersist.save({"a": torch.arange(1000.0)}, url)
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", url], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith(f"OK: {url}"), r.stdout + r.stderr
+    up = boto.create_multipart_upload(Bucket=bucket, Key="dir/left.pt")["UploadId"]  # as a killed save leaves
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "info", f"s3://{bucket}/dir/", "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["bucket"] == "reachable" and data["addressing_style"] == "path"
+    assert [u["upload_id"] for u in data["incomplete_uploads"]] == [up]
+    assert s3_env.secret_key not in r.stdout
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "info", f"s3://{bucket}/dir/", "--clean"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "(aborted)" in r.stdout, r.stdout + r.stderr
+    assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "info", "s3://no-such-bucket-fp/x"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "does not exist" in r.stdout
+
+
+def test_stock_fsspec_reader(boto, bucket, s3_env, monkeypatch):  # noqa: ANN001
+    fsspec = pytest.importorskip("fsspec")
+    pytest.importorskip("s3fs")
+    # s3proxy refuses the response-checksum header new botocore sends by default
+    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    state = {"w": torch.randn(1000), "n": 3}
+    url = f"s3://{bucket}/fs.pt"
+    fastpersist.save(state, url)
+    opts = {"key": s3_env.access_key, "secret": s3_env.secret_key,
+            "client_kwargs": {"endpoint_url": s3_env.endpoint, "region_name": s3_env.region}}
+    with fsspec.open(url, "rb", **opts) as f:
+        got = torch.load(f)
+    assert_same_object(got, state)
