@@ -28,6 +28,7 @@ from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
 from fastpersist.bench.io_bench import run_io_bench
 from fastpersist.bench.machine import collect_machine_info
+from fastpersist.bench.s3_bench import S3_PEERS, run_s3_bench
 from fastpersist.bench.save_bench import PEERS, run_save_bench
 from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
 from fastpersist.bench.units import format_bytes, parse_int_list, parse_size, parse_size_list
@@ -175,7 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Checkpoint a GPT-style training state (or many small tensors) with fastpersist and "
         "its peers on the same disk, in the same run.",
     )
-    p.add_argument("--dir", required=True, help="directory on the disk to measure")
+    p.add_argument("--dir", required=True, help="directory on the disk to measure, or s3://bucket/prefix (saves "
+                   "and loads to object storage against the server's own ceiling and the s3 peers: "
+                   "boto3, s3torchconnector, fsspec, dcp-fsspec)")
     p.add_argument("--size", type=_size, default=parse_size("2GiB"),
                    help="checkpoint size (tensor bytes) of the training state (default: 2GiB)")
     p.add_argument("--small-tensors", type=_positive, metavar="N",
@@ -529,7 +532,14 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_save(args: argparse.Namespace) -> int:
-    """``fastpersist bench save``: see :mod:`fastpersist.bench.save_bench`."""
+    """``fastpersist bench save``: see :mod:`fastpersist.bench.save_bench` (and
+    :mod:`fastpersist.bench.s3_bench` for an ``s3://`` target)."""
+    if objectstore.is_s3_url(args.dir):
+        peers = list(S3_PEERS) if args.peers == list(PEERS) else args.peers
+        bad = sorted(set(peers) - set(S3_PEERS))
+        if bad:
+            raise UsageError(f"--peers: unknown s3 peer(s) {', '.join(bad)} (use {', '.join(S3_PEERS)} or none)")
+        return run_s3_bench(args.dir, size=args.size, repeat=args.repeat, peers=peers)
     _check_dir(args.dir)
     bad = sorted(set(args.peers) - set(PEERS))
     if bad:
