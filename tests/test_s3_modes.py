@@ -114,3 +114,17 @@ def test_stock_fsspec_reader(boto, bucket, s3_env, monkeypatch):  # noqa: ANN001
     with fsspec.open(url, "rb", **opts) as f:
         got = torch.load(f)
     assert_same_object(got, state)
+
+
+def test_bench_save_to_s3_smoke(boto, bucket, s3_env):  # noqa: ANN001
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "save", "--dir", f"s3://{bucket}/b",
+                        "--size", "2MiB", "--repeat", "1", "--peers", "boto3"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()}
+    for name in ("ceiling", "fastpersist", "boto3"):
+        assert name in rows and float(rows[name][1]) > 0, r.stdout
+    assert boto.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0  # its objects removed
+    assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "save", "--dir", f"s3://{bucket}/b",
+                        "--peers", "fio"], capture_output=True, text=True)
+    assert r.returncode != 0 and "unknown s3 peer" in r.stderr + r.stdout
