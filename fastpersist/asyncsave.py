@@ -796,13 +796,14 @@ class _S3Upload:
     """The background half of an async save to an ``s3://`` URL: the upload of the parts
     staged at the call (run by the finisher, as a group save's commit is)."""
 
-    def __init__(self, url: Any, parts: list[Any]) -> None:
+    def __init__(self, url: Any, parts: list[Any], cfg: Any) -> None:
         self.url = url
         self.parts = parts
+        self.cfg = cfg
 
     def run(self, job: _Job) -> None:
         parts, self.parts = self.parts, []
-        objectstore.upload_staged(self.url, parts)
+        objectstore.upload_staged(self.url, parts, config=self.cfg)
 
 
 def _save_async_s3(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str],
@@ -816,7 +817,7 @@ def _save_async_s3(obj: Any, path: PathLike, mode: str, cfg: Any, format: Option
     with asyncstage.capture_lock():
         url, parts = objectstore.stage(obj, path, config=cfg, format=format, metadata=metadata)
     job = _Job(fut, "", cfg.fsync)
-    job.collective = _S3Upload(url, parts)
+    job.collective = _S3Upload(url, parts, cfg)
     with _lock:
         _jobs.append(job)
     _enqueue(job)

@@ -309,7 +309,7 @@ def load_state_dict(
         pickle.UnpicklingError: the pickle holds what ``weights_only`` refuses.
     """
     if objectstore.is_s3_url(path):  # fetched into memory by ranged GETs, then read from there
-        with objectstore.fetch(path) as got:
+        with objectstore.fetch(path, config=config) as got:
             try:
                 return load_state_dict(target, got.path, strict=strict, key=key, cast=cast, config=config)
             except Exception as e:  # noqa: BLE001 - re-raised, naming the URL

@@ -35,30 +35,6 @@ __all__ = ["ALIGNMENT", "fetch", "is_s3_url", "load", "name_url_in_error", "plan
 #: Payload alignment of objects: what a local save uses on an ordinary filesystem, so
 #: that the object's bytes equal those of a local save.
 ALIGNMENT = 4096
-#: Parallel requests per upload or download unless ``FASTPERSIST_S3_THREADS`` says.
-DEFAULT_THREADS = 8
-
-
-def threads() -> int:
-    """Parallel requests per transfer (``FASTPERSIST_S3_THREADS``, default 8)."""
-    v = os.environ.get("FASTPERSIST_S3_THREADS", "")
-    if not v:
-        return DEFAULT_THREADS
-    if not v.isdigit() or int(v) < 1:
-        raise ValueError(f"FASTPERSIST_S3_THREADS must be a positive integer, got {v!r}")
-    return int(v)
-
-
-def part_bytes() -> int:
-    """Preferred part and range size (``FASTPERSIST_S3_PART_MB``, MiB, default 16)."""
-    v = os.environ.get("FASTPERSIST_S3_PART_MB", "")
-    if not v:
-        return s3upload.DEFAULT_PART
-    if not v.isdigit() or int(v) < 5:
-        raise ValueError(f"FASTPERSIST_S3_PART_MB must be an integer >= 5 (S3's minimum part), got {v!r}")
-    return int(v) << 20
-
-
 def _bytes_plan(data: bytes) -> WritePlan:
     buf = bytearray(data)
     t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
@@ -90,9 +66,9 @@ def save(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = N
     url = parse(target)
     cfg = config_mod.resolve(config)
     plan = plan_for(obj, url, cfg, format, metadata)
-    n = threads()
+    n = cfg.s3_threads
     s3upload.upload_plan(plan, url, s3client.client(n + 2), handles.handle_for(cfg), threads=n,
-                         preferred_part=part_bytes())
+                         preferred_part=cfg.s3_part_size)
 
 
 def stage(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = None,
@@ -102,20 +78,21 @@ def stage(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = 
     url = parse(target)
     cfg = config_mod.resolve(config)
     plan = plan_for(obj, url, cfg, format, metadata)
-    return url, s3upload.stage_all(plan, handles.handle_for(cfg), part_bytes())
+    return url, s3upload.stage_all(plan, handles.handle_for(cfg), cfg.s3_part_size)
 
 
-def upload_staged(url: S3Url, parts: list[s3upload.StagedPart]) -> None:
+def upload_staged(url: S3Url, parts: list[s3upload.StagedPart], *, config: Any = None) -> None:
     """Upload what :func:`stage` captured (an async save's background half)."""
-    n = threads()
+    n = config_mod.resolve(config).s3_threads
     s3upload.upload_parts(parts, url, s3client.client(n + 2), threads=n)
 
 
-def fetch(target: Any) -> s3download.Fetched:
+def fetch(target: Any, *, config: Any = None) -> s3download.Fetched:
     """The object at ``target`` in anonymous memory (see :mod:`fastpersist.s3download`)."""
     url = parse(target)
-    n = threads()
-    return s3download.fetch(url, s3client.client(n + 2), threads=n, range_size=part_bytes())
+    cfg = config_mod.resolve(config)
+    n = cfg.s3_threads
+    return s3download.fetch(url, s3client.client(n + 2), threads=n, range_size=cfg.s3_part_size)
 
 
 def _cpu_target(map_location: Any) -> bool:
@@ -137,7 +114,7 @@ def load(target: Any, req: registry.LoadRequest, *, config: Any = None) -> Any:
     cfg = config_mod.resolve(config)
     fmt = registry.format_for(url.key)
     assert fmt.load is not None
-    with fetch(url) as got:
+    with fetch(url, config=cfg) as got:
         mmap = req.mmap
         if mmap is None and _cpu_target(req.map_location):
             mmap = True
@@ -168,7 +145,7 @@ def verify(target: Any, *, config: Any = None) -> VerifyResult:
     then every record's CRC-32 checked."""
     url = parse(target)
     cfg = config_mod.resolve(config)
-    with fetch(url) as got:
+    with fetch(url, config=cfg) as got:
         result = registry.format_for(url.key).verify(got.path, handles.handle_for(cfg, read=True))
     name = str(url)
     result.path = name
@@ -183,18 +160,19 @@ def describe(target: Any, *, clean: bool = False) -> dict:
     answers, and the incomplete multipart uploads under the prefix (left by killed
     saves); with ``clean``, those are aborted."""
     url = parse_prefix(target)
-    n = threads()
+    cfg = config_mod.get_default()
+    n = cfg.s3_threads
     c = s3client.client(n + 2)
-    cfg = c.meta.config
+    bc = c.meta.config
     out: dict[str, Any] = {
         "url": f"s3://{url.bucket}/{url.key}",
         "client": s3client.client_version(),
         "endpoint": c.meta.endpoint_url,
         "region": c.meta.region_name,
-        "addressing_style": (cfg.s3 or {}).get("addressing_style", "auto"),
-        "retries": cfg.retries,
+        "addressing_style": (bc.s3 or {}).get("addressing_style", "auto"),
+        "retries": bc.retries,
         "threads": n,
-        "part_bytes": part_bytes(),
+        "part_bytes": cfg.s3_part_size,
     }
     try:
         c.head_bucket(Bucket=url.bucket)

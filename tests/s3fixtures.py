@@ -11,6 +11,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+import fastpersist
+
 import s3faultproxy as faultproxy
 import s3server
 
@@ -74,3 +76,10 @@ def faulty(fault_proxy: faultproxy.FaultProxy, s3_env: s3server.S3Server,
     monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
     yield fault_proxy
     fault_proxy.clear()
+
+
+@pytest.fixture
+def five_mib_parts() -> Iterator[None]:
+    """Parts and ranges of 5 MiB (S3's minimum): several parts from small states."""
+    with fastpersist.config.override(s3_part_size=5 << 20):
+        yield

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import pytest
 import torch
@@ -26,9 +27,9 @@ MiB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def _small_parts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FASTPERSIST_S3_PART_MB", "5")
-    monkeypatch.setenv("FASTPERSIST_S3_THREADS", "2")
+def _small_parts() -> Iterator[None]:
+    with fastpersist.config.override(s3_part_size=5 << 20, s3_threads=2):
+        yield
 
 
 def _state(seed: int, mib: int = 12) -> dict:
@@ -140,7 +141,7 @@ print("saved", flush=True)
 def test_killed_save_leaves_no_object_and_next_save_cleans_its_upload(boto, bucket, faulty):  # noqa: ANN001
     previous = _state(12, 1)
     fastpersist.save(previous, f"s3://{bucket}/k.pt")
-    env = dict(os.environ, FASTPERSIST_S3_THREADS="1")
+    env = dict(os.environ, FASTPERSIST_S3_THREADS="1", FASTPERSIST_S3_PART_SIZE="5M")
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, f"s3://{bucket}/k.pt"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

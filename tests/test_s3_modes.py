@@ -17,7 +17,7 @@ from fastpersist.errors import ObjectStoreError
 pytest.importorskip("boto3", reason="the s3 extra is not installed: pip install 'fastpersist[s3]'")
 
 from conftest import assert_same_object  # noqa: E402
-from s3fixtures import boto, bucket, s3_env, s3_server  # noqa: E402,F401 (fixtures)
+from s3fixtures import boto, bucket, five_mib_parts, s3_env, s3_server  # noqa: E402,F401 (fixtures)
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -26,8 +26,7 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("mode", ["snapshot", "lazy"])
-def test_save_async_holds_the_state_of_the_call(boto, bucket, mode, monkeypatch):  # noqa: ANN001
-    monkeypatch.setenv("FASTPERSIST_S3_PART_MB", "5")
+def test_save_async_holds_the_state_of_the_call(boto, bucket, mode, five_mib_parts):  # noqa: ANN001
     w = torch.randn(3 * (1 << 20))  # 12 MiB: three parts
     want = {"w": w.clone(), "step": 1}
     url = f"s3://{bucket}/async.pt"

@@ -19,7 +19,7 @@ from fastpersist.s3url import S3Url, is_s3_url, parse
 pytest.importorskip("boto3", reason="the s3 extra is not installed: pip install 'fastpersist[s3]'")
 
 from conftest import assert_same_object  # noqa: E402
-from s3fixtures import boto, bucket, s3_env, s3_server  # noqa: E402,F401 (fixtures)
+from s3fixtures import boto, bucket, five_mib_parts, s3_env, s3_server  # noqa: E402,F401 (fixtures)
 
 
 def _state(mib: float = 1.0) -> dict:
@@ -44,8 +44,7 @@ def _uploads(boto, bucket: str) -> list:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("mib", [0.01, 1.0, 23.0])
-def test_torch_object_is_a_local_save_and_loads_everywhere(boto, bucket, tmp_path, monkeypatch, mib):  # noqa: ANN001
-    monkeypatch.setenv("FASTPERSIST_S3_PART_MB", "5")  # 23 MiB: five parts, the last one short
+def test_torch_object_is_a_local_save_and_loads_everywhere(boto, bucket, tmp_path, five_mib_parts, mib):  # noqa: ANN001
     state = _state(mib)
     url = f"s3://{bucket}/run/ckpt.pt"
     fastpersist.save(state, url)
@@ -65,10 +64,9 @@ def test_torch_object_is_a_local_save_and_loads_everywhere(boto, bucket, tmp_pat
 
 
 @pytest.mark.parametrize("mib", [0.01, 12.0])
-def test_safetensors_object_is_a_local_save(boto, bucket, tmp_path, monkeypatch, mib):  # noqa: ANN001
+def test_safetensors_object_is_a_local_save(boto, bucket, tmp_path, five_mib_parts, mib):  # noqa: ANN001
     from safetensors.torch import load as st_load
 
-    monkeypatch.setenv("FASTPERSIST_S3_PART_MB", "5")  # the header's part waits for the CRCs of later parts
     g = torch.Generator().manual_seed(3)
     tensors = {"a": torch.randn(int(mib * 65536), 4, generator=g), "b": torch.arange(100, dtype=torch.int16),
                "c": torch.randn(3, 3, generator=g).half()}

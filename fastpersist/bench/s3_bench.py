@@ -104,11 +104,11 @@ def _fsspec_options() -> dict:
 def _peer(name: str, prefix: S3Url, obj: Any) -> tuple[Callable[[int], None], Callable[[int], Any]]:
     """``(save(round), load(round))`` of a peer; raises ImportError/other where it cannot run."""
     if name == "boto3":
-        c = s3client.client(objectstore.threads() + 2)
+        c = s3client.client(get_default().s3_threads + 2)
         from boto3.s3.transfer import TransferConfig
 
-        tc = TransferConfig(multipart_threshold=objectstore.part_bytes(), multipart_chunksize=objectstore.part_bytes(),
-                            max_concurrency=objectstore.threads())
+        tc = TransferConfig(multipart_threshold=get_default().s3_part_size, multipart_chunksize=get_default().s3_part_size,
+                            max_concurrency=get_default().s3_threads)
 
         def save(r: int) -> None:
             buf = io.BytesIO()
@@ -130,7 +130,7 @@ def _peer(name: str, prefix: S3Url, obj: Any) -> tuple[Callable[[int], None], Ca
         c = s3client.client()
         ckpt = S3Checkpoint(region=c.meta.region_name, endpoint=c.meta.endpoint_url,
                             s3client_config=S3ClientConfig(force_path_style=True,
-                                                           part_size=objectstore.part_bytes()))
+                                                           part_size=get_default().s3_part_size))
 
         def save(r: int) -> None:
             with ckpt.writer(str(_key(prefix, f"s3tc-{r}.pt"))) as w:
@@ -191,7 +191,7 @@ def run_s3_bench(target: str, *, size: int, repeat: int, peers: list[str], out: 
     run_prefix = _key(prefix, f"fastpersist-bench-{uuid.uuid4().hex[:8]}/")
     obj, info = build_workload(size, None, seed=0)
     payload = objectstore.plan_for(obj, _key(run_prefix, "probe.pt"), get_default(), None, None).file_size
-    threads, part = objectstore.threads(), objectstore.part_bytes()
+    threads, part = get_default().s3_threads, get_default().s3_part_size
     c = s3client.client(threads + 2)
     data = bytes(bytearray(torch.randint(0, 256, (payload,), dtype=torch.uint8).numpy()))
     results: dict[str, S3MethodResult] = {n: S3MethodResult(n) for n in ("ceiling", "fastpersist", *peers)}
