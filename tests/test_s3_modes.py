@@ -127,3 +127,29 @@ def test_bench_save_to_s3_smoke(boto, bucket, s3_env):  # noqa: ANN001
     r = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "save", "--dir", f"s3://{bucket}/b",
                         "--peers", "fio"], capture_output=True, text=True)
     assert r.returncode != 0 and "unknown s3 peer" in r.stderr + r.stdout
+
+
+def _s3_examples(path: str) -> list[str]:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / path).read_text(encoding="utf-8")
+    return [b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE) if "s3://" in b]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/objectstore.md"])
+def test_doc_examples_run_against_the_server(boto, s3_env, tmp_path, doc):  # noqa: ANN001
+    """The s3:// examples of README.md and docs/objectstore.md run as written (bucket my-bucket)."""
+    blocks = _s3_examples(doc)
+    assert blocks, f"{doc} has no s3:// example"
+    try:
+        boto.create_bucket(Bucket="my-bucket")
+    except boto.exceptions.BucketAlreadyOwnedByYou:
+        pass
+    except Exception as e:  # noqa: BLE001 - s3proxy answers BucketAlreadyExists
+        assert "BucketAlready" in type(e).__name__ or "BucketAlready" in str(e), e
+    for i, block in enumerate(blocks):
+        script = tmp_path / f"example_{i}.py"
+        script.write_text(block, encoding="utf-8")
+        r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{doc} example {i} failed:\n{block}\n{r.stderr}"
