@@ -153,3 +153,22 @@ def test_doc_examples_run_against_the_server(boto, s3_env, tmp_path, doc):  # no
         script.write_text(block, encoding="utf-8")
         r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"{doc} example {i} failed:\n{block}\n{r.stderr}"
+
+
+def test_endpoint_and_credentials_from_a_profile(boto, bucket, s3_env, tmp_path, monkeypatch):  # noqa: ANN001
+    """No AWS_* credentials or endpoint in the environment: a named profile of the config
+    and credentials files gives them (endpoint_url of the profile: path-style addressing)."""
+    (tmp_path / "config").write_text(f"[profile fp-test]\nendpoint_url = {s3_env.endpoint}\nregion = us-east-1\n")
+    (tmp_path / "credentials").write_text(
+        f"[fp-test]\naws_access_key_id = {s3_env.access_key}\naws_secret_access_key = {s3_env.secret_key}\n")
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_PROFILE", "fp-test")
+    state = {"w": torch.randn(100)}
+    fastpersist.save(state, f"s3://{bucket}/profile.pt")
+    assert_same_object(fastpersist.load(f"s3://{bucket}/profile.pt"), state)
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    with pytest.raises(Exception, match="no-such-profile"):  # botocore's ProfileNotFound, raised as is
+        fastpersist.load(f"s3://{bucket}/profile.pt")
