@@ -22,7 +22,7 @@ import torch
 from fastpersist import _compat, handles, s3client, s3download, s3upload
 from fastpersist import config as config_mod
 from fastpersist.errors import UnsupportedLayoutError
-from fastpersist.formats import registry
+from fastpersist.formats import registry, safetensors
 from fastpersist.formats.base import VerifyResult
 from fastpersist.plan import WritePlan
 from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
@@ -30,7 +30,7 @@ from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
 log = logging.getLogger("fastpersist.s3")
 
 __all__ = ["ALIGNMENT", "fetch", "is_s3_url", "load", "name_url_in_error", "plan_for", "save", "stage", "upload_staged",
-           "verify", "describe"]
+           "verify", "describe", "save_file", "load_file"]
 
 #: Payload alignment of objects: what a local save uses on an ordinary filesystem, so
 #: that the object's bytes equal those of a local save.
@@ -69,6 +69,30 @@ def save(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = N
     n = cfg.s3_threads
     s3upload.upload_plan(plan, url, s3client.client(n + 2), handles.handle_for(cfg), threads=n,
                          preferred_part=cfg.s3_part_size)
+
+
+def save_file(tensors: dict, target: Any, metadata: Optional[dict], *, config: Any = None) -> None:
+    """:func:`fastpersist.save_file` to an ``s3://`` URL: a safetensors object whose
+    ``__metadata__`` is exactly ``metadata``, as ``safetensors.torch.save_file`` writes."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    plan = safetensors.plan_safetensors(tensors, metadata, ALIGNMENT, checksum=cfg.checksum)
+    n = cfg.s3_threads
+    s3upload.upload_plan(plan, url, s3client.client(n + 2), handles.handle_for(cfg), threads=n,
+                         preferred_part=cfg.s3_part_size)
+
+
+def load_file(target: Any, device: Any, *, config: Any = None) -> dict:
+    """:func:`fastpersist.load_file` of an ``s3://`` URL: every tensor on ``device`` (on
+    the CPU, views of the fetched memory)."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    with fetch(url, config=cfg) as got:
+        try:
+            return registry.load_safetensors_file(got.path, device, cfg, _cpu_target(device))
+        except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
+            name_url_in_error(e, got.path, str(url))
+            raise
 
 
 def stage(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = None,

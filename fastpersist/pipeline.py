@@ -94,6 +94,9 @@ def save_file(tensors: dict, filename: PathLike, metadata: Optional[dict] = None
     """:func:`fastpersist.save_file` (see its docstring)."""
     if isinstance(filename, bytes) or not is_path(filename):
         raise TypeError(f"argument 'filename': expected str or os.PathLike object, not {type(filename).__name__}")
+    if objectstore.is_s3_url(filename):
+        pending.before_blocking_save(os.fspath(filename))
+        return objectstore.save_file(tensors, filename, metadata, config=config)
     cfg = config_mod.resolve(config)
     final = resolve_target(filename)
     pending.before_blocking_save(final)
@@ -130,6 +133,9 @@ def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu",
         target = device if isinstance(device, torch.device) else torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
         raise SafetensorsValueError(f"device {device} is invalid ({e})") from None
+    if objectstore.is_s3_url(filename):
+        pending.wait_before_reading(os.fspath(filename))
+        return objectstore.load_file(filename, target, config=config)
     fspath = os.fsdecode(os.fspath(filename))
     cfg = config_mod.resolve(config)
     return registry.load_safetensors_file(fspath, target, cfg, None)

@@ -155,3 +155,22 @@ def test_core_does_not_import_the_client() -> None:
 
     with tempfile.TemporaryDirectory() as d:
         subprocess.run([sys.executable, "-c", code, os.path.join(d, "x.pt")], check=True)
+
+
+def test_safetensors_style_functions(boto, bucket, tmp_path):  # noqa: ANN001
+    from safetensors.torch import load as st_load
+
+    tensors = {"weight": torch.randn(8, 4), "bias": torch.randn(8)}
+    url = f"s3://{bucket}/st/model.safetensors"
+    fastpersist.save_file(tensors, url, metadata={"k": "v"})
+    fastpersist.save_file(tensors, tmp_path / "model.safetensors", metadata={"k": "v"})
+    blob = _object(boto, bucket, "st/model.safetensors")
+    assert blob == (tmp_path / "model.safetensors").read_bytes()  # exactly the metadata given, as save_file
+    assert torch.equal(st_load(blob)["weight"], tensors["weight"])
+    got = fastpersist.load_file(url)
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors)
+    model = torch.nn.Linear(4, 8)
+    missing, unexpected = fastpersist.load_model(model, url)
+    assert not missing and not unexpected and torch.equal(model.weight.detach(), tensors["weight"])
+    with pytest.raises(FileNotFoundError):
+        fastpersist.load_file(f"s3://{bucket}/st/none.safetensors")
