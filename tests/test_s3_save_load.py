@@ -174,3 +174,25 @@ def test_safetensors_style_functions(boto, bucket, tmp_path):  # noqa: ANN001
     assert not missing and not unexpected and torch.equal(model.weight.detach(), tensors["weight"])
     with pytest.raises(FileNotFoundError):
         fastpersist.load_file(f"s3://{bucket}/st/none.safetensors")
+
+
+def test_object_replaced_during_a_load_fails_it(boto, bucket, five_mib_parts, monkeypatch):  # noqa: ANN001
+    from fastpersist import s3download
+
+    url = f"s3://{bucket}/moving.pt"
+    fastpersist.save({"w": torch.zeros(3 << 20)}, url)  # 12 MiB: three ranged GETs
+    original = s3download._get_range
+    calls = []
+
+    def replacing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if not calls:  # another writer replaces the object after the HEAD, before the GETs
+            fastpersist.save({"w": torch.ones(3 << 20)}, url)
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(s3download, "_get_range", replacing)
+    with pytest.raises(ObjectStoreError) as e:
+        fastpersist.load(url)
+    assert e.value.code == "PreconditionFailed" and "replaced" in str(e.value)
+    monkeypatch.setattr(s3download, "_get_range", original)
+    assert torch.equal(fastpersist.load(url)["w"], torch.ones(3 << 20))
