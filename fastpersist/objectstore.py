@@ -29,12 +29,14 @@ from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
 
 log = logging.getLogger("fastpersist.s3")
 
-__all__ = ["ALIGNMENT", "fetch", "is_s3_url", "load", "name_url_in_error", "plan_for", "save", "stage", "upload_staged",
-           "verify", "describe", "save_file", "load_file"]
+__all__ = ["ALIGNMENT", "describe", "fetch", "is_s3_url", "load", "load_file", "name_url_in_error", "plan_for", "save",
+           "save_file", "stage", "upload_staged", "verify"]
 
 #: Payload alignment of objects: what a local save uses on an ordinary filesystem, so
 #: that the object's bytes equal those of a local save.
 ALIGNMENT = 4096
+
+
 def _bytes_plan(data: bytes) -> WritePlan:
     buf = bytearray(data)
     t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
@@ -65,7 +67,10 @@ def save(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = N
     """Blocking save of ``obj`` to the ``s3://`` URL ``target`` (one multipart upload)."""
     url = parse(target)
     cfg = config_mod.resolve(config)
-    plan = plan_for(obj, url, cfg, format, metadata)
+    _upload(plan_for(obj, url, cfg, format, metadata), url, cfg)
+
+
+def _upload(plan: WritePlan, url: S3Url, cfg: Any) -> None:
     n = cfg.s3_threads
     s3upload.upload_plan(plan, url, s3client.client(n + 2), handles.handle_for(cfg), threads=n,
                          preferred_part=cfg.s3_part_size)
@@ -76,10 +81,7 @@ def save_file(tensors: dict, target: Any, metadata: Optional[dict], *, config: A
     ``__metadata__`` is exactly ``metadata``, as ``safetensors.torch.save_file`` writes."""
     url = parse(target)
     cfg = config_mod.resolve(config)
-    plan = safetensors.plan_safetensors(tensors, metadata, ALIGNMENT, checksum=cfg.checksum)
-    n = cfg.s3_threads
-    s3upload.upload_plan(plan, url, s3client.client(n + 2), handles.handle_for(cfg), threads=n,
-                         preferred_part=cfg.s3_part_size)
+    _upload(safetensors.plan_safetensors(tensors, metadata, ALIGNMENT, checksum=cfg.checksum), url, cfg)
 
 
 def load_file(target: Any, device: Any, *, config: Any = None) -> dict:
