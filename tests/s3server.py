@@ -71,15 +71,21 @@ class S3Server:
     region: str
     datadir: Path
     proc: subprocess.Popen
+    ca_bundle: Optional[Path] = None  #: the certificate to trust, for an HTTPS server
+
 
     def env(self, endpoint: Optional[str] = None) -> dict[str, str]:
         """The standard AWS variables that point a client at this server."""
-        return {
+        env = {
             "AWS_ENDPOINT_URL": endpoint or self.endpoint,
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
             "AWS_DEFAULT_REGION": self.region,
         }
+        if self.ca_bundle is not None:
+            env["AWS_CA_BUNDLE"] = str(self.ca_bundle)
+            env["SSL_CERT_FILE"] = str(self.ca_bundle)
+        return env
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -91,8 +97,25 @@ class S3Server:
                 self.proc.wait()
 
 
-def start(workdir: Path, jar: Optional[Path] = None, timeout: float = 90.0) -> S3Server:
-    """Start s3proxy on a free port with its data under ``workdir``; wait until it answers."""
+def make_tls(workdir: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1: ``(Java keystore, PEM for AWS_CA_BUNDLE)``
+    (password ``password``), made with the JDK's keytool."""
+    keytool = shutil.which("keytool")
+    if keytool is None:
+        raise FileNotFoundError("keytool (from the JDK) is not installed")
+    ks, pem = workdir / "keystore.jks", workdir / "ca.pem"
+    subprocess.run([keytool, "-genkeypair", "-alias", "s3proxy", "-keyalg", "RSA", "-keysize", "2048", "-keystore",
+                    str(ks), "-storepass", "password", "-keypass", "password", "-dname", "CN=127.0.0.1", "-ext",
+                    "SAN=ip:127.0.0.1", "-validity", "30"], check=True, capture_output=True)
+    cert = subprocess.run([keytool, "-exportcert", "-rfc", "-alias", "s3proxy", "-keystore", str(ks), "-storepass",
+                           "password"], check=True, capture_output=True)
+    pem.write_bytes(cert.stdout)
+    return ks, pem
+
+
+def start(workdir: Path, jar: Optional[Path] = None, timeout: float = 90.0, tls: bool = False) -> S3Server:
+    """Start s3proxy on a free port with its data under ``workdir``; wait until it answers.
+    ``tls``: HTTPS with a self-signed certificate (:attr:`S3Server.ca_bundle`)."""
     java = shutil.which("java")
     if java is None:
         raise FileNotFoundError("java is not installed")
@@ -100,10 +123,16 @@ def start(workdir: Path, jar: Optional[Path] = None, timeout: float = 90.0) -> S
     datadir = workdir / "data"
     datadir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
+    endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     props = workdir / "s3proxy.properties"
+    ca_bundle = None
+    listen = f"s3proxy.endpoint={endpoint}\n"
+    if tls:
+        ks, ca_bundle = make_tls(workdir)
+        listen = (f"s3proxy.secure-endpoint={endpoint}\ns3proxy.keystore-path={ks}\n"
+                  "s3proxy.keystore-password=password\n")
     props.write_text(
-        f"s3proxy.endpoint={endpoint}\n"
+        listen +
         "s3proxy.authorization=aws-v2-or-v4\n"
         f"s3proxy.identity={ACCESS_KEY}\n"
         f"s3proxy.credential={SECRET_KEY}\n"
@@ -119,7 +148,12 @@ def start(workdir: Path, jar: Optional[Path] = None, timeout: float = 90.0) -> S
         if proc.poll() is not None:
             raise RuntimeError(f"s3proxy exited with {proc.returncode}: {(workdir / 's3proxy.log').read_text()[-2000:]}")
         try:
-            urllib.request.urlopen(endpoint + "/", timeout=2)
+            ctx = None
+            if ca_bundle is not None:
+                import ssl
+
+                ctx = ssl.create_default_context(cafile=str(ca_bundle))
+            urllib.request.urlopen(endpoint + "/", timeout=2, context=ctx)
         except urllib.error.HTTPError:
             break  # 403 to an anonymous request: it is up
         except OSError:
@@ -129,4 +163,4 @@ def start(workdir: Path, jar: Optional[Path] = None, timeout: float = 90.0) -> S
             time.sleep(0.25)
             continue
         break
-    return S3Server(endpoint, ACCESS_KEY, SECRET_KEY, REGION, datadir, proc)
+    return S3Server(endpoint, ACCESS_KEY, SECRET_KEY, REGION, datadir, proc, ca_bundle)
