@@ -111,7 +111,7 @@ def main() -> int:
                             secret_access_key=srv.secret_key, region=srv.region, virtual_hosted_style_request=False,
                             client_options={"allow_http": True})
             if args.https:
-                raise ImportError("obstore: no option found here to trust a self-signed certificate; not measured")
+                raise ImportError("no option found here to trust a self-signed certificate")
             methods["obstore put (multipart)"] = lambda r: obstore.put(store, f"o{r}", data, chunk_size=part,
                                                                       max_concurrency=args.threads)
 
@@ -122,7 +122,7 @@ def main() -> int:
             gets["obstore get_ranges"] = ob_get
             gets["obstore get (one GET)"] = lambda k: bytes(obstore.get(store, k).bytes())
         except ImportError as e:
-            print("obstore: not installed", e)
+            print("obstore: not measured:", e)
         try:
             from s3torchconnector import S3Checkpoint, S3ClientConfig
 
