@@ -9,10 +9,11 @@ Configuration is boto3's own: credentials, region and endpoint from the environm
 (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
 ``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``) and the config and credentials files
 (``endpoint_url`` and ``s3.addressing_style`` of a profile included). Against an
-S3-compatible store (an endpoint is configured) addressing is path-style unless the
-profile says otherwise, and request checksums are sent only when the operation needs
-them (``when_required``: fastpersist sends a Content-MD5 on every part itself), unless
-``AWS_REQUEST_CHECKSUM_CALCULATION`` says otherwise. Retries follow botocore's
+S3-compatible store (an endpoint is configured) addressing is path-style and payloads
+are not SHA-256-signed (``payload_signing_enabled = false``: every part carries a
+Content-MD5 instead, as botocore does over HTTPS) unless the profile's ``s3`` section
+says otherwise, and request checksums are sent only when the operation needs them
+(``when_required``) unless ``AWS_REQUEST_CHECKSUM_CALCULATION`` says otherwise. Retries follow botocore's
 ``standard`` mode (500, 502, 503, 504, throttling such as ``SlowDown``, connection
 resets and timeouts; exponential backoff with jitter), 8 attempts unless
 ``AWS_MAX_ATTEMPTS``/``AWS_RETRY_MODE`` say otherwise.
@@ -57,12 +58,14 @@ def _endpoint_configured(session: Any) -> bool:
     return bool(scoped.get("endpoint_url") or (scoped.get("s3") or {}).get("endpoint_url"))
 
 
-def _profile_sets_addressing(session: Any) -> bool:
+def _profile_s3(session: Any) -> dict:
+    """The ``s3`` section of the profile in use (empty when none)."""
     try:
         scoped = session._session.get_scoped_config()  # noqa: SLF001
     except Exception:  # noqa: BLE001
-        return False
-    return bool((scoped.get("s3") or {}).get("addressing_style"))
+        return {}
+    section = scoped.get("s3")
+    return section if isinstance(section, dict) else {}
 
 
 def client(max_connections: int = 16) -> Any:
@@ -85,8 +88,18 @@ def client(max_connections: int = 16) -> Any:
         if not os.environ.get("AWS_MAX_ATTEMPTS") and not os.environ.get("AWS_RETRY_MODE"):
             kwargs["retries"] = {"mode": "standard", "max_attempts": DEFAULT_ATTEMPTS}
         if _endpoint_configured(session):
-            if not _profile_sets_addressing(session):
-                kwargs["s3"] = {"addressing_style": "path"}
+            profile_s3 = _profile_s3(session)
+            s3: dict[str, Any] = {}
+            if "addressing_style" not in profile_s3:
+                s3["addressing_style"] = "path"
+            if "payload_signing_enabled" not in profile_s3:
+                # Over plain HTTP botocore would SHA-256 every part for the signature (and the
+                # store would verify it): two more passes over every byte, which halved uploads
+                # in docs/objectstore.md's measurement. Parts carry a Content-MD5 instead, as
+                # botocore itself does over HTTPS.
+                s3["payload_signing_enabled"] = False
+            if s3:
+                kwargs["s3"] = s3
             if not os.environ.get("AWS_REQUEST_CHECKSUM_CALCULATION"):
                 kwargs["request_checksum_calculation"] = "when_required"
                 kwargs["response_checksum_validation"] = "when_required"

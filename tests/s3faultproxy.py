@@ -65,6 +65,8 @@ class FaultProxy:
     upstream: tuple[str, int]
     faults: list[Fault] = field(default_factory=list)
     requests: list[tuple[str, str]] = field(default_factory=list)
+    #: The headers of each request in :attr:`requests` (names lowercased).
+    headers: list[dict[str, str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -84,6 +86,7 @@ class FaultProxy:
         with self._lock:
             self.faults = []
             self.requests = []
+            self.headers = []
 
     def close(self) -> None:
         self._closed = True
@@ -103,9 +106,10 @@ class FaultProxy:
                 req = _read_request(conn)
                 if req is None:
                     return
-                head, body, method, target = req
+                head, body, method, target, headers = req
                 with self._lock:
                     self.requests.append((method, target))
+                    self.headers.append(headers)
                     fault = next((f for f in self.faults if f.matches(method, target)), None)
                 if fault is None:
                     _forward(conn, self.upstream, head, body)
@@ -125,7 +129,7 @@ class FaultProxy:
             conn.close()
 
 
-def _read_request(conn: socket.socket) -> Optional[tuple[bytes, bytes, str, str]]:
+def _read_request(conn: socket.socket) -> Optional[tuple[bytes, bytes, str, str, dict[str, str]]]:
     buf = b""
     while b"\r\n\r\n" not in buf:
         chunk = conn.recv(65536)
@@ -135,11 +139,11 @@ def _read_request(conn: socket.socket) -> Optional[tuple[bytes, bytes, str, str]
     head, rest = buf.split(b"\r\n\r\n", 1)
     lines = head.decode("latin-1").split("\r\n")
     method, target, _version = lines[0].split(" ", 2)
-    length = 0
+    headers = {}
     for line in lines[1:]:
         name, _, value = line.partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value.strip())
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
     body = bytearray(rest)
     while len(body) < length:
         chunk = conn.recv(min(1 << 20, length - len(body)))
@@ -148,7 +152,7 @@ def _read_request(conn: socket.socket) -> Optional[tuple[bytes, bytes, str, str]
         body += chunk
     kept = [ln for ln in lines if not ln.lower().startswith("connection:")]
     new_head = ("\r\n".join(kept) + "\r\nConnection: close\r\n\r\n").encode("latin-1")
-    return new_head, bytes(body), method, target
+    return new_head, bytes(body), method, target, headers
 
 
 def _forward(conn: socket.socket, upstream: tuple[str, int], head: bytes, body: bytes) -> None:

@@ -160,3 +160,24 @@ def test_killed_save_leaves_no_object_and_next_save_cleans_its_upload(boto, buck
     newer = _state(13, 1)
     fastpersist.save(newer, f"s3://{bucket}/k.pt")  # the next save to the key aborts it
     _clean(boto, bucket, "k.pt", newer)
+
+
+def test_parts_carry_content_md5_and_unsigned_payloads(boto, bucket, faulty, tmp_path, monkeypatch):  # noqa: ANN001
+    """Against an endpoint: every part has a Content-MD5 and no SHA-256 payload signature,
+    unless the profile's s3 section asks for payload signing."""
+    import base64
+    import hashlib
+
+    fastpersist.save(_state(14), f"s3://{bucket}/md5.pt")
+    parts = [(t, h) for (m, t), h in zip(faulty.requests, faulty.headers) if m == "PUT" and "partNumber=" in t]
+    assert len(parts) == 3  # 12 MiB in parts of 5 MiB
+    blob = boto.get_object(Bucket=bucket, Key="md5.pt")["Body"].read()
+    first = base64.b64encode(hashlib.md5(blob[:5 << 20]).digest()).decode()  # noqa: S324
+    assert {h["content-md5"] for t, h in parts if "partNumber=1&" in t + "&"} == {first}
+    assert all(h["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD" for _t, h in parts)
+    (tmp_path / "config").write_text("[default]\ns3 =\n    payload_signing_enabled = true\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    faulty.clear()
+    fastpersist.save(_state(15), f"s3://{bucket}/md5.pt")
+    parts = [h for (m, t), h in zip(faulty.requests, faulty.headers) if m == "PUT" and "partNumber=" in t]
+    assert parts and all(len(h["x-amz-content-sha256"]) == 64 for h in parts)  # a SHA-256, as the profile says
