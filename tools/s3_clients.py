@@ -27,14 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import s3server  # noqa: E402
 
 
-def boto_client(srv: Any, conns: int) -> Any:
+def boto_client(srv: Any, conns: int, sign_payloads: bool = True) -> Any:
+    """A boto3 client on ``srv``; ``sign_payloads=False``: UNSIGNED-PAYLOAD (else botocore's default)."""
     import boto3
     from botocore.config import Config
 
     return boto3.client("s3", endpoint_url=srv.endpoint, aws_access_key_id=srv.access_key,
                         verify=str(srv.ca_bundle) if srv.ca_bundle else None,
                         aws_secret_access_key=srv.secret_key, region_name=srv.region,
-                        config=Config(s3={"addressing_style": "path"}, max_pool_connections=conns,
+                        config=Config(s3={"addressing_style": "path",
+                                          **({} if sign_payloads else {"payload_signing_enabled": False})},
+                                      max_pool_connections=conns,
                                       request_checksum_calculation="when_required",
                                       response_checksum_validation="when_required"))
 
@@ -92,6 +95,9 @@ def main() -> int:
         c.create_bucket(Bucket="bench")
         methods: dict[str, Callable[[int], Any]] = {}
         methods["boto3 multipart (threads)"] = lambda r: boto_multipart(c, "bench", f"b{r}", data, part, args.threads)
+        cu = boto_client(srv, args.threads + 2, sign_payloads=False)
+        methods["boto3 multipart, unsigned payload"] = lambda r: boto_multipart(cu, "bench", f"u{r}", data, part,
+                                                                                args.threads)
 
         def transfer(r: int) -> None:
             import io
