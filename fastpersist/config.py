@@ -149,6 +149,8 @@ class Config:
         s3_part_size: Bytes per part of an upload and per ranged GET of a load, for
             ``s3://`` URLs; at least 5 MiB (S3's minimum part), a multiple of 1 MiB,
             grown for files that would need more than 10,000 parts.
+        s3_timeout: Seconds an ``s3://`` request may wait to connect, and then for
+            each read from the store, before botocore retries it (a stalled store).
     """
 
     engine: str = "auto"
@@ -185,6 +187,8 @@ class Config:
     s3_threads: int = 8
     #: Bytes per uploaded part and per ranged GET (>= 5 MiB, a multiple of 1 MiB).
     s3_part_size: int = 16 << 20
+    #: Seconds to connect and per read before a request is retried (a stalled store).
+    s3_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -266,6 +270,10 @@ def _validate_field(name: str, value: Any) -> None:
     """Raise ``ValueError``/``TypeError`` if ``value`` is not acceptable for field ``name``."""
     if name in _DIST_FIELDS:
         _validate_dist_field(name, value)
+        return
+    if name == "s3_timeout":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"s3_timeout must be a positive number of seconds, not {value!r}")
         return
     if name == "engine":
         if value not in ENGINES:
@@ -617,6 +625,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "Bytes per part of an `s3://` save's multipart upload and per ranged GET of a load: at least "
         "5M (S3's minimum part), a multiple of 1M; grown for a file that would need more than "
         "10,000 parts (docs/objectstore.md).",
+    ),
+    EnvVar(
+        "FASTPERSIST_S3_TIMEOUT", "s3_timeout", _parse_seconds, "seconds",
+        "Seconds an `s3://` request may take to connect, and then may wait for each read from the "
+        "store, before botocore retries it with backoff (a stalled store; docs/objectstore.md).",
     ),
 )
 

@@ -72,7 +72,7 @@ def save(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = N
 
 def _upload(plan: WritePlan, url: S3Url, cfg: Any) -> None:
     n = cfg.s3_threads
-    s3upload.upload_plan(plan, url, s3client.client(n + 2), handles.handle_for(cfg), threads=n,
+    s3upload.upload_plan(plan, url, s3client.client(n + 2, cfg.s3_timeout), handles.handle_for(cfg), threads=n,
                          preferred_part=cfg.s3_part_size)
 
 
@@ -109,8 +109,9 @@ def stage(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = 
 
 def upload_staged(url: S3Url, parts: list[s3upload.StagedPart], *, config: Any = None) -> None:
     """Upload what :func:`stage` captured (an async save's background half)."""
-    n = config_mod.resolve(config).s3_threads
-    s3upload.upload_parts(parts, url, s3client.client(n + 2), threads=n)
+    cfg = config_mod.resolve(config)
+    n = cfg.s3_threads
+    s3upload.upload_parts(parts, url, s3client.client(n + 2, cfg.s3_timeout), threads=n)
 
 
 def fetch(target: Any, *, config: Any = None) -> s3download.Fetched:
@@ -118,7 +119,7 @@ def fetch(target: Any, *, config: Any = None) -> s3download.Fetched:
     url = parse(target)
     cfg = config_mod.resolve(config)
     n = cfg.s3_threads
-    return s3download.fetch(url, s3client.client(n + 2), threads=n, range_size=cfg.s3_part_size)
+    return s3download.fetch(url, s3client.client(n + 2, cfg.s3_timeout), threads=n, range_size=cfg.s3_part_size)
 
 
 def _cpu_target(map_location: Any) -> bool:
@@ -188,7 +189,7 @@ def describe(target: Any, *, clean: bool = False) -> dict:
     url = parse_prefix(target)
     cfg = config_mod.get_default()
     n = cfg.s3_threads
-    c = s3client.client(n + 2)
+    c = s3client.client(n + 2, cfg.s3_timeout)
     bc = c.meta.config
     out: dict[str, Any] = {
         "url": f"s3://{url.bucket}/{url.key}",

@@ -68,10 +68,11 @@ def _profile_s3(session: Any) -> dict:
     return section if isinstance(section, dict) else {}
 
 
-def client(max_connections: int = 16) -> Any:
+def client(max_connections: int = 16, timeout: float = 60.0) -> Any:
     """A botocore S3 client from the standard AWS configuration (see the module
-    docstring), cached per process, configuration and ``max_connections``."""
-    key = (os.getpid(), max_connections) + tuple(
+    docstring), cached per process, configuration, ``max_connections`` and ``timeout``
+    (seconds to connect, and per read, before a request is retried)."""
+    key = (os.getpid(), max_connections, timeout) + tuple(
         os.environ.get(n, "") for n in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
                                          "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
                                          "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
@@ -84,7 +85,8 @@ def client(max_connections: int = 16) -> Any:
         from botocore.config import Config  # noqa: PLC0415 - optional dependency
 
         session = boto3.session.Session()
-        kwargs: dict[str, Any] = {"max_pool_connections": max_connections}
+        kwargs: dict[str, Any] = {"max_pool_connections": max_connections, "connect_timeout": timeout,
+                                  "read_timeout": timeout}
         if not os.environ.get("AWS_MAX_ATTEMPTS") and not os.environ.get("AWS_RETRY_MODE"):
             kwargs["retries"] = {"mode": "standard", "max_attempts": DEFAULT_ATTEMPTS}
         if _endpoint_configured(session):

@@ -8,7 +8,9 @@ answered by the proxy itself:
 - ``"500"`` / ``"503"``: an S3 error document (``InternalError`` / ``SlowDown``);
 - ``"403"``: ``AccessDenied`` (a part the store refuses);
 - ``"reset"``: the connection is reset (RST) once the request was read, before any
-  answer: to the client, a network failure in the middle of a part's request.
+  answer: to the client, a network failure in the middle of a part's request;
+- ``"stall"``: the request is read and never answered (the connection stays open for
+  :attr:`FaultProxy.stall_s` seconds, then closes), as a store that hangs.
 
 A rule fires on its ``nth`` matching request (1-based) and the ``count - 1`` after it.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import urlsplit
@@ -67,6 +70,8 @@ class FaultProxy:
     requests: list[tuple[str, str]] = field(default_factory=list)
     #: The headers of each request in :attr:`requests` (names lowercased).
     headers: list[dict[str, str]] = field(default_factory=list)
+    #: How long a ``"stall"`` holds the connection without answering.
+    stall_s: float = 30.0
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -114,6 +119,9 @@ class FaultProxy:
                 if fault is None:
                     _forward(conn, self.upstream, head, body)
                     return  # the server closed: so do we (the client reconnects)
+                if fault.action == "stall":
+                    time.sleep(self.stall_s)
+                    return
                 if fault.action == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return

@@ -181,3 +181,29 @@ def test_parts_carry_content_md5_and_unsigned_payloads(boto, bucket, faulty, tmp
     fastpersist.save(_state(15), f"s3://{bucket}/md5.pt")
     parts = [h for (m, t), h in zip(faulty.requests, faulty.headers) if m == "PUT" and "partNumber=" in t]
     assert parts and all(len(h["x-amz-content-sha256"]) == 64 for h in parts)  # a SHA-256, as the profile says
+
+
+def test_stalled_requests_time_out_and_are_retried(boto, bucket, faulty):  # noqa: ANN001
+    state = _state(16)
+    with fastpersist.config.override(s3_timeout=1.0):
+        faulty.arm(Fault("stall", method="PUT", query="partNumber=", nth=2, count=1))
+        fastpersist.save(state, f"s3://{bucket}/stall.pt")  # the stalled part times out after 1 s, then retried
+        assert faulty.faults[0].fired == 1
+        faulty.arm(Fault("stall", method="GET", count=1))
+        assert torch.equal(fastpersist.load(f"s3://{bucket}/stall.pt")["w"], state["w"])
+        assert faulty.faults[0].fired == 1
+    faulty.clear()
+    _clean(boto, bucket, "stall.pt", state)
+
+
+def test_a_store_that_stays_stalled_fails_named(boto, bucket, faulty, monkeypatch):  # noqa: ANN001
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    previous = _state(17, 1)
+    fastpersist.save(previous, f"s3://{bucket}/hang.pt")
+    with fastpersist.config.override(s3_timeout=1.0):
+        faulty.arm(Fault("stall", method="PUT", query="partNumber=", count=0))
+        with pytest.raises(ObjectStoreError) as e:
+            fastpersist.save(_state(18), f"s3://{bucket}/hang.pt")
+    assert e.value.operation == "UploadPart" and "Timeout" in e.value.code, e.value.code
+    faulty.clear()
+    _clean(boto, bucket, "hang.pt", previous)
