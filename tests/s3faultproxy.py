@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 _ERRORS = {
@@ -45,6 +45,8 @@ class Fault:
     count: int = 1
     seen: int = 0
     fired: int = 0
+    #: Called (on the proxy's thread) each time the fault fires, before it acts.
+    hook: Optional[Callable[[], None]] = None
 
     def matches(self, method: str, target: str) -> bool:
         if self.method is not None and method != self.method:
@@ -119,6 +121,8 @@ class FaultProxy:
                 if fault is None:
                     _forward(conn, self.upstream, head, body)
                     return  # the server closed: so do we (the client reconnects)
+                if fault.hook is not None:
+                    fault.hook()
                 if fault.action == "stall":
                     time.sleep(self.stall_s)
                     return

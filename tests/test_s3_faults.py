@@ -207,3 +207,24 @@ def test_a_store_that_stays_stalled_fails_named(boto, bucket, faulty, monkeypatc
     assert e.value.operation == "UploadPart" and "Timeout" in e.value.code, e.value.code
     faulty.clear()
     _clean(boto, bucket, "hang.pt", previous)
+
+
+def test_interrupted_save_aborts_its_upload(boto, bucket, faulty):  # noqa: ANN001
+    """Ctrl-C while a part is in flight: the KeyboardInterrupt propagates, the upload is
+    aborted, the previous object stays."""
+    previous = _state(19, 1)
+    fastpersist.save(previous, f"s3://{bucket}/int.pt")
+    faulty.stall_s = 3.0
+    try:
+        with fastpersist.config.override(s3_timeout=10.0):
+            # SIGINT to this process when the second part's request reaches the server
+            faulty.arm(Fault("stall", method="PUT", query="partNumber=", nth=2, count=1,
+                             hook=lambda: os.kill(os.getpid(), signal.SIGINT)))
+            with pytest.raises(KeyboardInterrupt):
+                fastpersist.save(_state(20), f"s3://{bucket}/int.pt")
+    finally:
+        faulty.stall_s = 30.0
+    assert faulty.faults[0].fired == 1
+    assert any(m == "DELETE" and "uploadId=" in t for m, t in faulty.requests), faulty.requests
+    faulty.clear()
+    _clean(boto, bucket, "int.pt", previous)
