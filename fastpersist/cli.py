@@ -392,6 +392,8 @@ def _verify_one(path: str) -> dict:
     try:
         result = fastpersist.verify(path)
     except (FastPersistError, UnicodeError) as exc:  # bad content that escaped verify: still FAILED, never 2
+        if isinstance(exc, OSError):  # an object store's error (a missing object, refused credentials): 2
+            raise
         return {"ok": False, "path": path, "format": "unknown", "records": 0, "bytes": 0, "problems": [str(exc)],
                 "status": "corrupt", "notes": []}
     data = dataclasses.asdict(result)
@@ -451,12 +453,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"ERROR: {path}: {_describe(exc)}")
 
     for path in paths:
-        try:
-            check_input(path, "verify", directory_ok=True)
-        except OSError as exc:  # missing, a link loop, a FIFO, a device: reported, the others still verified
-            error(path, exc)
-            continue
-        if os.path.isdir(path) and not is_dcp_dir(path):
+        if not objectstore.is_s3_url(path):
+            try:
+                check_input(path, "verify", directory_ok=True)
+            except OSError as exc:  # missing, a link loop, a FIFO, a device: reported, the others still verified
+                error(path, exc)
+                continue
+        if not objectstore.is_s3_url(path) and os.path.isdir(path) and not is_dcp_dir(path):
             tree = collect(path)
             targets = tree.targets
             for p, reason in tree.skipped:

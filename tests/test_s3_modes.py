@@ -82,6 +82,14 @@ def test_cli_verify_and_info(boto, bucket, s3_env):  # noqa: ANN001
     fastpersist.save({"a": torch.arange(1000.0)}, url)
     r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", url], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith(f"OK: {url}"), r.stdout + r.stderr
+    fastpersist.save({"b": torch.ones(3)}, f"s3://{bucket}/dir/b.pt")
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", url, f"s3://{bucket}/dir/b.pt",
+                        f"s3://{bucket}/dir/missing.pt"], capture_output=True, text=True)
+    assert r.returncode == 2, r.stdout + r.stderr  # two OK, one that cannot be read
+    assert r.stdout.count("OK: s3://") == 2 and f"ERROR: s3://{bucket}/dir/missing.pt" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", f"s3://{bucket}/dir/missing.pt"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "no object" in r.stdout + r.stderr, r.stdout + r.stderr
     up = boto.create_multipart_upload(Bucket=bucket, Key="dir/left.pt")["UploadId"]  # as a killed save leaves
     r = subprocess.run([sys.executable, "-m", "fastpersist", "info", f"s3://{bucket}/dir/", "--json"],
                        capture_output=True, text=True)
