@@ -196,3 +196,13 @@ def test_object_replaced_during_a_load_fails_it(boto, bucket, five_mib_parts, mo
     assert e.value.code == "PreconditionFailed" and "replaced" in str(e.value)
     monkeypatch.setattr(s3download, "_get_range", original)
     assert torch.equal(fastpersist.load(url)["w"], torch.ones(3 << 20))
+
+
+def test_group_calls_refuse_urls_before_any_collective() -> None:
+    sentinel = object()  # never used as a group: the URL is refused first
+    with pytest.raises(ValueError, match="group"):
+        fastpersist.save({"a": torch.ones(1)}, "s3://some-bucket/k.pt", group=sentinel)
+    with pytest.raises(ValueError, match="group"):
+        fastpersist.load("s3://some-bucket/k.pt", group=sentinel)
+    with pytest.raises(ValueError, match="group"):
+        fastpersist.save_async({"a": torch.ones(1)}, "s3://some-bucket/k.pt", group=sentinel)
