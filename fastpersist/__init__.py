@@ -19,6 +19,8 @@ Public API::
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
 from fastpersist import io  # noqa: E402
@@ -58,3 +60,16 @@ __all__ = [
 from fastpersist.patch import apply_env_patch  # noqa: E402
 
 apply_env_patch()
+
+#: subpackages that ``import fastpersist`` does not import (each pulls in more of torch or a
+#: framework) but that resolve as attributes on first use: ``fastpersist.integrations.deepspeed``,
+#: ``fastpersist.dcp.FastPersistWriter``
+_LAZY_SUBPACKAGES = ("dcp", "distributed", "integrations")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"fastpersist.{name}")
+    raise AttributeError(f"module 'fastpersist' has no attribute {name!r}")

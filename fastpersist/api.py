@@ -137,10 +137,39 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
     Raises:
         RuntimeError: ``strict`` and a name is missing or unexpected (all are listed),
             or tied weights none of whose names covers their storage.
+        ValueError: a torch checkpoint that is not a flat dict of tensors (a Lightning
+            or training checkpoint: the message names :func:`load_state_dict`).
         Everything :func:`load_file` raises.
+
+    A torch checkpoint (a zip file, what ``torch.save``/``fastpersist.save`` write) of a
+    state dict is loaded too (``weights_only``, onto ``device``), with the same rules.
     """
+    if _is_torch_zip(filename):
+        if isinstance(device, int) and not isinstance(device, bool):
+            device = f"cuda:{device}"
+        state = load(filename, map_location=device, weights_only=True, config=config)
+        if not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in state.items())):
+            keys = sorted(map(str, state))[:6] if isinstance(state, dict) else []
+            raise ValueError(
+                f"{os.fsdecode(os.fspath(filename))}: a torch checkpoint, but not a flat dict of tensors "
+                f"(a {type(state).__name__}{' with keys ' + ', '.join(keys) if keys else ''}); read the part that "
+                "holds the weights with fastpersist.load_state_dict(model, path, key='state_dict') (the key of "
+                "that part: 'state_dict' in Lightning checkpoints)")
+        return load_into_model(model, state, strict)
     state_dict = pipeline.load_file(filename, device, backend=backend, config=config)
     return load_into_model(model, state_dict, strict)
+
+
+def _is_torch_zip(filename: Any) -> bool:
+    """Whether ``filename`` names a file that starts like a zip archive (torch's format)."""
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        return False
+    try:
+        with open(filename, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False  # the safetensors path reports it
 
 
 def load(

@@ -22,9 +22,10 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native, objectstore
+from fastpersist import _native, describe, objectstore
 from fastpersist._inputs import check_input
 from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
+from fastpersist.bench.conditions import Conditions, auto_size, plan_line
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
 from fastpersist.bench.io_bench import run_io_bench
 from fastpersist.bench.machine import collect_machine_info
@@ -112,8 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("info", parents=[debug],
-                       help="version, engines, O_DIRECT and storage of a directory, leftover temporary files")
-    p.add_argument("dir_arg", nargs="?", metavar="DIR", help="same as --dir DIR")
+                       help="what a checkpoint holds; or version, engines, O_DIRECT and storage of a directory, "
+                       "leftover temporary files",
+                       description="fastpersist info CHECKPOINT: format, writer, tensors, bytes, dtypes and checksum "
+                       "state of a checkpoint file or DCP directory (and of each checkpoint in a Lightning, "
+                       "Accelerate or DeepSpeed folder). fastpersist info [DIR]: this installation and the storage "
+                       "of DIR.")
+    p.add_argument("dir_arg", nargs="?", metavar="PATH",
+                   help="a checkpoint file or DCP directory, or a directory (same as --dir DIR)")
+    p.add_argument("--verify", dest="check", action="store_true", default=None,
+                   help="check every checkpoint's bytes against its CRC-32s (the default for a file or DCP "
+                   "directory named; reads every byte)")
+    p.add_argument("--no-verify", dest="check", action="store_false",
+                   help="describe checkpoints from their index alone")
     p.add_argument("--dir", default=None, help="directory whose filesystem to describe and whose leftover "
                    "temporary files (.fp-tmp-*) to list (default: .)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -179,8 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", required=True, help="directory on the disk to measure, or s3://bucket/prefix (saves "
                    "and loads to object storage against the server's own ceiling and the s3 peers: "
                    "boto3, s3torchconnector, fsspec, dcp-fsspec)")
-    p.add_argument("--size", type=_size, default=parse_size("2GiB"),
-                   help="checkpoint size (tensor bytes) of the training state (default: 2GiB)")
+    p.add_argument("--size", type=_size, default=None,
+                   help="checkpoint size (tensor bytes) of the training state (default: 512MiB, less where free "
+                   "memory or disk is short; the report's first line says what it picked and what it will take; "
+                   "256MiB for an s3:// --dir)")
     p.add_argument("--small-tensors", type=_positive, metavar="N",
                    help="instead of the training state, N tensors of random sizes 1 KB - 1 MB")
     p.add_argument("--peers", type=_names, default=["torch", "safetensors", "dcp", "fio"],
@@ -189,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: torch,safetensors,dcp,fio)")
     p.add_argument("--repeat", type=_positive, default=3, help="runs per method (default: 3)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON to FILE ('-': standard output)")
-    p.add_argument("--plot", metavar="FILE.png", default=SAVE_PLOT,
-                   help=f"where to write the bar chart (PNG; default: {SAVE_PLOT} in the current directory)")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help=f"where to write the bar chart (PNG; default: {SAVE_PLOT} in --dir, beside the runs' files)")
     p.add_argument("--no-plot", action="store_true", help="write no chart")
     p.add_argument("--no-progress", action="store_true", help="no progress display")
     p.add_argument("--verbose", "-v", action="store_true",
@@ -276,9 +290,43 @@ def cmd_info(args: argparse.Namespace) -> int:
     """``fastpersist info``: what this installation and the storage of ``--dir`` can do."""
     if args.dir_arg is not None and args.dir is not None and args.dir_arg != args.dir:
         raise UsageError(f"two directories given: {args.dir_arg!r} and --dir {args.dir!r} (give one)")
+    if args.dir_arg is not None and args.dir is None and (
+            os.path.isfile(args.dir_arg) or (os.path.isdir(args.dir_arg) and describe.is_checkpoint_path(args.dir_arg))):
+        if not os.path.isdir(args.dir_arg) or is_dcp_dir(args.dir_arg):
+            return _info_checkpoints(args, args.dir_arg, check=args.check is not False, machine=False)
+        return _info_checkpoints(args, args.dir_arg, check=bool(args.check), machine=True)
     args.dir = args.dir_arg or args.dir or "."
     if objectstore.is_s3_url(args.dir):
         return _info_s3(args)
+    return _info_machine(args)
+
+
+def _info_checkpoints(args: argparse.Namespace, path: str, *, check: bool, machine: bool) -> int:
+    """``fastpersist info CHECKPOINT``: :mod:`fastpersist.describe` of each checkpoint at
+    ``path``; ``machine``: the storage lines of the directory first."""
+    check_input(path, "info", directory_ok=True)
+    found, skipped = describe.describe(path, check=check)
+    if args.json:
+        data: dict[str, Any] = {"checkpoints": [c.to_dict() for c in found],
+                                "skipped": [{"path": p, "reason": r} for p, r in skipped]}
+        print(json.dumps(data, indent=2))
+    else:
+        if machine:
+            args.dir = path
+            _info_machine(args)
+            print()
+        for i, c in enumerate(found):
+            if i:
+                print()
+            for line in c.lines():
+                print(line)
+        if machine and not check:
+            print("\n(checksums not checked: `fastpersist info --verify DIR` or `fastpersist verify DIR`)")
+    return 1 if any(c.status == "corrupt" for c in found) else 0
+
+
+def _info_machine(args: argparse.Namespace) -> int:
+    """``fastpersist info [DIR]``: this installation and the storage of ``args.dir``."""
     info = collect_machine_info(args.dir)
     temps, temps_error = _temp_files(args.dir)
     removed: list[str] = []
@@ -305,15 +353,15 @@ def cmd_info(args: argparse.Namespace) -> int:
             data["temp_files_error"] = temps_error
         print(json.dumps(data, indent=2))
         return 0
-    print(f"fastpersist {info.fastpersist_version}" + (f" (native {native_version})" if native_version else ""))
+    lines = [f"fastpersist {info.fastpersist_version}" + (f" (native {native_version})" if native_version else "")]
     if compiled is not None:
-        print(f"Compiled   : {', '.join(compiled)}")
-    for line in info.summary_lines():
-        print(line)
-    for line in ([f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()):
-        print(line)
-    for line in _temp_lines(temps, temps_error, removed, args.clean):
-        print(line)
+        lines.append(f"Compiled   : {', '.join(compiled)}")
+    lines += info.summary_lines()
+    lines += [f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()
+    lines += _temp_lines(temps, temps_error, removed, args.clean)
+    for line in lines:
+        for piece in describe.wrap(line):  # within 100 columns
+            print(piece)
     return 0
 
 
@@ -542,24 +590,38 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         bad = sorted(set(peers) - set(S3_PEERS))
         if bad:
             raise UsageError(f"--peers: unknown s3 peer(s) {', '.join(bad)} (use {', '.join(S3_PEERS)} or none)")
-        return run_s3_bench(args.dir, size=args.size, repeat=args.repeat, peers=peers)
+        return run_s3_bench(args.dir, size=args.size or parse_size("256MiB"), repeat=args.repeat, peers=peers)
     _check_dir(args.dir)
     bad = sorted(set(args.peers) - set(PEERS))
     if bad:
         raise UsageError(f"--peers: unknown peer(s) {', '.join(bad)} (use {', '.join(PEERS)} or none)")
+    conditions = Conditions.before()
+    why = None
+    if args.size is None:
+        args.size, why = auto_size(args.dir) if args.small_tensors is None else (parse_size("512MiB"), None)
     if getattr(args, "device", "cpu") == "cuda":
         return _bench_gpu(args, "save")
+    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    if args.small_tensors is None:
+        report.say(plan_line(args.size, why, 1 + len([p for p in args.peers if p != "fio"]), args.repeat,
+                             "fio" in args.peers), out)
+        out.flush()
     result = run_save_bench(
         args.dir, size=args.size, small_tensors=args.small_tensors, peers=args.peers, repeat=args.repeat,
         keep=args.keep, progress=not args.no_progress, load_into=args.load_into, load_process=args.load_process,
     )
-    out = sys.stderr if _json_to_stdout(args) else sys.stdout
+    fresh = (result.machine.fresh_memory or {}).get("fresh_gbps_n")
+    conditions.after(fresh, result.to_dict().get("read_ceiling_gbps"))
     report.print_save_report(result, out, verbose=args.verbose)
+    for line in conditions.lines():
+        report.say(line, out)
     if args.json:
-        report.write_json(result.to_dict(), args.json)
+        report.write_json(dict(result.to_dict(), conditions=conditions.to_dict()), args.json)
         if args.json != "-":
             _say_path("JSON", os.path.abspath(args.json), "(every run, the fio sweep, the machine)", out)
     if not args.no_plot:
+        if args.plot is None:
+            args.plot = os.path.join(args.dir, SAVE_PLOT)
         try:
             report.plot_save(result, args.plot)
         except ImportError as exc:  # the chart is a convenience: its absence does not fail the benchmark

@@ -384,6 +384,28 @@ def clean_stale_temps(directory: str, *, grace: float = FOREIGN_TMP_GRACE_S) -> 
     return removed
 
 
+def clean_stale_temps_below(root: str, *, grace: float = FOREIGN_TMP_GRACE_S) -> list[str]:
+    """:func:`clean_stale_temps` in ``root`` and in each directory directly inside it.
+
+    The adapters call it on a checkpoint root at every save: a save killed while writing
+    into a directory of its own (a new DeepSpeed tag, an Accelerate ``checkpoint_N``)
+    leaves its temporary file where no later save writes, so the cleanup at the start of
+    a save into that directory would never run. Symbolic links are not followed; temps
+    of live processes are kept (see :func:`scan_temps`). Never raises. Returns the paths
+    removed.
+    """
+    removed = clean_stale_temps(root, grace=grace)
+    try:
+        with os.scandir(root) as it:
+            subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    except OSError as e:
+        log.debug("cannot list %s for leftover temporary files: %s", root, e)
+        return removed
+    for d in sorted(subdirs):
+        removed += clean_stale_temps(d, grace=grace)
+    return removed
+
+
 def fsync_path(path: str) -> None:
     """fsync the file at ``path`` (used after writers that do not fsync themselves)."""
     fd = _sys.open(path, os.O_RDONLY)

@@ -32,7 +32,14 @@ import shutil
 from typing import Callable, Optional
 
 from fastpersist import _sys
-from fastpersist.commit import EXCHANGE_REFUSED, TMP_MARKER, exchange_paths, fsync_dir, fsync_path
+from fastpersist.commit import (
+    EXCHANGE_REFUSED,
+    TMP_MARKER,
+    clean_stale_temps_below,
+    exchange_paths,
+    fsync_dir,
+    fsync_path,
+)
 
 __all__ = ["LEFTOVER_RE", "StagedDir", "parse_leftover", "carry_over", "clean_leftovers", "fsync_tree",
            "fsync_tree_and_parent", "old_name", "rebase", "short_name", "staging_name", "swap_in", "why_not_staged"]
@@ -310,7 +317,17 @@ class StagedDir:
                         restore_other: Optional[Callable[[str], Optional[str]]] = None) -> None:
         """:func:`clean_leftovers` in ``stage_parent`` for the leftovers of this directory
         (NAME is :attr:`short`, restored to :attr:`target`) and of the names for which
-        ``restore_other(NAME)`` gives a path (where they are restored to)."""
+        ``restore_other(NAME)`` gives a path (where they are restored to).
+
+        First, the temporary files of dead processes' saves are removed from the
+        directory that holds :attr:`target` and its siblings (and ``stage_parent``), and
+        from the directories directly inside them
+        (:func:`fastpersist.commit.clean_stale_temps_below`): a save killed while writing
+        a checkpoint directory of its own (a new DeepSpeed tag, a new ``checkpoint_N``)
+        leaves its temporary file where no later save writes."""
+        for root in dict.fromkeys((self.parent, self.stage_parent)):
+            for path in clean_stale_temps_below(root):
+                logger.info("fastpersist: removed %s, the temporary file of a killed save", path)
 
         def restore_to(name: str) -> Optional[str]:
             if name == self.short:

@@ -17,3 +17,17 @@ pyproject.toml), and in a source tree or an editable install
 ``_startup.py`` is the start-up hook (installed as the top-level module
 ``_fastpersist_startup`` with ``fastpersist-startup.pth``).
 """
+
+import importlib as _importlib
+import types as _types
+
+#: the adapters, importable as attributes after ``import fastpersist`` alone
+#: (``fastpersist.integrations.accelerate.enable(accelerator)``): imported on first use,
+#: so that no framework is imported before it is asked for
+ADAPTERS = ("accelerate", "deepspeed", "lightning")
+
+
+def __getattr__(name: str) -> _types.ModuleType:
+    if name in ADAPTERS:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -573,17 +573,19 @@ def test_cli_bench_save_writes_its_plot_by_default(tmp_path, monkeypatch, capsys
             "--load-process", "same"]
     assert main(base) == 0
     captured = capsys.readouterr()
-    assert f"Plot       : {here / SAVE_PLOT}" in captured.out
-    _assert_png(str(here / SAVE_PLOT))
+    assert f"Plot       : {disk / SAVE_PLOT}" in captured.out  # in --dir, not the current directory
+    _assert_png(str(disk / SAVE_PLOT))
+    assert os.listdir(here) == []
     # the closing lines wrap at 100 columns too; only a path too long to fit stands alone on its line
     assert all(len(line) <= 100 or len(line.split()) <= 3 for line in captured.out.splitlines()), captured.out
     assert "\r" not in captured.err
     steps = captured.err.splitlines()
     assert len(steps) == 2 and steps[0].startswith("[1/2, ") and "run 1/1: " in steps[0]
-    os.unlink(here / SAVE_PLOT)
+    os.unlink(disk / SAVE_PLOT)
     assert main(base + ["--no-plot", "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "Plot" not in captured.out and captured.err == "" and os.listdir(here) == []
+    assert SAVE_PLOT not in os.listdir(disk)
 
 
 def test_run_save_bench_small_tensors_keep(tmp_path) -> None:

@@ -101,12 +101,12 @@ def load(path: str, reader: Callable[[str], Any], template: Optional[Callable[[]
 
 
 def assert_clear(err: BaseException, path: str) -> None:
-    """One of ours, naming the damaged file; metadata failures reach the caller inside
-    DCP's ``AssertionError("... global metadata read failed: <our message>")``."""
+    """One of ours, naming the damaged file; only a missing .metadata reaches the caller
+    inside DCP's ``AssertionError("... global metadata read failed: <our message>")``, as
+    with the stock reader (DCP then tries the per-rank files)."""
     msg = str(err)
     if isinstance(err, AssertionError) and "metadata read failed" in msg:
-        assert ".metadata" in msg and ("not DCP checkpoint metadata" in msg or "seal" in msg
-                                       or "No such file" in msg), msg
+        assert ".metadata" in msg and "No such file" in msg, msg
         return
     assert isinstance(err, OUR_ERRORS), f"{type(err).__name__}: {err}"
     assert path in msg or (getattr(err, "filename", None) or "").startswith(path), msg
@@ -327,8 +327,8 @@ def test_rank_local_metadata_is_sealed_too(tmp_path: Any) -> None:
     data = bytearray(open(m, "rb").read())
     data[len(data) // 3] ^= 0x10
     open(m, "wb").write(data)
-    err = load(path, FastPersistReader)
-    assert isinstance(err, AssertionError) and "__0.metadata" in str(err) and "seal" in str(err), err
+    err = load(path, FastPersistReader)  # the class survives DCP (issue 33, case 4)
+    assert isinstance(err, CheckpointFormatError) and "__0.metadata" in str(err) and "seal" in str(err), err
     res = fastpersist.verify(path)
     assert res.status == "corrupt" and "seal" in res.problems[0]
 
@@ -569,7 +569,7 @@ def test_two_ranks_flipped_metadata_refused_on_every_rank(two_rank: dict[str, st
     data = bytearray(open(m, "rb").read())
     data[len(data) // 2] ^= 0x02
     open(m, "wb").write(data)
-    run_ranks(str(tmp_path), 2, _load_two_expect_failure, dst, "AssertionError", "seal")
+    run_ranks(str(tmp_path), 2, _load_two_expect_failure, dst, "CheckpointFormatError", "seal")
 
 
 def test_two_ranks_cross_file_alias_caught_on_every_rank(two_rank: dict[str, str], tmp_path: Any) -> None:
@@ -690,3 +690,30 @@ def test_swapped_records_are_reported_by_verify(work: tuple[str, str, str], pair
     assert res.status == "corrupt", (pair, res)
     assert any(pair[0] in p or pair[1] in p for p in res.problems), res.problems
     assert any("another item" in p or "not a tensor" in p or "bare tensor" in p for p in res.problems), res.problems
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_damaged_metadata_keeps_its_class_through_dcp_load(tmp_path: Any, damage: str) -> None:
+    """Issue 33, case 4: a damaged .metadata read through dcp.load reached the caller as DCP's
+    AssertionError("metadata is None; global metadata read failed: ..."); now it is fastpersist's
+    CheckpointFormatError with .path, in CheckpointException.failures[rank]. A direct
+    read_metadata() raises it as before; a missing .metadata stays DCP's AssertionError."""
+    path = str(tmp_path / "c")
+    dcp.save(saved(), storage_writer=FastPersistWriter(path), no_dist=True)
+    m = os.path.join(path, ".metadata")
+    data = bytearray(open(m, "rb").read())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x04
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray(b"PK\x03\x04 not metadata at all" * 8)
+    open(m, "wb").write(data)
+    err = load(path, FastPersistReader)
+    assert isinstance(err, CheckpointFormatError), f"{type(err).__name__}: {err}"
+    assert err.path == m and ".metadata" in str(err)
+    with pytest.raises(CheckpointFormatError):
+        FastPersistReader(path).read_metadata()
+    os.remove(m)
+    err = load(path, FastPersistReader)
+    assert isinstance(err, AssertionError) and "No such file" in str(err), err

@@ -456,6 +456,37 @@ def test_sigkill_during_save_into_existing_tag(route, tmp_path):
                    "hashes_changed": True}, res
 
 
+class BlockWhilePickled:
+    """Pickled inside a save (its temporary file open): says so with the file ``root/blocked``,
+    then sleeps until the test SIGKILLs the process."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def __reduce__(self):
+        import time
+
+        open(os.path.join(self.root, "blocked"), "w").close()
+        time.sleep(600)
+        return (str, ("",))  # not reached
+
+
+def test_sigkill_during_save_into_new_tag_leaves_no_temp_behind(tmp_path):
+    """Issue 33, case 3: a save_checkpoint into a new tag SIGKILLed while writing its ZeRO file
+    left global_step2/.fp-tmp-... that no later save (into other tags) removed. The next
+    save_checkpoint, into another tag, removes it; 'latest' named the previous tag meanwhile."""
+    from subprocess_kill import sigkill_when_blocked  # tests/ is on sys.path (rootdir conftest)
+
+    root = str(tmp_path)
+    sigkill_when_blocked([sys.executable, HERE, "--overwrite", "kill-new", "engine", root, str(_free_port())],
+                         root, _env(), 400)
+    _run([sys.executable, HERE, "--overwrite", "resume-new", "engine", root, str(_free_port())], _env(), root)
+    res = json.loads((tmp_path / "resume-new.json").read_text())
+    assert len(res["temps_before"]) == 1, res
+    assert res == {"temps_before": res["temps_before"], "latest_before": "global_step1", "temps_after": [],
+                   "latest_after": "global_step3"}, res
+
+
 def test_error_during_save_into_existing_tag(tmp_path):
     """An ENOSPC on one file of the second save under a tag: save_checkpoint raises it, the tag
     directory holds exactly the first save's files, no staging directory is left, load_checkpoint
@@ -600,6 +631,35 @@ def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
         fastpersist.save = blocking
         save(eng, "B")
         sys.exit(3)  # not reached
+    elif mode == "kill-new":  # SIGKILLed inside the write of a file into a new tag's directory
+        eng = engine()
+        train(eng, 2)
+        save(eng, "A", where=(save_dir, "global_step1"))
+        train(eng, seed=1)
+        real = fastpersist.save
+
+        def blocking(obj, path, **kw):
+            if os.path.basename(os.fspath(path)) == zero_file:
+                obj = {"state": obj, "blocker": BlockWhilePickled(root)}  # blocks with the temp file open
+            return real(obj, path, **kw)
+
+        fastpersist.save = blocking
+        save(eng, "B", where=(save_dir, "global_step2"))
+        sys.exit(3)  # not reached
+    elif mode == "resume-new":
+        from fastpersist.commit import TMP_MARKER
+
+        def temps():
+            return sorted(n for n in os.listdir(os.path.join(save_dir, "global_step2")) if TMP_MARKER in n)
+
+        out["temps_before"] = temps()
+        out["latest_before"] = open(os.path.join(save_dir, "latest")).read()
+        eng = engine()
+        eng.load_checkpoint(save_dir)
+        train(eng, seed=2)
+        save(eng, "C", where=(save_dir, "global_step3"))
+        out["temps_after"] = temps()
+        out["latest_after"] = open(os.path.join(save_dir, "latest")).read()
     elif mode == "resume":
         want_a = torch.load(os.path.join(root, "expected_a.pt"), weights_only=False)
         out["loaded_a"] = loads(want_a, "A")

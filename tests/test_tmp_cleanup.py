@@ -351,3 +351,45 @@ def test_info_json_and_clean(tmp_path, capsys):
 def test_info_without_leftovers(tmp_path, capsys):
     assert main(["info", "--dir", str(tmp_path)]) == 0
     assert "Temp files : none" in capsys.readouterr().out
+
+
+# ---- temps in a checkpoint root's subdirectories (issue 33, case 3) ------------------
+
+
+def test_clean_below_removes_dead_temps_one_level_down_only(tmp_path):
+    """A save killed while writing a directory of its own (a new DeepSpeed tag) left its temp
+    there; the adapters' cleanup of the checkpoint root removes it, keeps a live process's,
+    does not go two levels down or through a symbolic link."""
+    host, start = _own_fields()
+    dead = f".ckpt.pt{TMP_MARKER}{_dead_pid()}-{host}-1234-0123abcd"
+    for d in ("global_step1", "global_step2/sub", "elsewhere"):
+        (tmp_path / "root" / d).mkdir(parents=True)
+    root = tmp_path / "root"
+    gone = [_make(root, dead), _make(root / "global_step1", dead)]
+    kept = [_make(root / "global_step2" / "sub", dead), _make(root / "elsewhere", "notes.txt")]
+    live = commit.temp_path_for(str(root / "global_step2" / "x.pt"))
+    kept.append(_make(root / "global_step2", os.path.basename(live)))
+    target = tmp_path / "outside"
+    target.mkdir()
+    kept.append(_make(target, dead))
+    os.symlink(target, root / "linked", target_is_directory=True)
+    removed = commit.clean_stale_temps_below(str(root))
+    assert sorted(removed) == sorted(gone)
+    assert all(not os.path.exists(p) for p in gone) and all(os.path.exists(p) for p in kept)
+    assert commit.clean_stale_temps_below(str(tmp_path / "missing")) == []
+
+
+def test_staged_dir_cleanup_reaches_sibling_checkpoint_dirs(tmp_path):
+    """What the DeepSpeed and Accelerate adapters run at every save (StagedDir.clean_leftovers):
+    a dead save's temp inside a sibling checkpoint directory is removed."""
+    import logging
+
+    from fastpersist.dircommit import StagedDir
+
+    host, _ = _own_fields()
+    dead = f".mp_rank_00_model_states.pt{TMP_MARKER}{_dead_pid()}-{host}-1234-0123abcd"
+    (tmp_path / "global_step33").mkdir()
+    left = _make(tmp_path / "global_step33", dead, size=1 << 20)
+    StagedDir(str(tmp_path / "global_step34")).clean_leftovers(
+        operation="save_checkpoint", logger=logging.getLogger("test"), fsync_after_restore=False)
+    assert not os.path.exists(left)

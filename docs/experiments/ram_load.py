@@ -7,9 +7,12 @@ in a fresh Python process, the files dropped from the page cache first:
 * ``fp-auto``, ``fp-direct``, ``fp-staged``, ``fp-buffered``: ``fastpersist.load`` with
   ``read_mode`` auto (default), O_DIRECT straight into the arena, O_DIRECT through the
   staging ring, buffered ``pread``;
+* ``fp-direct-noprefault``: ``fp-direct`` with the product's pre-fault thread
+  (``fastpersist.prefault``) switched off;
 * ``fp-direct-prefault``: ``fp-direct``, with one more thread faulting the read buffers' pages
   in (``MADV_POPULATE_WRITE``, 32 MiB at a time, in file order) while the reads run: the
-  "pre-fault in parallel with the reads" remedy;
+  experiment's first version of what ``fastpersist.prefault`` now does in every load;
+* ``torch``: ``torch.load(weights_only=True)``;
 * ``fp-into``: ``fastpersist.load_state_dict`` into a state whose pages were touched before
   the timing (the read path with no fresh memory: what a load could reach if faults were free);
 * ``st``: ``safetensors.torch.load_file`` (maps the page cache: no anonymous memory), then one
@@ -67,15 +70,21 @@ elif mode == "st":
     t = time.perf_counter(); sd = load_file(os.path.join(d, "st.safetensors"))
     # load_file returns tensors over a lazy mmap: read one byte of every 4 KiB page, as using them would
     sum(int(v.view(-1).view(torch.uint8)[::4096].sum()) for v in sd.values()); out["s"] = time.perf_counter() - t
+elif mode == "torch":
+    t = time.perf_counter(); sd = torch.load(path, weights_only=True); out["s"] = time.perf_counter() - t
 elif mode == "fp-into":
     sd = {f"t{i}": torch.ones(4 << 20) for i in range(64)}
     cfg = fastpersist.Config(read_mode="direct", read_staging="off")
     t = time.perf_counter(); fastpersist.load_state_dict(sd, path, config=cfg); out["s"] = time.perf_counter() - t
 else:
     kw = {"fp-auto": {}, "fp-direct": dict(read_mode="direct", read_staging="off"),
+          "fp-direct-noprefault": dict(read_mode="direct", read_staging="off"),
           "fp-direct-prefault": dict(read_mode="direct", read_staging="off"),
           "fp-staged": dict(read_mode="direct", read_staging="on"),
           "fp-buffered": dict(read_mode="buffered")}[mode]
+    if mode == "fp-direct-noprefault":  # the product's own pre-fault thread off
+        from fastpersist.formats import torchload
+        torchload.PREFAULT_MIN = 1 << 62
     if mode == "fp-direct-prefault":
         # every record of >= 1 MiB gets a buffer of its own (torchload._own_buffer), the rest
         # share the arena, allocated last: once it is, one thread faults them all in, in order
@@ -103,7 +112,8 @@ out.update(minflt=r.ru_minflt, utime=r.ru_utime, stime=r.ru_stime)
 print("RESULT " + json.dumps(out))
 """
 
-WAYS = ("fp-auto", "fp-direct", "fp-direct-prefault", "fp-staged", "fp-buffered", "fp-into", "st",
+WAYS = ("fp-auto", "fp-direct", "fp-direct-noprefault", "fp-direct-prefault", "fp-staged", "fp-buffered", "fp-into",
+        "st", "torch",
         "touch1", "touch2", "fio")
 
 

@@ -79,6 +79,26 @@ class _MemoryFile(io.RawIOBase):
         return n
 
 
+def _has_rank_metadata(directory: str) -> bool:
+    """Whether ``directory`` holds per-rank metadata (``__RANK.metadata``, written by saves
+    without collectives)."""
+    try:
+        return any(n.startswith("__") and n.endswith(".metadata") for n in os.listdir(directory))
+    except OSError:
+        return False
+
+
+def _called_by_dcp_load() -> bool:
+    """Whether ``read_metadata``'s caller is the metadata step of torch's ``dcp.load``
+    (``state_dict_loader._load_state_dict``'s ``local_step``), which always calls
+    ``set_up_storage_reader`` next. Any other caller gets the error from ``read_metadata``."""
+    import sys
+
+    caller = sys._getframe(2)  # 0: this function, 1: read_metadata, 2: its caller
+    return (caller.f_code.co_name == "local_step"
+            and caller.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict_loader")
+
+
 class FastPersistReader(FileSystemReader):
     """A ``torch.distributed.checkpoint`` storage reader: a drop-in replacement for
     ``FileSystemReader`` that reads each rank's items with fastpersist's native engine
@@ -103,6 +123,8 @@ class FastPersistReader(FileSystemReader):
         super().__init__(path, **kwargs)
         self.config = config
         self._handle: Any = None
+        #: the error of a .metadata that could not be read, kept for set_up_storage_reader (see read_metadata)
+        self._metadata_error: Any = None
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -130,13 +152,33 @@ class FastPersistReader(FileSystemReader):
             path = os.fsdecode(os.fspath(self._get_metadata_path(rank)))
         else:  # a torch without the helper: its naming
             path = os.path.join(os.fsdecode(os.fspath(self.path)), ".metadata" if rank is None else f"__{rank}.metadata")
-        metadata, _sealed = load_metadata(path)
+        self._metadata_error = None
+        try:
+            metadata, _sealed = load_metadata(path)
+        except (CheckpointFormatError, OSError) as e:
+            # A missing file, or a damaged global .metadata beside per-rank ones, goes to
+            # DCP as stock's would: DCP then tries the per-rank __RANK.metadata.
+            if isinstance(e, FileNotFoundError) or not _called_by_dcp_load() or (
+                    rank is None and _has_rank_metadata(os.path.dirname(path))):
+                raise
+            # dcp.load catches whatever read_metadata raises and reports only its text,
+            # inside AssertionError("metadata is None; ..."). Handed an empty Metadata
+            # instead, it calls set_up_storage_reader next, outside any handler: the error
+            # is raised there, so it keeps its class (CheckpointException.failures[rank]
+            # with a process group, raised as it is without one).
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            self._metadata_error = e
+            return Metadata(state_dict_metadata={})
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._metadata_error is not None:
+            err, self._metadata_error = self._metadata_error, None
+            raise err
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         if not isinstance(self.storage_data, dict):
             raise CheckpointFormatError(f"{self.path}: .metadata has no storage_data table; {ADVICE}", str(self.path))

@@ -70,7 +70,14 @@ from fastpersist.formats import crcpolicy, torchload
 from fastpersist.formats import safetensors as st
 from fastpersist.formats.picklescan import scan_pickle
 from fastpersist.formats.torchverify import crc_mismatch, element_size, storage_ref
-from fastpersist.formats.zipindex import CentralEntry, ZipEntry, parse_zip_index, pread_full, read_central_directory
+from fastpersist.formats.zipindex import (
+    CentralEntry,
+    ZipEntry,
+    check_deflated,
+    parse_zip_index,
+    pread_full,
+    read_central_directory,
+)
 from fastpersist.io import libc_handle
 
 log = logging.getLogger(__name__)
@@ -238,7 +245,8 @@ def _check_zip(path: str, mapping: _Mapping, handle: Any, *, checksum: bool) -> 
                                  f"attributes {e.external_attr:#x}): torch's reader cannot read its bytes")
         if e.flags & _FLAG_ENCRYPTED:
             raise UnsupportedLayoutError(f"encrypted record {e.name!r}")
-        if e.method != 0:
+        if e.method != 0:  # to torch.load, once it is known to inflate to its recorded bytes
+            check_deflated(mapping.read_at, path, index.entries)
             raise UnsupportedLayoutError(f"compressed record {e.name!r} (method {e.method})")
     prefix = torchload.record_prefix(path, index.entries)  # type: ignore[arg-type]  # needs .name and .cd_offset only
     by_short = {e.name[len(prefix):]: e for e in index.entries if e.name.startswith(prefix)}

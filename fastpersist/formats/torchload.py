@@ -50,6 +50,7 @@ from fastpersist.formats import crcpolicy, fastunpickle
 from fastpersist.formats.picklescan import data_free, scan_pickle
 from fastpersist.formats.zipindex import (
     CentralEntry,
+    check_deflated,
     check_local_fields,
     fd_reader,
     parse_zip_index,
@@ -57,6 +58,7 @@ from fastpersist.formats.zipindex import (
     read_central_directory,
 )
 from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
+from fastpersist.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +285,10 @@ class LoadState:
             # Handed to torch.load, which believes the central directory alone: first every
             # local header must agree with it (as verify requires), or a directory saying
             # "deflated" over stored bytes comes back as heap memory torch never filled.
-            parse_zip_index(fd_reader(self.fd, self.path), self.size, self.path)
+            full = parse_zip_index(fd_reader(self.fd, self.path), self.size, self.path)
+            # and a record marked deflated must inflate to its size and CRC-32: torch.load
+            # returns heap memory for one that does not
+            check_deflated(fd_reader(self.fd, self.path), self.path, full.entries)
             raise UnsupportedLayoutError(unsupported)
         offsets = None if exact else _predict(entries, cd_off)
         if offsets is None:
@@ -674,6 +679,10 @@ def _load_records(
     return result
 
 
+#: Bulk reads of at least this many bytes get a pre-fault thread (fastpersist.prefault).
+PREFAULT_MIN = 16 << 20
+
+
 def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]], *,
                 record: bool = True) -> tuple[Any, Callable[..., None]]:
     """Plan and submit the bulk read of the storage records (``wanted``: their keys, None:
@@ -685,13 +694,27 @@ def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]], *,
     plan = plan_read(load.fd, nbytes, read_mode=getattr(handle, "read_mode", "direct"), direct=handle.direct,
                      stage=handle.stage_reads, stage_auto=staging_auto(handle))
     reader = reader_handle(handle, plan)
+    # The buffers are new memory: a second thread faults them in ahead of the reads
+    # (fastpersist.prefault). Locked buffers (pinned for CUDA) were populated by mlock.
+    prefault = None
+    if not load.lock and nbytes >= PREFAULT_MIN:
+        prefault = Prefaulter(list({id(r.buffer): r.buffer for r in bulk}.values()))
     started = time.perf_counter()
-    if extents:
-        reader.submit_read(load.fd, extents, len(bulk))
+    try:
+        if extents:
+            reader.submit_read(load.fd, extents, len(bulk))
+    except BaseException:
+        if prefault is not None:
+            prefault.close()
+        raise
 
     def finish(only: Optional[Callable[[_Record], bool]] = None) -> None:
         try:
-            done = reader.wait()
+            try:
+                done = reader.wait()
+            finally:
+                if prefault is not None:
+                    prefault.close()
         except EOFError as e:
             raise bad(load.path, None, f"the file is shorter than its index says (truncated, or rewritten in "
                        f"place while loading): {e}") from e

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from fastpersist._sys import pread_full  # noqa: F401 (the formats import it from here too)
 from fastpersist.errors import ZipFormatError
@@ -333,6 +334,58 @@ class CentralEntry:
     flags: int
     method: int = 0  #: compression method (0 = stored)
     uncompressed_size: int = 0
+
+
+def check_deflated(read_at: ReadAt, path: str, entries: Iterable[ZipEntry], chunk: int = 8 << 20) -> None:
+    """Raise :class:`ZipFormatError` naming the first deflated record whose bytes do not
+    inflate to exactly its recorded size and CRC-32.
+
+    ``torch.save`` and fastpersist write every record stored; a file repacked by a zip
+    tool may hold deflated ones, which torch's reader (miniz) extracts, and fastpersist
+    hands such files to ``torch.load``. But a record *marked* deflated whose bytes are no
+    valid deflate stream (a damaged method field, in the local header and the directory
+    alike) made ``torch.load`` return heap memory it never filled as tensor values. So
+    every deflated record is inflated here first (in ``chunk``-sized reads, nothing
+    kept) and checked; only a file whose every record checks out goes to ``torch.load``.
+    """
+    for e in entries:
+        if e.method != 8:
+            continue
+        inflater = zlib.decompressobj(-15)  # raw deflate, as zip stores it
+        crc = size = done = 0
+        why = None
+        try:
+            while done < e.compressed_size and not inflater.eof and size <= e.uncompressed_size:
+                n = min(chunk, e.compressed_size - done)
+                data = read_at(e.data_offset + done, n)
+                if len(data) != n:
+                    why = f"file truncated at offset {e.data_offset + done + len(data)}"
+                    break
+                done += n
+                out = inflater.decompress(data, chunk)  # at most chunk bytes at a time: no inflate bomb
+                while True:
+                    crc, size = zlib.crc32(out, crc), size + len(out)
+                    if size > e.uncompressed_size or (len(out) < chunk and not inflater.unconsumed_tail):
+                        break
+                    out = inflater.decompress(inflater.unconsumed_tail, chunk)
+            if why is None:
+                if size > e.uncompressed_size:
+                    why = f"it inflates to more than the {e.uncompressed_size} bytes recorded"
+                elif not inflater.eof:
+                    why = "the deflate stream does not end within the record"
+                elif size != e.uncompressed_size:
+                    why = f"it inflates to {size} bytes, not the {e.uncompressed_size} recorded"
+                elif crc != e.crc32:
+                    why = f"CRC-32 of the inflated bytes {crc:08x}, recorded {e.crc32:08x}"
+        except zlib.error as exc:
+            why = f"not a valid deflate stream ({exc})"
+        if why is not None:
+            raise ZipFormatError(
+                f"{path}: record {e.name!r} (local header at offset {e.header_offset}) is marked compressed "
+                f"(zip method 8, deflated) but does not inflate to its recorded bytes: {why}. torch.save never "
+                "compresses records, so the file is damaged (torch.load would return memory it never filled "
+                "for this record): restore the checkpoint from another copy",
+                path=path, offset=e.header_offset)
 
 
 def read_central_directory(read_at: ReadAt, size: int, path: str = "<buffer>") -> tuple[int, list[CentralEntry]]:

@@ -6,7 +6,9 @@ the repository's top-level ``integrations/`` folder: this file adds that folder 
 package's search path.
 """
 
+import importlib as _importlib
 import os as _os
+import types as _types
 
 _root = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
 _src = _os.path.join(_root, "integrations")
@@ -16,3 +18,15 @@ if _os.path.isfile(_os.path.join(_src, "_startup.py")) and _os.path.isdir(_os.pa
     if _src not in __path__:
         __path__.append(_src)
 del _os, _root, _src
+
+
+#: the adapters, importable as attributes after ``import fastpersist`` alone
+#: (``fastpersist.integrations.accelerate.enable(accelerator)``): imported on first use,
+#: so that no framework is imported before it is asked for
+ADAPTERS = ("accelerate", "deepspeed", "lightning")
+
+
+def __getattr__(name: str) -> _types.ModuleType:
+    if name in ADAPTERS:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
