@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from fastpersist import distributed, pending, pipeline
+from fastpersist.s3url import is_s3_url
 from fastpersist.formats.base import VerifyResult
 from fastpersist.formats.registry import FORMATS as _FORMAT_TABLE
 from fastpersist.formats.safetensors import DEFAULT_SAFETENSORS_METADATA, load_into_model, safetensors_metadata
@@ -68,6 +69,7 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
     result loads with stock ``torch.load`` (or ``safetensors``).
     """
     if group is not None:
+        _no_group_url(path, "save")
         if metadata is not None:
             raise TypeError("fastpersist.save(..., group=...) takes no metadata (group saves write {'format': 'pt'})")
         return distributed.save(obj, path, group=group, config=config, format=format)
@@ -225,10 +227,17 @@ def load(
     """
     pending.wait_before_reading(path)
     if group is not None:  # every rank of the group calls it; see fastpersist.distributed
+        _no_group_url(path, "load")
         return distributed.load(path, map_location, pickle_module, group=group, weights_only=weights_only, mmap=mmap,
                                 config=config, **pickle_load_args)
     return pipeline.load(path, map_location, pickle_module, weights_only=weights_only, mmap=mmap, config=config,
                          **pickle_load_args)
+
+
+def _no_group_url(path: Any, what: str) -> None:
+    if is_s3_url(path):
+        raise ValueError(f"fastpersist.{what}(..., group=...) does not take s3:// URLs yet ({os.fspath(path)!r}): "
+                         f"{what} from one rank without group=")
 
 
 def verify(path: PathLike, *, config: Any = None) -> VerifyResult:

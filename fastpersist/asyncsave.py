@@ -113,7 +113,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import _sys, asyncstage, cudastage, handles, pending
+from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending
 from fastpersist import config as config_mod
 from fastpersist import distributed as D
 from fastpersist import io as fpio
@@ -598,6 +598,11 @@ def save_async(
     if metadata is not None and (group is not None or registry.format_for(os.fspath(path), format).name != "safetensors"):
         raise TypeError("metadata= is for safetensors files saved without group= (as fastpersist.save)")
     _hook_multiprocessing_exit()
+    if objectstore.is_s3_url(path):
+        if group is not None:
+            raise ValueError(f"save_async(group=...) to an s3:// URL is not supported yet ({os.fspath(path)!r}): "
+                             "save from one rank, or to a local path")
+        return _save_async_s3(obj, path, mode, cfg, format, metadata)
     if group is not None:
         import torch.distributed as dist
 
@@ -810,6 +815,38 @@ def _no_store() -> None:
         "save_async(group=...) needs torch.distributed's rendezvous store (the default process group's), "
         "which this torch does not expose (fastpersist._compat.report()['default_store']); "
         "use fastpersist.save(obj, path, group=...) instead")
+
+
+class _S3Upload:
+    """The background half of an async save to an ``s3://`` URL: the upload of the parts
+    staged at the call (run by the finisher, as a group save's commit is)."""
+
+    def __init__(self, url: Any, parts: list[Any], cfg: Any) -> None:
+        self.url = url
+        self.parts = parts
+        self.cfg = cfg
+
+    def run(self, job: _Job) -> None:
+        parts, self.parts = self.parts, []
+        objectstore.upload_staged(self.url, parts, config=self.cfg)
+
+
+def _save_async_s3(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str],
+                   metadata: Optional[dict]) -> SaveFuture:
+    """An async save to an object store: the whole file staged in memory at the call
+    (its bytes are those of this moment, in either mode), uploaded in the background as
+    one multipart upload; the object appears when the upload completes."""
+    _raise_unreported()
+    name = os.fspath(path)
+    fut = SaveFuture(name, mode)
+    with asyncstage.capture_lock():
+        url, parts = objectstore.stage(obj, path, config=cfg, format=format, metadata=metadata)
+    job = _Job(fut, "", cfg.fsync)
+    job.collective = _S3Upload(url, parts, cfg)
+    with _lock:
+        _jobs.append(job)
+    _enqueue(job)
+    return fut
 
 
 def wait_all(timeout: Optional[float] = None) -> bool:

@@ -22,13 +22,14 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native, describe
+from fastpersist import _native, describe, objectstore
 from fastpersist._inputs import check_input
 from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
 from fastpersist.bench.conditions import Conditions, auto_size, plan_line
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
 from fastpersist.bench.io_bench import run_io_bench
 from fastpersist.bench.machine import collect_machine_info
+from fastpersist.bench.s3_bench import S3_PEERS, run_s3_bench
 from fastpersist.bench.save_bench import PEERS, run_save_bench
 from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
 from fastpersist.bench.units import format_bytes, parse_int_list, parse_size, parse_size_list
@@ -187,10 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Checkpoint a GPT-style training state (or many small tensors) with fastpersist and "
         "its peers on the same disk, in the same run.",
     )
-    p.add_argument("--dir", required=True, help="directory on the disk to measure")
+    p.add_argument("--dir", required=True, help="directory on the disk to measure, or s3://bucket/prefix (saves "
+                   "and loads to object storage against the server's own ceiling and the s3 peers: "
+                   "boto3, s3torchconnector, fsspec, dcp-fsspec)")
     p.add_argument("--size", type=_size, default=None,
                    help="checkpoint size (tensor bytes) of the training state (default: 512MiB, less where free "
-                   "memory or disk is short; the report's first line says what it picked and what it will take)")
+                   "memory or disk is short; the report's first line says what it picked and what it will take; "
+                   "256MiB for an s3:// --dir)")
     p.add_argument("--small-tensors", type=_positive, metavar="N",
                    help="instead of the training state, N tensors of random sizes 1 KB - 1 MB")
     p.add_argument("--peers", type=_names, default=["torch", "safetensors", "dcp", "fio"],
@@ -292,6 +296,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             return _info_checkpoints(args, args.dir_arg, check=args.check is not False, machine=False)
         return _info_checkpoints(args, args.dir_arg, check=bool(args.check), machine=True)
     args.dir = args.dir_arg or args.dir or "."
+    if objectstore.is_s3_url(args.dir):
+        return _info_s3(args)
     return _info_machine(args)
 
 
@@ -359,6 +365,26 @@ def _info_machine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info_s3(args: argparse.Namespace) -> int:
+    """``fastpersist info s3://bucket/prefix``: the client, its settings, the bucket, and
+    incomplete multipart uploads under the prefix (``--clean`` aborts them)."""
+    data = objectstore.describe(args.dir, clean=args.clean)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+        return 0
+    print(f"Object store: {data['url']}")
+    for name in ("client", "endpoint", "region", "addressing_style", "retries", "threads", "part_bytes", "bucket"):
+        print(f"  {name:16s}: {data[name]}")
+    uploads = data.get("incomplete_uploads")
+    if uploads is not None:
+        print(f"  incomplete multipart uploads under the prefix: {len(uploads)}"
+              + ("" if args.clean or not uploads else " (--clean aborts them; so does the next save to each key)"))
+        for u in uploads:
+            state = " (aborted)" if u.get("aborted") else ""
+            print(f"    s3://{data['url'].split('/')[2]}/{u['key']}  upload {u['upload_id']}{state}")
+    return 0 if data["bucket"] == "reachable" else 2
+
+
 def _gpu_path(directory: str) -> Any:
     """:func:`fastpersist.io.gpu_path` of ``directory`` under the default config, or why it is unknown."""
     try:
@@ -414,6 +440,8 @@ def _verify_one(path: str) -> dict:
     try:
         result = fastpersist.verify(path)
     except (FastPersistError, UnicodeError) as exc:  # bad content that escaped verify: still FAILED, never 2
+        if isinstance(exc, OSError):  # an object store's error (a missing object, refused credentials): 2
+            raise
         return {"ok": False, "path": path, "format": "unknown", "records": 0, "bytes": 0, "problems": [str(exc)],
                 "status": "corrupt", "notes": []}
     data = dataclasses.asdict(result)
@@ -449,11 +477,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     One exit status: 1 if any FAILED, else 2 if any could not be read (or a directory held
     no checkpoint), else 3 if any is UNCHECKED, else 0 (every one OK)."""
     paths = list(args.paths)
-    single = len(paths) == 1 and not os.path.isdir(paths[0])
+    single = len(paths) == 1 and (objectstore.is_s3_url(paths[0]) or not os.path.isdir(paths[0]))
     if single:  # one file: its errors are the command's (exit 2, one line), as before
         path = paths[0]
-
-        check_input(path, "verify", directory_ok=True)  # the OS's error at once: ELOOP, a FIFO's ESPIPE
+        if not objectstore.is_s3_url(path):
+            check_input(path, "verify", directory_ok=True)  # the OS's error at once: ELOOP, a FIFO's ESPIPE
         data = _verify_one(path)
         if args.json:
             print(json.dumps(data, indent=2))
@@ -473,12 +501,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"ERROR: {path}: {_describe(exc)}")
 
     for path in paths:
-        try:
-            check_input(path, "verify", directory_ok=True)
-        except OSError as exc:  # missing, a link loop, a FIFO, a device: reported, the others still verified
-            error(path, exc)
-            continue
-        if os.path.isdir(path) and not is_dcp_dir(path):
+        if not objectstore.is_s3_url(path):
+            try:
+                check_input(path, "verify", directory_ok=True)
+            except OSError as exc:  # missing, a link loop, a FIFO, a device: reported, the others still verified
+                error(path, exc)
+                continue
+        if not objectstore.is_s3_url(path) and os.path.isdir(path) and not is_dcp_dir(path):
             tree = collect(path)
             targets = tree.targets
             for p, reason in tree.skipped:
@@ -554,7 +583,14 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_save(args: argparse.Namespace) -> int:
-    """``fastpersist bench save``: see :mod:`fastpersist.bench.save_bench`."""
+    """``fastpersist bench save``: see :mod:`fastpersist.bench.save_bench` (and
+    :mod:`fastpersist.bench.s3_bench` for an ``s3://`` target)."""
+    if objectstore.is_s3_url(args.dir):
+        peers = list(S3_PEERS) if args.peers == list(PEERS) else args.peers
+        bad = sorted(set(peers) - set(S3_PEERS))
+        if bad:
+            raise UsageError(f"--peers: unknown s3 peer(s) {', '.join(bad)} (use {', '.join(S3_PEERS)} or none)")
+        return run_s3_bench(args.dir, size=args.size or parse_size("256MiB"), repeat=args.repeat, peers=peers)
     _check_dir(args.dir)
     bad = sorted(set(args.peers) - set(PEERS))
     if bad:

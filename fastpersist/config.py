@@ -144,6 +144,13 @@ class Config:
             :func:`fastpersist.save_async` saves in the background; 0 (default) runs
             them at the training's priority, higher values make them yield the CPUs to
             the training's threads (copies the training waits for stay at full priority).
+        s3_threads: Requests in flight per transfer to or from an ``s3://`` URL (parts of
+            an upload, ranged GETs of a load).
+        s3_part_size: Bytes per part of an upload and per ranged GET of a load, for
+            ``s3://`` URLs; at least 5 MiB (S3's minimum part), a multiple of 1 MiB,
+            grown for files that would need more than 10,000 parts.
+        s3_timeout: Seconds an ``s3://`` request may wait to connect, and then for
+            each read from the store, before botocore retries it (a stalled store).
     """
 
     engine: str = "auto"
@@ -174,6 +181,14 @@ class Config:
     async_staging_limit: int = 1 << 30
     #: Nice value (0-19) of the threads that write async saves in the background.
     async_nice: int = 0
+
+    # -- object storage (s3:// URLs: fastpersist.objectstore) --
+    #: Requests in flight per upload or download.
+    s3_threads: int = 8
+    #: Bytes per uploaded part and per ranged GET (>= 5 MiB, a multiple of 1 MiB).
+    s3_part_size: int = 16 << 20
+    #: Seconds to connect and per read before a request is retried (a stalled store).
+    s3_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -256,6 +271,10 @@ def _validate_field(name: str, value: Any) -> None:
     if name in _DIST_FIELDS:
         _validate_dist_field(name, value)
         return
+    if name == "s3_timeout":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"s3_timeout must be a positive number of seconds, not {value!r}")
+        return
     if name == "engine":
         if value not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {value!r}")
@@ -277,12 +296,16 @@ def _validate_field(name: str, value: Any) -> None:
         elif name in ("queue_depth", "read_queue_depth"):
             if value < 2:
                 raise ValueError(f"{name} must be at least 2, not {value}")
-        elif name in ("threads", "max_async"):
+        elif name in ("threads", "max_async", "s3_threads"):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, not {value}")
         elif name == "async_nice":
             if not 0 <= value <= 19:
                 raise ValueError(f"async_nice must be a nice value from 0 to 19, not {value}")
+        elif name == "s3_part_size":
+            if value < 5 << 20 or value % (1 << 20):
+                raise ValueError(f"s3_part_size must be a multiple of 1 MiB, at least 5 MiB (S3's minimum part), "
+                                 f"not {value}")
         elif name == "async_staging_limit":
             if value < 2 * _PAGE or value % _PAGE:
                 raise ValueError(f"async_staging_limit must be a multiple of {_PAGE} bytes, at least {2 * _PAGE}, not {value}")
@@ -591,6 +614,23 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "training; copies the training waits for (inside the call, in the lazy guard) stay at full "
         "priority. On a 2-vCPU VM shared with other work, 10 did not shorten the guard's wait.",
     ),
+    # -- object storage (fastpersist.objectstore) --
+    EnvVar(
+        "FASTPERSIST_S3_THREADS", "s3_threads", _parse_int, "integer >= 1",
+        "Requests in flight per transfer to or from an `s3://` URL: parts of a save's multipart "
+        "upload, ranged GETs of a load or verify (docs/objectstore.md).",
+    ),
+    EnvVar(
+        "FASTPERSIST_S3_PART_SIZE", "s3_part_size", parse_size, "size (16M, 64M, ...)",
+        "Bytes per part of an `s3://` save's multipart upload and per ranged GET of a load: at least "
+        "5M (S3's minimum part), a multiple of 1M; grown for a file that would need more than "
+        "10,000 parts (docs/objectstore.md).",
+    ),
+    EnvVar(
+        "FASTPERSIST_S3_TIMEOUT", "s3_timeout", _parse_seconds, "seconds",
+        "Seconds an `s3://` request may take to connect, and then may wait for each read from the "
+        "store, before botocore retries it with backoff (a stalled store; docs/objectstore.md).",
+    ),
 )
 
 
@@ -601,7 +641,7 @@ def _default_text(var: EnvVar) -> str:
     value = getattr(Config(), var.field)
     if isinstance(value, bool):
         return _bool_text(value)
-    if var.field in ("chunk_size", "async_staging_limit"):
+    if var.field in ("chunk_size", "async_staging_limit", "s3_part_size"):
         return f"{_size_text(value)} ({value})"
     return str(value)
 

@@ -59,3 +59,22 @@ class DirectorySyncError(FastPersistError, OSError):
     once the filesystem is healthy makes the checkpoint durable.
     """
 
+
+
+class ObjectStoreError(FastPersistError, OSError):
+    """An object-store request failed for good (after the retries S3 practice allows:
+    see docs/objectstore.md). ``url`` is the ``s3://bucket/key`` of the checkpoint,
+    ``operation`` the S3 operation that failed (``UploadPart``, ``GetObject``, ...),
+    ``code`` the store's error code (``NoSuchBucket``, ``AccessDenied``, ``SlowDown``,
+    ... or the network error's name) and the message says what to do. A failed save has
+    aborted its multipart upload: the object under ``url`` is the previous one, or none.
+    """
+
+    def __init__(self, message: str, url: str, operation: str, code: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.operation = operation
+        self.code = code
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 
-from fastpersist import _compat, handles, pending
+from fastpersist import _compat, handles, objectstore, pending
 from fastpersist import config as config_mod
 from fastpersist._inputs import check_input, is_path, special_file_error
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
@@ -66,6 +66,9 @@ def naming_final(final: str, write: Callable[[str], T]) -> Callable[[str], T]:
 def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] = None,
          metadata: Optional[dict] = None) -> None:
     """:func:`fastpersist.save` in this process alone (see its docstring)."""
+    if objectstore.is_s3_url(path):
+        pending.before_blocking_save(os.fspath(path))  # an async save to the same URL first
+        return objectstore.save(obj, path, config=config, format=format, metadata=metadata)
     if not is_path(path):
         raise TypeError(
             f"fastpersist.save writes to a file path (str or os.PathLike), got {type(path).__name__}; "
@@ -91,6 +94,9 @@ def save_file(tensors: dict, filename: PathLike, metadata: Optional[dict] = None
     """:func:`fastpersist.save_file` (see its docstring)."""
     if isinstance(filename, bytes) or not is_path(filename):
         raise TypeError(f"argument 'filename': expected str or os.PathLike object, not {type(filename).__name__}")
+    if objectstore.is_s3_url(filename):
+        pending.before_blocking_save(os.fspath(filename))
+        return objectstore.save_file(tensors, filename, metadata, config=config)
     cfg = config_mod.resolve(config)
     final = resolve_target(filename)
     pending.before_blocking_save(final)
@@ -127,6 +133,9 @@ def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu",
         target = device if isinstance(device, torch.device) else torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
         raise SafetensorsValueError(f"device {device} is invalid ({e})") from None
+    if objectstore.is_s3_url(filename):
+        pending.wait_before_reading(os.fspath(filename))
+        return objectstore.load_file(filename, target, config=config)
     fspath = os.fsdecode(os.fspath(filename))
     cfg = config_mod.resolve(config)
     return registry.load_safetensors_file(fspath, target, cfg, None)
@@ -137,6 +146,8 @@ def load(path: Any, map_location: Any = None, pickle_module: Any = None, *, weig
     """:func:`fastpersist.load` in this process alone (see its docstring)."""
     pending.wait_before_reading(path)
     req = registry.LoadRequest(path, map_location, pickle_module, weights_only, mmap, dict(pickle_load_args))
+    if objectstore.is_s3_url(path):
+        return objectstore.load(path, req, config=config)
     if not is_path(path):
         return req.torch_load()
     fspath = os.fsdecode(os.fspath(path))
@@ -162,6 +173,9 @@ def refuse_special_file(path: str, action: str) -> None:
 
 def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     """:func:`fastpersist.verify` (see its docstring)."""
+    if objectstore.is_s3_url(path):
+        pending.wait_before_reading(os.fspath(path))
+        return objectstore.verify(path, config=config)
     fspath = os.fsdecode(os.fspath(path))
     pending.wait_before_reading(fspath, tree=True)
     st = check_input(fspath, "verify", directory_ok=True)  # a FIFO, device, link loop: an OSError at once

@@ -1,0 +1,225 @@
+"""Saves, loads and verifies of ``s3://bucket/key`` targets (direct mode).
+
+The same stages as a local save with another write and commit: the format plans the
+file exactly as for a local save (same bytes, same 4096-byte alignment of the
+payloads), :mod:`fastpersist.s3upload` streams it into one multipart upload and
+completes it (the commit). Loads and verifies fetch the object with parallel ranged
+GETs into anonymous memory (:mod:`fastpersist.s3download`) and hand it to the same
+loaders and verifiers as a local file, with the CRC-32s checked as for one.
+
+Needs the ``s3`` extra (boto3); see docs/objectstore.md for configuration.
+"""
+
+from __future__ import annotations
+
+import io as pyio
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+
+from fastpersist import _compat, handles, s3client, s3download, s3upload
+from fastpersist import config as config_mod
+from fastpersist.errors import UnsupportedLayoutError
+from fastpersist.formats import registry, safetensors
+from fastpersist.formats.base import VerifyResult
+from fastpersist.plan import WritePlan
+from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
+
+log = logging.getLogger("fastpersist.s3")
+
+__all__ = ["ALIGNMENT", "describe", "fetch", "is_s3_url", "load", "load_file", "name_url_in_error", "plan_for", "save",
+           "save_file", "stage", "upload_staged", "verify"]
+
+#: Payload alignment of objects: what a local save uses on an ordinary filesystem, so
+#: that the object's bytes equal those of a local save.
+ALIGNMENT = 4096
+
+
+def _bytes_plan(data: bytes) -> WritePlan:
+    buf = bytearray(data)
+    t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return WritePlan([(0, t.data_ptr(), len(buf), -1)] if buf else [], [], 0, len(buf), keepalive=[buf, t])
+
+
+def plan_for(obj: Any, url: S3Url, cfg: Any, format: Optional[str], metadata: Optional[dict]) -> WritePlan:
+    """The file's byte layout, as a local save of ``obj`` to a file named like the key
+    would write it (torch's own writer, aligned, where the planner cannot lay it out)."""
+    fmt = registry.format_for(url.key, format)
+    if metadata is not None and fmt is not registry.SAFETENSORS:
+        raise TypeError(f"metadata= is for safetensors files; {url} is saved in torch's format")
+    assert fmt.plan is not None
+    try:
+        return fmt.plan(obj, ALIGNMENT, cfg, metadata=metadata, target=str(url))
+    except UnsupportedLayoutError as e:
+        if fmt is not registry.TORCH:
+            raise
+        log.debug("fast torch layout not possible for %s (%s); laying it out with torch's writer", url, e)
+        out = pyio.BytesIO()
+        with _compat.save_storage_alignment(ALIGNMENT, required=False):
+            torch.serialization.save(obj, out)
+        return _bytes_plan(out.getbuffer().tobytes())
+
+
+def save(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = None,
+         metadata: Optional[dict] = None) -> None:
+    """Blocking save of ``obj`` to the ``s3://`` URL ``target`` (one multipart upload)."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    _upload(plan_for(obj, url, cfg, format, metadata), url, cfg)
+
+
+def _upload(plan: WritePlan, url: S3Url, cfg: Any) -> None:
+    n = cfg.s3_threads
+    s3upload.upload_plan(plan, url, s3client.client(n + 2, cfg.s3_timeout), handles.handle_for(cfg), threads=n,
+                         preferred_part=cfg.s3_part_size)
+
+
+def save_file(tensors: dict, target: Any, metadata: Optional[dict], *, config: Any = None) -> None:
+    """:func:`fastpersist.save_file` to an ``s3://`` URL: a safetensors object whose
+    ``__metadata__`` is exactly ``metadata``, as ``safetensors.torch.save_file`` writes."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    _upload(safetensors.plan_safetensors(tensors, metadata, ALIGNMENT, checksum=cfg.checksum), url, cfg)
+
+
+def load_file(target: Any, device: Any, *, config: Any = None) -> dict:
+    """:func:`fastpersist.load_file` of an ``s3://`` URL: every tensor on ``device`` (on
+    the CPU, views of the fetched memory)."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    with fetch(url, config=cfg) as got:
+        try:
+            return registry.load_safetensors_file(got.path, device, cfg, _cpu_target(device))
+        except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
+            name_url_in_error(e, got.path, str(url))
+            raise
+
+
+def stage(obj: Any, target: Any, *, config: Any = None, format: Optional[str] = None,
+          metadata: Optional[dict] = None) -> tuple[S3Url, list[s3upload.StagedPart]]:
+    """An async save's capture: the whole file staged in memory (CRC fields filled);
+    ``obj`` may change afterwards."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    plan = plan_for(obj, url, cfg, format, metadata)
+    return url, s3upload.stage_all(plan, handles.handle_for(cfg), cfg.s3_part_size)
+
+
+def upload_staged(url: S3Url, parts: list[s3upload.StagedPart], *, config: Any = None) -> None:
+    """Upload what :func:`stage` captured (an async save's background half)."""
+    cfg = config_mod.resolve(config)
+    n = cfg.s3_threads
+    s3upload.upload_parts(parts, url, s3client.client(n + 2, cfg.s3_timeout), threads=n)
+
+
+def fetch(target: Any, *, config: Any = None) -> s3download.Fetched:
+    """The object at ``target`` in anonymous memory (see :mod:`fastpersist.s3download`)."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    n = cfg.s3_threads
+    return s3download.fetch(url, s3client.client(n + 2, cfg.s3_timeout), threads=n, range_size=cfg.s3_part_size)
+
+
+def _cpu_target(map_location: Any) -> bool:
+    if map_location is None:
+        return True
+    if isinstance(map_location, (str, torch.device)):
+        try:
+            return torch.device(map_location).type == "cpu"
+        except (RuntimeError, TypeError, ValueError):
+            return False
+    return False
+
+
+def load(target: Any, req: registry.LoadRequest, *, config: Any = None) -> Any:
+    """``torch.load`` semantics for an object: fetched, then loaded by its format's
+    loader. Onto the CPU (and unless ``mmap=False``) the tensors are views of the
+    fetched memory (the loaders' mmap path: no copy)."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    fmt = registry.format_for(url.key)
+    assert fmt.load is not None
+    with fetch(url, config=cfg) as got:
+        mmap = req.mmap
+        if mmap is None and _cpu_target(req.map_location):
+            mmap = True
+        local = registry.LoadRequest(got.path, req.map_location, req.pickle_module, req.weights_only, mmap,
+                                     req.pickle_load_args)
+        try:
+            return fmt.load(got.path, cfg, local)
+        except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
+            name_url_in_error(e, got.path, str(url))
+            raise
+
+
+def name_url_in_error(e: BaseException, local: str, url: str) -> None:
+    """Make a loader's error name the URL instead of the memfd's path."""
+    if getattr(e, "path", None) == local:
+        try:
+            e.path = url  # type: ignore[attr-defined]
+        except AttributeError:
+            pass
+    if getattr(e, "filename", None) == local:
+        e.filename = url  # type: ignore[attr-defined]
+    if e.args and isinstance(e.args[0], str) and local in e.args[0]:
+        e.args = (e.args[0].replace(local, url),) + tuple(e.args[1:])
+
+
+def verify(target: Any, *, config: Any = None) -> VerifyResult:
+    """:func:`fastpersist.verify` of an object: fetched into memory (no file on disk),
+    then every record's CRC-32 checked."""
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    with fetch(url, config=cfg) as got:
+        result = registry.format_for(url.key).verify(got.path, handles.handle_for(cfg, read=True))
+    name = str(url)
+    result.path = name
+    result.problems = [p.replace(got.path, name) for p in result.problems]
+    result.notes = [p.replace(got.path, name) for p in result.notes]
+    return result
+
+
+def describe(target: Any, *, clean: bool = False) -> dict:
+    """What ``fastpersist info s3://bucket/prefix`` reports: the client and its settings
+    (endpoint, region, addressing, retries; never the secrets), whether the bucket
+    answers, and the incomplete multipart uploads under the prefix (left by killed
+    saves); with ``clean``, those are aborted."""
+    url = parse_prefix(target)
+    cfg = config_mod.get_default()
+    n = cfg.s3_threads
+    c = s3client.client(n + 2, cfg.s3_timeout)
+    bc = c.meta.config
+    out: dict[str, Any] = {
+        "url": f"s3://{url.bucket}/{url.key}",
+        "client": s3client.client_version(),
+        "endpoint": c.meta.endpoint_url,
+        "region": c.meta.region_name,
+        "addressing_style": (bc.s3 or {}).get("addressing_style", "auto"),
+        "retries": bc.retries,
+        "threads": n,
+        "part_bytes": cfg.s3_part_size,
+    }
+    try:
+        c.head_bucket(Bucket=url.bucket)
+        out["bucket"] = "reachable"
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        if not s3client.is_client_error(e):
+            raise
+        out["bucket"] = str(s3client.store_error(e, out["url"], "HeadBucket", saving=False))
+        return out
+    uploads: list[dict] = []
+    kwargs: dict[str, Any] = {"Bucket": url.bucket, "Prefix": url.key}
+    while True:
+        r = c.list_multipart_uploads(**kwargs)
+        uploads.extend({"key": u["Key"], "upload_id": u["UploadId"], "initiated": str(u.get("Initiated", ""))}
+                       for u in r.get("Uploads", []))
+        if not r.get("IsTruncated"):
+            break
+        kwargs["KeyMarker"], kwargs["UploadIdMarker"] = r.get("NextKeyMarker"), r.get("NextUploadIdMarker")
+    if clean:
+        for u in uploads:
+            u["aborted"] = s3upload.abort_uploads(c, S3Url(url.bucket, u["key"]), [u["upload_id"]]) == 1
+    out["incomplete_uploads"] = uploads
+    return out
