@@ -51,15 +51,32 @@ def test_plan_line_says_size_memory_disk_and_time():
 
 
 def test_conditions_name_a_busy_machine_and_memory_bound_loads():
-    c = Conditions(cpus=2, load_before=3.5)
+    c = Conditions(cpus=2, load_before=3.5, busy_before=1.6)
     c.after(fresh_memory_gbps=1.1, read_ceiling_gbps=1.6)
     lines = c.lines()
-    assert lines[0].startswith("Conditions : NOT QUIET: load average 3.50 on 2 usable cores")
+    assert lines[0].startswith("Conditions : NOT QUIET: other work kept 1.6 cores busy at the start; load average "
+                               "3.50 on 2 usable cores")
     assert lines[1].startswith("Cold loads : limited by new memory") and "1.10 GB/s" in lines[1]
-    quiet = Conditions(cpus=2, load_before=0.2)
+    # a load average left by work that just ended (the install) is not "busy": the CPU sample decides
+    quiet = Conditions(cpus=2, load_before=1.1, busy_before=0.05)
     quiet.after(fresh_memory_gbps=3.0, read_ceiling_gbps=1.6)
     assert quiet.lines() == [quiet.lines()[0]] and "quiet at the start" in quiet.lines()[0]
-    assert quiet.to_dict()["busy_before"] is False and c.to_dict()["memory_bound_loads"] is True
+    assert quiet.to_dict()["busy"] is False and c.to_dict()["memory_bound_loads"] is True
+    assert Conditions(cpus=2, load_before=1.5).busy  # no CPU sample: the load average decides
+
+
+def test_busy_cores_sees_a_busy_core():
+    import subprocess
+    import sys
+
+    from fastpersist.bench.conditions import busy_cores
+
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert busy_cores(1.0) >= 0.6
+    finally:
+        burner.kill()
+        burner.wait()
 
 
 def test_cli_prints_the_plan_first_and_the_conditions(tmp_path, capsys):
@@ -73,4 +90,4 @@ def test_cli_prints_the_plan_first_and_the_conditions(tmp_path, capsys):
     import json
 
     data = json.loads((tmp_path / "r.json").read_text())
-    assert set(data["conditions"]) >= {"cpus", "load_before", "load_after", "busy_before", "memory_bound_loads"}
+    assert set(data["conditions"]) >= {"cpus", "load_before", "busy_before", "load_after", "busy", "memory_bound_loads"}

@@ -14,6 +14,7 @@ user gave none, what it will cost, and whether the machine was quiet while it ra
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -108,12 +109,35 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def busy_cores(seconds: float = 0.5) -> Optional[float]:
+    """How many cores other work kept busy over the next ``seconds`` (this process sleeps
+    meanwhile): the non-idle share of /proc/stat's CPU time times the core count, or None.
+    Unlike the load average, which decays over a minute, it does not count work that just
+    ended (the install before a first benchmark)."""
+    def sample() -> Optional[tuple[int, int]]:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]) - idle, sum(fields[:8])
+
+    a = sample()
+    time.sleep(seconds)
+    b = sample()
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    return (b[0] - a[0]) / (b[1] - a[1]) * (os.cpu_count() or 1)
+
+
 @dataclass
 class Conditions:
     """How quiet the machine was around a run (see the module docstring)."""
 
     cpus: int
     load_before: Optional[float]
+    busy_before: Optional[float] = None  #: cores other work kept busy just before the run (:func:`busy_cores`)
     load_after: Optional[float] = None
     fresh_memory_gbps: Optional[float] = None
     read_ceiling_gbps: Optional[float] = None
@@ -121,7 +145,7 @@ class Conditions:
     @classmethod
     def before(cls) -> "Conditions":
         """Sampled before the run starts."""
-        return cls(usable_cpus(), load_average())
+        return cls(usable_cpus(), load_average(), busy_cores())
 
     def after(self, fresh_memory_gbps: Optional[float], read_ceiling_gbps: Optional[float]) -> None:
         """Sampled when the run has ended; the fresh-memory and read figures of the run."""
@@ -130,8 +154,12 @@ class Conditions:
         self.read_ceiling_gbps = read_ceiling_gbps
 
     @property
-    def busy_before(self) -> bool:
-        """Other work was running when the run started (load average of half the usable cores or more)."""
+    def busy(self) -> bool:
+        """Other work was running when the run started: half a core or more kept busy by it
+        (:attr:`busy_before`), or where that could not be read, a load average of half the
+        usable cores or more."""
+        if self.busy_before is not None:
+            return self.busy_before >= 0.5
         return self.load_before is not None and self.load_before >= 0.5 * self.cpus
 
     @property
@@ -144,19 +172,20 @@ class Conditions:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable form, with the verdicts."""
         d = asdict(self)
-        d.update(busy_before=self.busy_before, memory_bound_loads=self.memory_bound_loads)
+        d.update(busy=self.busy, memory_bound_loads=self.memory_bound_loads)
         return d
 
     def lines(self) -> list[str]:
         """Report lines: each condition and the rows it affects."""
         la = "unknown" if self.load_before is None else f"{self.load_before:.2f}"
         after = "" if self.load_after is None else f", {self.load_after:.2f} at its end (its own work included)"
-        if self.busy_before:
-            out = [f"Conditions : NOT QUIET: load average {la} on {self.cpus} usable cores before the run{after}; "
-                   "other work competed for the CPU and the disk, so every row, loads most, may be slower than on a "
-                   "quiet machine (ratios within one run stay comparable)"]
+        used = "" if self.busy_before is None else f"other work kept {self.busy_before:.1f} cores busy at the start; "
+        if self.busy:
+            out = [f"Conditions : NOT QUIET: {used}load average {la} on {self.cpus} usable cores before the "
+                   f"run{after}; other work competed for the CPU and the disk, so every row, loads most, may be "
+                   "slower than on a quiet machine (ratios within one run stay comparable)"]
         else:
-            out = [f"Conditions : quiet at the start (load average {la} on {self.cpus} usable cores{after})"]
+            out = [f"Conditions : quiet at the start ({used}load average {la} on {self.cpus} usable cores{after})"]
         if self.memory_bound_loads:
             out.append(f"Cold loads : limited by new memory, not the disk: a process fills memory it never used at "
                        f"{self.fresh_memory_gbps:.2f} GB/s, the disk reads at {self.read_ceiling_gbps:.2f} GB/s; the "
