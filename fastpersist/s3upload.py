@@ -240,11 +240,9 @@ def upload_plan(plan: WritePlan, url: S3Url, client: Any, handle: Any, *, thread
     """Upload the file ``plan`` describes to ``url`` as one multipart upload (see the
     module docstring); blocks until the object is complete, or raises (upload aborted)."""
     stager = PartStager(plan, part_size(plan.file_size, preferred_part), handle)
-    up = MultipartUpload(client, url, threads)
     held: list[StagedPart] = []
-    stale = stale_uploads(client, url)
-    try:
-        up.create()
+
+    def send(up: MultipartUpload) -> None:
         for i in range(stager.nparts):
             up.take_slot()
             try:
@@ -264,6 +262,19 @@ def upload_plan(plan: WritePlan, url: S3Url, client: Any, handle: Any, *, thread
                 up.submit(h, holds_slot=False)
         if held:
             raise AssertionError(f"CRC fields of parts {[h.number for h in held]} never became ready")
+
+    _upload(client, url, threads, send)
+
+
+def _upload(client: Any, url: S3Url, threads: int, send: Callable[["MultipartUpload"], None]) -> None:
+    """One multipart upload: create it, ``send(up)`` its parts, wait for them and complete
+    it; on any error abort it and raise. Afterwards the key's uploads left by killed saves
+    (listed before this one began) are aborted."""
+    up = MultipartUpload(client, url, threads)
+    stale = stale_uploads(client, url)
+    try:
+        up.create()
+        send(up)
         up.wait_parts()
         up.complete()
     except BaseException:
@@ -284,19 +295,13 @@ def stage_all(plan: WritePlan, handle: Any, preferred_part: int = DEFAULT_PART) 
 
 def upload_parts(parts: list[StagedPart], url: S3Url, client: Any, *, threads: int = 8) -> None:
     """Upload already staged ``parts`` (from :func:`stage_all`) as one multipart upload."""
-    up = MultipartUpload(client, url, threads)
-    stale = stale_uploads(client, url)
-    try:
-        up.create()
+
+    def send(up: MultipartUpload) -> None:
         for part in parts:
             up.take_slot()
             up.submit(part, holds_slot=True)
-        up.wait_parts()
-        up.complete()
-    except BaseException:
-        up.abort()
-        raise
-    abort_uploads(client, url, stale)
+
+    _upload(client, url, threads, send)
 
 
 def list_uploads(client: Any, url: S3Url) -> list[dict]:
