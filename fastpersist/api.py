@@ -27,6 +27,7 @@ from fastpersist.s3url import is_s3_url
 from fastpersist.formats.base import VerifyResult
 from fastpersist.formats.registry import FORMATS as _FORMAT_TABLE
 from fastpersist.formats.safetensors import DEFAULT_SAFETENSORS_METADATA, load_into_model, safetensors_metadata
+from fastpersist.formats.zipindex import starts_like_zip
 
 __all__ = ["DEFAULT_SAFETENSORS_METADATA", "FORMATS", "VerifyResult", "load", "load_file", "load_model",
            "safetensors_metadata",
@@ -144,7 +145,7 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
     A torch checkpoint (a zip file, what ``torch.save``/``fastpersist.save`` write) of a
     state dict is loaded too (``weights_only``, onto ``device``), with the same rules.
     """
-    if _is_torch_zip(filename):
+    if isinstance(filename, (str, bytes, os.PathLike)) and starts_like_zip(filename):
         if isinstance(device, int) and not isinstance(device, bool):
             device = f"cuda:{device}"
         state = load(filename, map_location=device, weights_only=True, config=config)
@@ -159,17 +160,6 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
         return load_into_model(model, state, strict)
     state_dict = pipeline.load_file(filename, device, backend=backend, config=config)
     return load_into_model(model, state_dict, strict)
-
-
-def _is_torch_zip(filename: Any) -> bool:
-    """Whether ``filename`` names a file that starts like a zip archive (torch's format)."""
-    if not isinstance(filename, (str, bytes, os.PathLike)):
-        return False
-    try:
-        with open(filename, "rb") as f:
-            return f.read(4) == b"PK\x03\x04"
-    except OSError:
-        return False  # the safetensors path reports it
 
 
 def load(

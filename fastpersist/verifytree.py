@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 from fastpersist import dircommit
 from fastpersist.commit import TMP_MARKER
+from fastpersist.formats.zipindex import starts_like_zip
 
 #: Names ending so are checkpoint files (verified even when damaged beyond recognition).
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl", ".safetensors")
-_ZIP_MAGIC = b"PK\x03\x04"
 
 
 @dataclass
@@ -63,21 +63,13 @@ def is_dcp_dir(path: str) -> bool:
     return looks_like_dcp(path)
 
 
-def _starts_like_zip(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == _ZIP_MAGIC
-    except OSError:
-        return False
-
-
 def classify_file(path: str) -> str | None:
     """None when ``path`` (a file) is a checkpoint file to verify, else why it is skipped."""
     name = os.path.basename(path)
     reason = fastpersist_temp_reason(name)
     if reason is not None:
         return reason
-    if name.endswith(CHECKPOINT_SUFFIXES) or _starts_like_zip(path):
+    if name.endswith(CHECKPOINT_SUFFIXES) or starts_like_zip(path):
         return None
     return "not a checkpoint file (not torch's zip format, no checkpoint suffix)"
 

@@ -336,6 +336,16 @@ class CentralEntry:
     uncompressed_size: int = 0
 
 
+def starts_like_zip(path: "str | bytes | os.PathLike[str]") -> bool:
+    """Whether the file at ``path`` begins with a zip local header (torch's format, whatever
+    its name); False where it cannot be read (the caller's own open reports that)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
+
+
 def check_deflated(read_at: ReadAt, path: str, entries: Iterable[ZipEntry], chunk: int = 8 << 20) -> None:
     """Raise :class:`ZipFormatError` naming the first deflated record whose bytes do not
     inflate to exactly its recorded size and CRC-32.
