@@ -52,7 +52,9 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
         config: a :class:`fastpersist.Config`; default: ``fastpersist.config.get_default()``.
         format: ``"torch"`` or ``"safetensors"``; default: by extension.
         group: a ``torch.distributed`` process group whose ranks all call ``save`` with the
-            same (replicated) object and write one file together; see :mod:`fastpersist.distributed`.
+            same (replicated) object and write one file together; see :mod:`fastpersist.distributed`
+            (to an ``s3://`` URL: one multipart upload with parts from every rank, see
+            :mod:`fastpersist.s3collective`).
         metadata: safetensors only: the file's ``__metadata__`` (str -> str), with
             ``"format": "pt"`` added unless it sets ``"format"`` (no metadata: ``{"format":
             "pt"}``, as transformers' ``save_pretrained`` writes; transformers 4.x refuses
