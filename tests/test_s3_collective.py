@@ -208,8 +208,8 @@ def test_failures_abort_the_upload_and_keep_the_previous_object(boto, bucket, tm
     rank killed mid-upload: every rank raises, no partial object, no multipart upload left,
     the previous object loads with its values."""
     url = f"s3://{bucket}/ckpt.pt"
-    # (nothing of fastpersist runs in this process before the ranks are forked: they would
-    # inherit its native handles without their threads)
+    # (no large tensor op runs in this process before the ranks are forked: a child forked
+    # after torch's OpenMP pool ran hangs in its own first parallel op)
     faulty.arm(Fault("403", method="PUT", query="partNumber=3", nth=2, count=0))  # not the previous save's
     results = run_ranks(str(tmp_path), sc_failures, url)
     _ok(results)
