@@ -54,6 +54,9 @@ def tensors(seed: int = 0) -> dict:
 def _child(rank: int, world: int, store: str, fn: Callable[..., Any], args: tuple, out: str) -> None:
     code = 0
     try:
+        # One intra-op thread: a child forked after the parent's OpenMP pool ran would hang
+        # in its first parallel op (the whole suite runs in one process before this).
+        torch.set_num_threads(1)
         warnings.simplefilter("ignore")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
@@ -208,8 +211,6 @@ def test_failures_abort_the_upload_and_keep_the_previous_object(boto, bucket, tm
     rank killed mid-upload: every rank raises, no partial object, no multipart upload left,
     the previous object loads with its values."""
     url = f"s3://{bucket}/ckpt.pt"
-    # (no large tensor op runs in this process before the ranks are forked: a child forked
-    # after torch's OpenMP pool ran hangs in its own first parallel op)
     faulty.arm(Fault("403", method="PUT", query="partNumber=3", nth=2, count=0))  # not the previous save's
     results = run_ranks(str(tmp_path), sc_failures, url)
     _ok(results)
