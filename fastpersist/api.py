@@ -22,11 +22,12 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from fastpersist import distributed, pending, pipeline, s3collective
+from fastpersist import distributed, modelload, pending, pipeline, s3collective
 from fastpersist.s3url import is_s3_url
 from fastpersist.formats.base import VerifyResult
 from fastpersist.formats.registry import FORMATS as _FORMAT_TABLE
-from fastpersist.formats.safetensors import DEFAULT_SAFETENSORS_METADATA, load_into_model, safetensors_metadata
+from fastpersist.formats.safetensors import DEFAULT_SAFETENSORS_METADATA, safetensors_metadata
+from fastpersist.modelload import load_into_model
 from fastpersist.formats.zipindex import starts_like_zip
 
 __all__ = ["DEFAULT_SAFETENSORS_METADATA", "FORMATS", "VerifyResult", "load", "load_file", "load_model",
@@ -161,6 +162,10 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
                 "holds the weights with fastpersist.load_state_dict(model, path, key='state_dict') (the key of "
                 "that part: 'state_dict' in Lightning checkpoints)")
         return load_into_model(model, state, strict)
+    if not is_s3_url(filename):
+        done = modelload.load_model_in_place(model, filename, strict, device, config)
+        if done is not None:
+            return done
     state_dict = pipeline.load_file(filename, device, backend=backend, config=config)
     return load_into_model(model, state_dict, strict)
 
