@@ -170,3 +170,35 @@ def test_dcp_failed_save_keeps_the_previous_checkpoint(boto, bucket, tmp_path, f
     used = {i.relative_path for i in md.storage_data.values()}
     assert set(keys) == used | {".metadata"}, (keys, used)
     assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_dcp_s3_checks_and_refusals(boto, bucket):  # noqa: ANN001
+    """One process: a damaged data object is a ChecksumError naming it; overwrite=False, the
+    safetensors serialization and a missing checkpoint are refused with clear errors."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    from fastpersist.errors import ChecksumError
+
+    url = f"s3://{bucket}/one"
+    state = {"w": torch.arange(64, dtype=torch.float32), "step": 3}
+    dcp.save(state, storage_writer=FastPersistWriter(url, config=CFG))
+    assert _keys(boto, bucket, "one/") == [".metadata", "__0_0.distcp"]
+    got = {"w": torch.zeros(64), "step": 0}
+    dcp.load(got, storage_reader=FastPersistReader(url, config=CFG))
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 3
+
+    with pytest.raises((CheckpointException, RuntimeError), match="overwrite"):
+        dcp.save(state, storage_writer=FastPersistWriter(url, config=CFG, overwrite=False))
+    with pytest.raises((CheckpointException, ValueError), match="object storage"):
+        dcp.save(state, storage_writer=FastPersistWriter(f"{url}-st", config=CFG,
+                                                         serialization_format=SerializationFormat.SAFETENSORS))
+    with pytest.raises((CheckpointException, FileNotFoundError, AssertionError)):
+        dcp.load(got, storage_reader=FastPersistReader(f"s3://{bucket}/none", config=CFG))
+
+    blob = bytearray(boto.get_object(Bucket=bucket, Key="one/__0_0.distcp")["Body"].read())
+    blob[-200] ^= 0x01  # inside the tensor item's zip trailer / payload
+    boto.put_object(Bucket=bucket, Key="one/__0_0.distcp", Body=bytes(blob))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"w": torch.zeros(64), "step": 0}, storage_reader=FastPersistReader(url, config=CFG))
+    err = e.value.failures[0][0]
+    assert isinstance(err, ChecksumError) and "__0_0.distcp" in str(err), err
