@@ -22,8 +22,8 @@ from fastpersist.dcp._s3 import S3Checkpoint
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.dcpmetadata import (ADVICE, inside, item_name, load_metadata, load_metadata_bytes,
                                              table_problems)
-from fastpersist.s3url import is_s3_url
 from fastpersist.formats.zipindex import buffer_reader, parse_zip_index
+from fastpersist.s3url import is_s3_url
 
 log = logging.getLogger("fastpersist.dcp")
 
