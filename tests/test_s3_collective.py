@@ -48,6 +48,10 @@ def tensors(seed: int = 0) -> dict:
             "c": torch.randn(3, 5, generator=g).half()}
 
 
+def small() -> dict:
+    return {"a": torch.arange(10, dtype=torch.float64), "b": [1, 2]}
+
+
 # --------------------------------------------------------------------------- harness
 
 
@@ -116,6 +120,7 @@ def sc_round_trip(rank: int, world: int, base: str) -> Any:
     wg = dist.group.WORLD
     fastpersist.save(state(), f"{base}/ckpt.pt", group=wg, config=cfg())
     fastpersist.save(tensors(), f"{base}/m.safetensors", group=wg, config=cfg())
+    fastpersist.save(small(), f"{base}/small.pt", group=wg, config=cfg())  # one part: rank 1 uploads none
     fut = fastpersist.save_async(state(1), f"{base}/async.pt", group=wg, config=cfg())
     fut.wait(60)
     assert_same_object(fastpersist.load(f"{base}/ckpt.pt", group=wg, config=cfg(), weights_only=True), state())
@@ -195,9 +200,10 @@ def sc_rank_dies(rank: int, world: int, url: str) -> Any:
 
 def test_collective_save_load_round_trip_and_bytes(boto, bucket, tmp_path):  # noqa: ANN001
     """One object from two ranks' parts: the bytes of a local save (torch and safetensors),
-    three parts; save_async(group=) too; load(group=) gives the saved values on every rank."""
+    three parts (one object of one part: rank 1 has none); save_async(group=) too;
+    load(group=) gives the saved values on every rank."""
     _ok(run_ranks(str(tmp_path), sc_round_trip, f"s3://{bucket}/run"))
-    for name, obj in (("ckpt.pt", state()), ("m.safetensors", tensors()), ("async.pt", state(1))):
+    for name, obj in (("ckpt.pt", state()), ("m.safetensors", tensors()), ("async.pt", state(1)), ("small.pt", small())):
         local = tmp_path / name
         fastpersist.save(obj, local, config=cfg())
         assert _object(boto, bucket, f"run/{name}") == local.read_bytes(), name
