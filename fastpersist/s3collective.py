@@ -106,7 +106,8 @@ def _agree(co: D.Coordinator, obj: Any, target: Any, cfg: Any, format: Optional[
     why = ""
     if any(fallback) and not all(fallback):
         bad = [co.name(r) for r, f in enumerate(fallback) if f]
-        why = f"{', '.join(bad)} cannot lay the object out for a split upload (torch's writer needed) and the others can"
+        why = (f"{', '.join(bad)} cannot lay the object out for a split upload (torch's writer needed) and the "
+               "others can")
     if why or len({v[2] for v in info}) > 1:
         records = co.gather("plan-records", split.plan_records(layout) if layout is not None else [])
         why = why or split.first_difference(records) or "the plans' digests differ"

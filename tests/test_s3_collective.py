@@ -203,7 +203,8 @@ def test_collective_save_load_round_trip_and_bytes(boto, bucket, tmp_path):  # n
     three parts (one object of one part: rank 1 has none); save_async(group=) too;
     load(group=) gives the saved values on every rank."""
     _ok(run_ranks(str(tmp_path), sc_round_trip, f"s3://{bucket}/run"))
-    for name, obj in (("ckpt.pt", state()), ("m.safetensors", tensors()), ("async.pt", state(1)), ("small.pt", small())):
+    saved = (("ckpt.pt", state()), ("m.safetensors", tensors()), ("async.pt", state(1)), ("small.pt", small()))
+    for name, obj in saved:
         local = tmp_path / name
         fastpersist.save(obj, local, config=cfg())
         assert _object(boto, bucket, f"run/{name}") == local.read_bytes(), name

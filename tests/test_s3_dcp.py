@@ -111,7 +111,8 @@ def wait_for(path: str, timeout: float = 60.0) -> None:
 
 
 def _keys(boto, bucket: str, prefix: str) -> list[str]:  # noqa: ANN001
-    return sorted(o["Key"][len(prefix):] for o in boto.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+    listed = boto.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return sorted(o["Key"][len(prefix):] for o in listed)
 
 
 def test_dcp_round_trip_matches_local_files(boto, bucket, tmp_path):  # noqa: ANN001
