@@ -39,7 +39,7 @@ from fastpersist import config as config_mod
 from fastpersist.plan import WritePlan
 from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
 
-__all__ = ["MANIFEST", "UncommittedFolderError", "begin", "commit", "delete", "download", "folder_url",
+__all__ = ["MANIFEST", "UncommittedFolderError", "begin", "commit", "delete", "delete_object", "download", "folder_url",
            "get_small", "is_committed", "is_s3_url", "join", "put_small", "read_manifest", "save",
            "upload_files"]
 
@@ -125,6 +125,13 @@ def get_small(target: Any, *, config: Any = None) -> bytes:
     c = _client(config_mod.resolve(config))
     r = _call("GetObject", str(url), c.get_object, False, Bucket=url.bucket, Key=url.key)
     return r["Body"].read()
+
+
+def delete_object(target: Any, *, config: Any = None) -> None:
+    """Delete one object (no error when there is none, as S3's ``DeleteObject``)."""
+    url = parse(target)
+    c = _client(config_mod.resolve(config))
+    _call("DeleteObject", str(url), c.delete_object, True, Bucket=url.bucket, Key=url.key)
 
 
 def read_manifest(target: Any, *, config: Any = None) -> dict:
