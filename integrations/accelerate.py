@@ -95,6 +95,13 @@ the main process writes them. Other distributed types (FSDP, DeepSpeed,
 Megatron-LM, XLA) keep Accelerate's own path for their model and optimizer files;
 for DeepSpeed, enable :mod:`fastpersist.integrations.deepspeed` as well.
 
+Object storage: ``save_state("s3://bucket/prefix/ckpt")`` / ``load_state(...)`` of an
+enabled Accelerator: stock ``save_state`` writes into a local temporary directory (in
+``TMPDIR``), every process uploads the files it wrote, one object each, and the main
+process commits the folder (:mod:`fastpersist.s3folder`: a manifest of sizes and ETags
+written last); ``load_state`` refuses a folder without its commit, downloads it into a
+local temporary directory and loads it there (docs/objectstore.md, Accelerate).
+
 FSDP is not routed through :mod:`fastpersist.dcp` yet: Accelerate runs FSDP only on
 accelerators (on CPU, ``Accelerator(cpu=True, fsdp_plugin=...)`` silently stays
 ``MULTI_CPU`` with DDP, and ``accelerate launch --use_fsdp`` refuses without a
