@@ -436,6 +436,9 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
 
         pc = self.project_configuration
         auto = bool(pc.automatic_checkpoint_naming)
+        if auto and is_s3_url(self.project_dir):
+            raise ValueError(f"save_state: automatic_checkpoint_naming with an s3:// project_dir ({self.project_dir}) "
+                             "is not supported: pass the checkpoint's URL, save_state('s3://bucket/prefix/step-N')")
         if auto:  # stock save_state's own checks, before anything is written
             checkpoints = os.path.join(self.project_dir, "checkpoints")
             os.makedirs(checkpoints, exist_ok=True)

@@ -625,6 +625,10 @@ def _define(package: str) -> types.SimpleNamespace:
             self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
         ) -> None:
             writer = _dcp_writer()
+            if self._state_dict_type == "sharded" and is_s3_url(filepath):
+                raise ValueError(f"fsdp_fastpersist: sharded checkpoints cannot go to object storage yet ({filepath}); "
+                                 "use a local dirpath, or state_dict_type='full' (one object through the "
+                                 "CheckpointIO)")
             if self._state_dict_type != "sharded" or writer is None or storage_options is not None:
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             import torch.distributed.checkpoint as dcp

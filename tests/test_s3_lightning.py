@@ -97,7 +97,8 @@ def test_fit_saves_retains_and_resumes_on_s3(boto, bucket, async_save):  # noqa:
     assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def test_failed_upload_mid_fit(boto, bucket, faulty):  # noqa: ANN001
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_failed_upload_mid_fit(boto, bucket, faulty, async_save):  # noqa: ANN001
     root = f"s3://{bucket}/run"
     with fastpersist.config.override(s3_part_size=5 << 20):
         model = Model()
@@ -107,7 +108,7 @@ def test_failed_upload_mid_fit(boto, bucket, faulty):  # noqa: ANN001
         before = fastpersist.load(first)
         # every part of the next save is refused (403): the fit fails naming the object
         faulty.arm(Fault("403", method="PUT", query="partNumber=", count=0))
-        trainer = _trainer(root, 4, fpl.FastPersistCheckpointIO(async_save=False), save_top_k=-1)
+        trainer = _trainer(root, 4, fpl.FastPersistCheckpointIO(async_save=async_save), save_top_k=-1)
         with pytest.raises(ObjectStoreError, match=r"step=4\.ckpt.*UploadPart|UploadPart.*step=4\.ckpt"):
             trainer.fit(Model(), _data(), ckpt_path=first)
         faulty.clear()
