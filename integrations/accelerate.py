@@ -577,6 +577,12 @@ def _gather_outcome(acc: Any, value: Any, error: Optional[BaseException]) -> lis
     return gather_object([(value, None if error is None else f"{type(error).__name__}: {error}")])
 
 
+def _accelerate_entry(rel: str) -> bool:
+    """Whether an object under an s3:// checkpoint folder belongs to Accelerate (by its
+    top-level name): the others (a user's config.json) stay when the folder is saved again."""
+    return bool(_CHECKPOINT_ENTRY_RE.fullmatch(rel.split("/", 1)[0]))
+
+
 def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: str, safe_serialization: bool,
                    kwargs: dict) -> str:
     """``save_state`` into the ``s3://`` folder ``url`` (see above); returns ``url``."""
@@ -620,7 +626,7 @@ def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: s
             for part, _m in uploaded:
                 merged.update(part)
             try:
-                s3folder.commit(url, merged, owns=_CHECKPOINT_ENTRY_RE.fullmatch, config=s.config)
+                s3folder.commit(url, merged, owns=_accelerate_entry, config=s.config)
             except BaseException as e:  # noqa: BLE001
                 error = e
         committed = _gather_outcome(self, None, error)

@@ -17,6 +17,7 @@ pytest.importorskip("lightning")
 pytest.importorskip("boto3", reason="the s3 extra is not installed: pip install 'fastpersist[s3]'")
 pytest.importorskip("s3fs", reason="Lightning's ModelCheckpoint needs s3fs (fsspec) for s3:// folders")
 
+import fsspec  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
@@ -26,6 +27,21 @@ from fastpersist.integrations import lightning as fpl  # noqa: E402
 
 from s3faultproxy import Fault  # noqa: E402
 from s3fixtures import boto, bucket, fault_proxy, faulty, s3_env, s3_server  # noqa: E402,F401 (fixtures)
+
+
+@pytest.fixture(autouse=True)
+def _s3fs_on_this_server(s3_env, monkeypatch):  # noqa: ANN001, ANN202
+    """s3fs (Lightning's listings, stock readers) on the test server: a fresh instance
+    (fsspec caches them across tests, endpoint included), and botocore's checksums only
+    where required, which stores such as s3proxy need (fastpersist's own client sets
+    this itself; s3fs reads the standard variables)."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield
+    s3fs.S3FileSystem.clear_instance_cache()
 
 
 class Model(pl.LightningModule):
@@ -83,6 +99,8 @@ def test_fit_saves_retains_and_resumes_on_s3(boto, bucket, async_save):  # noqa:
     body = boto.get_object(Bucket=bucket, Key="run/checkpoints/epoch=0-step=6.ckpt")["Body"].read()
     stock = torch.load(io.BytesIO(body), weights_only=False)
     assert stock["global_step"] == 6 and torch.equal(stock["state_dict"]["net.0.weight"], model.net[0].weight)
+    with fsspec.open(url, "rb") as f:  # and through fsspec/s3fs, as stock Lightning reads
+        assert torch.load(f, weights_only=False)["global_step"] == 6
     # resume from the URL (to step 8), then from "last" (found by listing the s3 folder: step 8)
     for ckpt_path, steps, expect in ((url, 8, 6), ("last", 10, 8)):
         resumed = _trainer(root, steps, fpl.FastPersistCheckpointIO(async_save=async_save), save_top_k=1,
