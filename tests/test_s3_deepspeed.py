@@ -1,9 +1,10 @@
 """DeepSpeed's save_checkpoint/load_checkpoint with an s3:// save_dir through the
 fastpersist checkpoint engine, against the real s3proxy: a real ZeRO-1 training loop on
-CPU in a subprocess (DeepSpeed's own process setup), the tag folder committed by its
+CPU in two processes (torch.distributed.run, gloo), the tag folder committed by its
 manifest and then the ``latest`` object, a resume equal to the saved state, and a save
-whose uploads are refused mid-way (through the fault proxy): a clear error, ``latest``
-still names the previous tag, which loads, no multipart upload left."""
+whose uploads rank 1 cannot finish (its parts refused through the fault proxy): a clear
+error on both ranks, ``latest`` still names the previous tag, which loads, no multipart
+upload left."""
 
 from __future__ import annotations
 
@@ -32,20 +33,31 @@ def _free_port() -> int:
 
 def test_save_resume_and_failed_save(boto, bucket, fault_proxy, s3_env, tmp_path):  # noqa: ANN001
     fault_proxy.clear()
-    fault_proxy.arm(Fault("403", method="PUT", query="partNumber=", count=0))  # only the worker's third save uses it
+    fault_proxy.arm(Fault("403", method="PUT", query="partNumber=", count=0))  # rank 1's third save uses it
     env = dict(os.environ)
     for var in ("FASTPERSIST_DEEPSPEED", "FASTPERSIST_PATCH_TORCH_SAVE", "FASTPERSIST_ACCELERATE"):
         env.pop(var, None)
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", FP_PROXY=fault_proxy.endpoint)
-    out = subprocess.run([sys.executable, HERE, bucket, str(tmp_path), str(_free_port())], env=env,
-                         capture_output=True, text=True, timeout=500, cwd=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), HERE, bucket, str(tmp_path)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500, cwd=str(tmp_path))
     fault_proxy.clear()
     assert out.returncode == 0, out.stdout[-4000:] + "\n" + out.stderr[-8000:]
-    res = json.loads((tmp_path / "result.json").read_text())
-    assert res["saved_tag"] == "global_step2" and res["resumed_path"].startswith(f"s3://{bucket}/run/global_step2/")
-    assert res["resumed_equal"] and res["resumed_step"] == 2
-    assert "UploadPart" in res["failed"] and "AccessDenied" in res["failed"]
-    assert res["after_failure_equal"]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert res["saved_tag"] == "global_step2"
+        assert res["resumed_path"].startswith(f"s3://{bucket}/run/global_step2/")
+        assert res["resumed_equal"] and res["resumed_step"] == 2
+        if rank == 1:  # its own upload refused
+            assert "ObjectStoreError" in res["failed"] and "UploadPart" in res["failed"], res["failed"]
+        else:  # told which rank failed, and why
+            assert res["failed"].startswith("RuntimeError") and "another rank" in res["failed"], res["failed"]
+            assert "AccessDenied" in res["failed"] and "`latest` still names the previous tag" in res["failed"]
+        assert res["after_failure_equal"]
+    files = set(json.loads(boto.get_object(Bucket=bucket, Key="run/global_step2/.fastpersist-manifest.json")
+                           ["Body"].read())["files"])
+    assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files  # both ranks' files, one commit
     keys = {o["Key"] for o in boto.list_objects_v2(Bucket=bucket).get("Contents", []) if not o["Key"].endswith("/")}
     assert boto.get_object(Bucket=bucket, Key="run/latest")["Body"].read() == b"global_step2"
     assert "run/global_step2/.fastpersist-manifest.json" in keys and "run/zero_to_fp32.py" in keys
@@ -53,14 +65,14 @@ def test_save_resume_and_failed_save(boto, bucket, fault_proxy, s3_env, tmp_path
     assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
-def _worker(bucket: str, root: str, port: str) -> None:
+def _worker(bucket: str, root: str) -> None:
     import deepspeed
     import torch
 
     from fastpersist.integrations import deepspeed as fpd
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     real = os.environ["AWS_ENDPOINT_URL"]
 
     def engine():  # noqa: ANN202
@@ -74,7 +86,7 @@ def _worker(bucket: str, root: str, port: str) -> None:
 
     def train(eng, steps: int) -> None:  # noqa: ANN001
         for _ in range(steps):
-            loss = eng(torch.randn(4, 8)).pow(2).mean()
+            loss = eng(torch.randn(4 // world, 8)).pow(2).mean()
             eng.backward(loss)
             eng.step()
 
@@ -95,7 +107,8 @@ def _worker(bucket: str, root: str, port: str) -> None:
     res["resumed_equal"] = client["marker"] == 42 and all(torch.equal(v, saved[k]) for k, v in
                                                           weights(fresh).items())
     train(fresh, 1)
-    os.environ["AWS_ENDPOINT_URL"] = os.environ["FP_PROXY"]  # every part refused (403) from here
+    if rank == 1:
+        os.environ["AWS_ENDPOINT_URL"] = os.environ["FP_PROXY"]  # rank 1's parts refused (403) from here
     try:
         fresh.save_checkpoint(url)
         res["failed"] = ""
@@ -105,9 +118,9 @@ def _worker(bucket: str, root: str, port: str) -> None:
     again = engine()
     again.load_checkpoint(url)
     res["after_failure_equal"] = all(torch.equal(v, saved[k]) for k, v in weights(again).items())
-    with open(os.path.join(root, "result.json"), "w") as f:
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
 
 
 if __name__ == "__main__":
-    _worker(*sys.argv[1:4])
+    _worker(*sys.argv[1:3])
