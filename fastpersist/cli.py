@@ -22,7 +22,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native, describe, objectstore
+from fastpersist import _native, describe, objectstore, readpolicy
 from fastpersist._inputs import check_input
 from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
 from fastpersist.bench.conditions import Conditions, auto_size, plan_line
@@ -340,10 +340,12 @@ def _info_machine(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     gpu = _gpu_path(args.dir)
+    way = _read_way(args.dir)
     if args.json:
         data = info.to_dict()
         data.update({"engines_compiled": compiled, "native_version": native_version})
         data["gpu_path"] = gpu if isinstance(gpu, str) else dataclasses.asdict(gpu)
+        data["read_way"] = {"way": None, "why": way} if isinstance(way, str) else {"way": way.arm, "why": way.reason}
         data["temp_files"] = None if temps is None else [
             {"path": t.path, "size": t.size, "pid": t.pid, "state": t.state, "age_s": round(_age(t), 1),
              "removed_by_next_save": t.removable, "removed": t.path in removed, "reason": t.reason}
@@ -358,6 +360,7 @@ def _info_machine(args: argparse.Namespace) -> int:
         lines.append(f"Compiled   : {', '.join(compiled)}")
     lines += info.summary_lines()
     lines += [f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()
+    lines.append(f"Load reads : unknown ({way})" if isinstance(way, str) else f"Load reads : {way.arm} ({way.reason})")
     lines += _temp_lines(temps, temps_error, removed, args.clean)
     for line in lines:
         for piece in describe.wrap(line):  # within 100 columns
@@ -391,6 +394,15 @@ def _gpu_path(directory: str) -> Any:
         cfg = get_default()
         return gpu_path(directory, engine=cfg.engine, checksum=cfg.checksum)
     except (ImportError, OSError) as e:
+        return str(e)
+
+
+def _read_way(directory: str) -> Any:
+    """:func:`fastpersist.readpolicy.describe_dir` of ``directory`` under the default config
+    (the way a load of a cold CPU checkpoint there reads), or why it is unknown."""
+    try:
+        return readpolicy.describe_dir(directory, get_default())
+    except OSError as e:
         return str(e)
 
 
