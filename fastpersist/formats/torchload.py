@@ -697,9 +697,21 @@ def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]]) -> tup
     prefault = None
     if not load.lock and nbytes >= PREFAULT_MIN:
         prefault = Prefaulter(list({id(r.buffer): r.buffer for r in bulk}.values()))
+    # A read of one transfer is done here, in this thread: handing it to the handle's
+    # worker costs more than it overlaps with the unpickling (on a busy machine, a
+    # scheduling delay each way). Its outcome is kept for finish(), so errors surface
+    # where the asynchronous read's do.
+    sync = bool(extents) and prefault is None and nbytes <= int(getattr(reader, "chunk_size", 0))
+    early: list[Any] = []
     try:
         if extents:
-            reader.submit_read(load.fd, extents, len(bulk))
+            if sync:
+                try:
+                    early.append(reader.read(load.fd, extents, len(bulk)))
+                except (OSError, EOFError) as e:
+                    early.append(e)
+            else:
+                reader.submit_read(load.fd, extents, len(bulk))
     except BaseException:
         if prefault is not None:
             prefault.close()
@@ -708,7 +720,12 @@ def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]]) -> tup
     def finish(only: Optional[Callable[[_Record], bool]] = None) -> None:
         try:
             try:
-                done = reader.wait()
+                if sync:
+                    if isinstance(early[0], BaseException):
+                        raise early[0]
+                    done = [(0, early[0])]
+                else:
+                    done = reader.wait()
             finally:
                 if prefault is not None:
                     prefault.close()
