@@ -157,7 +157,7 @@ class Handle:
     @property
     def stage_reads(self) -> bool: ...
     @property
-    def read_mode(self) -> str: ...     # "direct" | "buffered" | "auto" (the loaders' choice; fastpersist.io.plan_read)
+    def read_mode(self) -> str: ...     # "direct" | "buffered" | "auto" (the loaders' choice; fastpersist.readpolicy.plan_read)
     @property
     def last_engine(self) -> str: ...   # engine actually used by the last completed op ("aio", "psync", "psync-buffered")
 

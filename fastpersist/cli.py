@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command: ``info [DIR]``, ``verify PATH...``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``.
+"""The ``fastpersist`` command: ``info [DIR]``, ``verify PATH...``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``, ``bench sweep``.
 
 Exit status: 0 success; 1 the command ran and found a problem (a checkpoint
 that fails verification, data read back that differs from what was written,
@@ -22,9 +22,9 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native, describe, objectstore
+from fastpersist import _native, describe, objectstore, readpolicy
 from fastpersist._inputs import check_input
-from fastpersist.bench import cgroup, gpu_bench, report, resume_bench, stream_bench
+from fastpersist.bench import cgroup, gpu_bench, report, resume_bench, stream_bench, sweep_bench
 from fastpersist.bench.conditions import Conditions, auto_size, plan_line
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
 from fastpersist.bench.io_bench import run_io_bench
@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     stream_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
     resume_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
+    sweep_bench.add_cli(bsub, debug, _add_outputs, _positive)
     return parser
 
 
@@ -341,10 +342,12 @@ def _info_machine(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     gpu = _gpu_path(args.dir)
+    way = _read_way(args.dir)
     if args.json:
         data = info.to_dict()
         data.update({"engines_compiled": compiled, "native_version": native_version})
         data["gpu_path"] = gpu if isinstance(gpu, str) else dataclasses.asdict(gpu)
+        data["read_way"] = {"way": None, "why": way} if isinstance(way, str) else {"way": way.arm, "why": way.reason}
         data["temp_files"] = None if temps is None else [
             {"path": t.path, "size": t.size, "pid": t.pid, "state": t.state, "age_s": round(_age(t), 1),
              "removed_by_next_save": t.removable, "removed": t.path in removed, "reason": t.reason}
@@ -359,6 +362,7 @@ def _info_machine(args: argparse.Namespace) -> int:
         lines.append(f"Compiled   : {', '.join(compiled)}")
     lines += info.summary_lines()
     lines += [f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()
+    lines.append(f"Load reads : unknown ({way})" if isinstance(way, str) else f"Load reads : {way.arm} ({way.reason})")
     lines += _temp_lines(temps, temps_error, removed, args.clean)
     for line in lines:
         for piece in describe.wrap(line):  # within 100 columns
@@ -392,6 +396,15 @@ def _gpu_path(directory: str) -> Any:
         cfg = get_default()
         return gpu_path(directory, engine=cfg.engine, checksum=cfg.checksum)
     except (ImportError, OSError) as e:
+        return str(e)
+
+
+def _read_way(directory: str) -> Any:
+    """:func:`fastpersist.readpolicy.describe_dir` of ``directory`` under the default config
+    (the way a load of a cold CPU checkpoint there reads), or why it is unknown."""
+    try:
+        return readpolicy.describe_dir(directory, get_default())
+    except OSError as e:
         return str(e)
 
 

@@ -100,9 +100,8 @@ class Config:
         read_staging: How reads reach their destination: ``"off"``: straight into it
             (``O_DIRECT`` DMA, no copy); ``"on"``: through a ring of
             ``read_queue_depth`` staging buffers of ``chunk_size`` bytes, copied out by
-            the worker threads; ``"auto"`` (default): with ``read_mode="auto"``, loads
-            measure staged against zero-copy reads per filesystem as they do buffered
-            reads (see ``read_mode``); elsewhere ``"on"`` under a hypervisor
+            the worker threads; ``"auto"`` (default): with ``read_mode="auto"``, cold
+            loads from a local disk read zero-copy (see ``read_mode``); elsewhere ``"on"`` under a hypervisor
             (:func:`under_hypervisor`), ``"off"`` on bare metal. Only ``O_DIRECT``
             reads are staged (a buffered read already copies out of the page cache).
             The ring costs ``read_queue_depth x chunk_size`` bytes (128 MiB by
@@ -110,13 +109,11 @@ class Config:
         read_mode: How loads (``load``, safetensors loads) read a file: ``"direct"``:
             parallel ``O_DIRECT`` reads (staged or not, see :attr:`read_staging`);
             ``"buffered"``: parallel reads through the page cache (kernel readahead);
-            ``"auto"`` (default): a file that is mostly in the page cache already is
-            read buffered (a copy from memory, no disk I/O); a cold file of 64 MiB or
-            more is read the way that loaded fastest on its filesystem so far (GB/s of
-            the whole load, recorded per filesystem in memory and in
-            ``$XDG_CACHE_HOME/fastpersist/read-modes.json``), trying a way that has no
-            record yet first, and the other way again every 8th load so a change of
-            the disk's behaviour is noticed; smaller cold files are read direct.
+            ``"auto"`` (default): chosen from the filesystem and the page cache, the
+            same way every time (:func:`fastpersist.readpolicy.plan_read`): buffered on
+            a memory, network or no-``O_DIRECT`` filesystem and for a file mostly in
+            the page cache already; otherwise ``O_DIRECT``, zero-copy unless
+            ``read_staging="on"``. Nothing is learned from earlier loads.
             With ``direct=False`` every read is buffered.
         threads: Worker threads that fill staging buffers (and do the I/O for ``psync``); >= 1.
         direct: Use ``O_DIRECT`` where the filesystem accepts it (bypasses the page cache).
@@ -478,11 +475,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "FASTPERSIST_READ_STAGING", "read_staging", _parse_read_staging, "auto, on or off",
         "How reads reach their destination. `off`: straight into it with O_DIRECT, no copy. "
         "`on`: through a ring of `read_queue_depth` staging buffers, copied out by the worker "
-        "threads. `auto`: with `FASTPERSIST_READ_MODE=auto` (the default), measured like the read mode: "
-        "staged and zero-copy O_DIRECT reads are two of the ways auto tries and records per filesystem, "
-        "because neither wins everywhere (on the reference VM staged loads ran 1.4-1.6x faster in one "
-        "session's in-process rounds, docs/benchmarks.md \"Staged reads\", and zero-copy loads 1.3-2.3x "
-        "faster in fresh processes in another, \"Session 7\"); where the read mode is set explicitly, `auto` "
+        "threads. `auto`: with `FASTPERSIST_READ_MODE=auto` (the default), the read mode's choice: zero-copy "
+        "O_DIRECT for a cold file on a local disk (the destination pre-faulted by a second thread), see "
+        "FASTPERSIST_READ_MODE; where the read mode is set explicitly, `auto` "
         "means `on` under a hypervisor (the `hypervisor` flag in /proc/cpuinfo) and `off` on bare metal. "
         "Only O_DIRECT reads are "
         "staged: a buffered read is already a copy out of the page cache. The ring costs "
@@ -492,19 +487,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "FASTPERSIST_READ_MODE", "read_mode", _parse_read_mode, "auto, direct or buffered",
         "How loads read a file. `direct`: parallel O_DIRECT reads (staged or not, see "
         "FASTPERSIST_READ_STAGING). `buffered`: parallel reads through the page cache (kernel "
-        "readahead, then a copy). `auto`: measured, not assumed. A file that is mostly in the page cache "
-        "already (checked with mincore, which starts no I/O) is read buffered: a copy from memory. A cold "
-        "file of 64 MiB or more is read the way that loaded fastest on its filesystem so far (buffered, "
-        "O_DIRECT zero-copy, O_DIRECT staged: both O_DIRECT ways when FASTPERSIST_READ_STAGING is auto, else "
-        "the one it names): each such "
-        "load's GB/s is recorded per filesystem (device number and size) in memory and in "
-        "`$XDG_CACHE_HOME/fastpersist/read-modes.json` (default `~/.cache`; a moving average, so a "
-        "process starts from what earlier ones measured); a way with no record yet is tried first, and "
-        "the least recently used way is tried again every 8th load, so a change of the disk's behaviour is noticed. "
-        "Why: on virtual disks neither way wins everywhere. On the reference VM, O_DIRECT loads ran "
-        "2.4x faster than buffered ones in one hour and buffered readers beat O_DIRECT in another "
-        "(docs/benchmarks.md, \"Choosing the read path\"), which no CPU flag or filesystem type tells "
-        "in advance. Smaller cold files are read direct. With FASTPERSIST_DIRECT off every read is buffered.",
+        "readahead, then a copy). `auto`: chosen from what the filesystem and the file are, the same "
+        "way every time (fastpersist/readpolicy.py; docs/loading.md, \"How loads read the file\"): "
+        "buffered on a memory filesystem (tmpfs, ramfs), a network or FUSE filesystem, or one that "
+        "refuses O_DIRECT, and for a file mostly in the page cache already (checked with mincore, which "
+        "starts no I/O); otherwise (a cold file on a local disk) O_DIRECT, zero-copy unless "
+        "FASTPERSIST_READ_STAGING is `on`. Nothing is learned from earlier loads (their speed follows "
+        "whatever else runs on the machine). `fastpersist info --dir D` prints the choice for D and why. "
+        "With FASTPERSIST_DIRECT off every read is buffered.",
     ),
     EnvVar(
         "FASTPERSIST_THREADS", "threads", _parse_int, "integer >= 1",

@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Any
 
-from fastpersist import io
+from fastpersist import io, readpolicy
 from fastpersist.config import Config
 
 _handles: dict[tuple, Any] = {}
@@ -38,8 +38,8 @@ def handle_for(config: Config, *, read: bool = False) -> Any:
     """A native Handle for ``config``'s I/O settings (one per distinct setting, reused);
     ``read``: for loads and verification (``config.read_queue_depth``)."""
     kwargs = config.handle_kwargs(read=read)
-    # read_staging "auto" lets read_mode "auto" measure staged against zero-copy reads
-    # (fastpersist.io.plan_read); such a handle is a different one from an explicit setting's
+    # read_staging "auto" lets read_mode "auto" choose zero-copy or staged reads
+    # (fastpersist.readpolicy.plan_read); such a handle is a different one from an explicit setting's
     stage_auto = read and config.read_staging == "auto"
     key = (*sorted(kwargs.items()), ("stage_auto", stage_auto))
     with _handles_lock:
@@ -47,7 +47,7 @@ def handle_for(config: Config, *, read: bool = False) -> Any:
         if h is None:
             h = _handles[key] = io.native_module().Handle(**kwargs)
             if stage_auto:
-                io.mark_staging_auto(h)  # the handle lives in _handles for the life of the process
+                readpolicy.mark_staging_auto(h)  # the handle lives in _handles for the life of the process
         return h
 
 

@@ -200,19 +200,6 @@ def test_ring_windows_reused_across_loads(tmp_path):
         cudaload._spare.clear()
 
 
-def test_ring_loads_leave_read_mode_statistics_alone(tmp_path, monkeypatch):
-    p = str(tmp_path / "a.pt")
-    fastpersist.save({"w": torch.randn(1 << 18)}, p)
-    recorded = []
-    monkeypatch.setattr(torchload, "record_read", lambda *a: recorded.append(a))
-    fastpersist.load(p, weights_only=True)
-    n = len(recorded)
-    assert n >= 1
-    _ring_for_cpu(monkeypatch)
-    fastpersist.load(p, weights_only=True)
-    assert len(recorded) == n  # no sample for a load whose storages took the ring
-
-
 @pytest.mark.parametrize("err", [errno.ENOTSUP, errno.EIO])
 def test_cufile_refusal_falls_back_to_the_ring(tmp_path, monkeypatch, err):
     """cuFile's driver opened but cuFileHandleRegister refuses the file (ENOTSUP: seen on a

@@ -1,9 +1,12 @@
-"""read_mode: how loads choose between O_DIRECT and buffered reads (fastpersist.io.plan_read)."""
+"""read_mode: how loads choose between O_DIRECT and buffered reads (fastpersist.readpolicy).
+
+The choice is a function of the filesystem, the page cache and the settings; these tests
+use real files on this disk (tmp_path) and on /dev/shm (tmpfs)."""
 
 from __future__ import annotations
 
-import json
 import os
+import threading
 
 import pytest
 import torch
@@ -11,16 +14,7 @@ import torch
 import fastpersist
 from fastpersist import config as config_mod
 from fastpersist import io as fio
-
-
-@pytest.fixture
-def stats(tmp_path, monkeypatch):
-    """A private record of outcomes (not the user's ~/.cache) and a small measuring threshold."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(fio, "READ_MEASURE_MIN", 1 << 20)
-    fio.reset_read_stats()
-    yield tmp_path
-    fio.reset_read_stats()
+from fastpersist import readpolicy as rp
 
 
 def _cold_file(path, nbytes: int) -> None:
@@ -31,28 +25,100 @@ def _cold_file(path, nbytes: int) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def _drop_cache(path) -> None:
+    with open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
 def _plan(path, nbytes, **kw):
     fd = os.open(path, os.O_RDONLY)
     try:
         args = {"read_mode": "auto", "direct": True, "stage": True}
         args.update(kw)
-        return fio.plan_read(fd, nbytes, **args)
+        return rp.plan_read(fd, nbytes, **args)
     finally:
         os.close(fd)
 
 
-def test_configured_modes_are_kept(stats):
-    p = stats / "f.bin"
+def _cold_or_skip(path) -> None:
+    """Skip where the page cache keeps the file anyway (tmpfs under tmp_path, a kernel
+    ignoring DONTNEED) or where this disk refuses O_DIRECT."""
+    if not rp.filesystem_facts(os.path.dirname(path)).direct:
+        pytest.skip("tmp_path's filesystem refuses O_DIRECT")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        frac = fio.cached_fraction(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if frac is not None and frac >= rp.CACHED_ENOUGH:
+        pytest.skip(f"the page cache kept the file after DONTNEED ({frac})")
+
+
+@pytest.fixture
+def shm(tmp_path):
+    if not os.path.isdir("/dev/shm") or rp.filesystem_facts("/dev/shm").kind != "memory":
+        pytest.skip("no tmpfs at /dev/shm")
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="fp-readpolicy-", dir="/dev/shm")
+    yield d
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_configured_modes_are_kept(tmp_path):
+    p = tmp_path / "f.bin"
     _cold_file(p, 2 << 20)
-    assert _plan(p, 2 << 20, read_mode="direct") == fio.ReadPlan("direct", True, True, "configured")
-    assert _plan(p, 2 << 20, read_mode="direct", stage=False).stage is False
-    assert _plan(p, 2 << 20, read_mode="buffered") == fio.ReadPlan("buffered", False, False, "configured")
+    assert _plan(p, 2 << 20, read_mode="direct").arm == "staged"
+    assert _plan(p, 2 << 20, read_mode="direct", stage=False).arm == "zero-copy"
+    assert _plan(p, 2 << 20, read_mode="direct", stage_auto=True).arm == "staged"  # explicit mode: the handle's staging
+    assert _plan(p, 2 << 20, read_mode="buffered").arm == "buffered"
+    for plan in (_plan(p, 2 << 20, read_mode="direct"), _plan(p, 2 << 20, read_mode="buffered")):
+        assert plan.why == "configured"
     # direct=False (FASTPERSIST_DIRECT off) reads buffered whatever the mode
     assert _plan(p, 2 << 20, read_mode="auto", direct=False).mode == "buffered"
+    assert _plan(p, 2 << 20, read_mode="direct", direct=False).mode == "buffered"
 
 
-def test_a_cached_file_is_read_buffered(stats):
-    p = stats / "warm.bin"
+def test_a_cold_file_on_a_local_disk_is_read_direct_zero_copy(tmp_path):
+    p = tmp_path / "cold.bin"
+    _cold_file(p, 4 << 20)
+    _cold_or_skip(p)
+    facts = rp.filesystem_facts(tmp_path)
+    assert facts.kind == "local" and facts.direct
+    plan = _plan(p, 4 << 20, stage=True, stage_auto=True)
+    assert (plan.arm, plan.why) == ("zero-copy", "disk") and facts.name in plan.reason
+    # read_staging "on" (not auto): the handle's ring
+    assert _plan(p, 4 << 20, stage=True, stage_auto=False).arm == "staged"
+    assert _plan(p, 4 << 20, stage=False, stage_auto=False).arm == "zero-copy"
+
+
+def test_the_plan_depends_on_no_earlier_load_and_no_size(tmp_path, monkeypatch):
+    """Deterministic: many cold loads, all sizes and destinations get one plan, and nothing is
+    written to the user's cache directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    p = tmp_path / "cold.bin"
+    _cold_file(p, 2 << 20)
+    _cold_or_skip(p)
+    plans = set()
+    for nbytes in (1, 4096, 1 << 20, 1 << 30, 1 << 40):
+        for into in (False, True):
+            plans.add(_plan(p, nbytes, stage_auto=True, into_existing=into))
+    state = {f"w{i}": torch.randn(64, 1024) for i in range(4)}
+    q = tmp_path / "m.pt"
+    fastpersist.save(state, q)
+    for _ in range(4):
+        _drop_cache(q)
+        out = fastpersist.load(q)
+        assert all(torch.equal(out[k], state[k]) for k in state)
+    plans.add(_plan(p, 2 << 20, stage_auto=True))
+    assert len(plans) == 1
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_cached_file_is_read_buffered(tmp_path):
+    p = tmp_path / "warm.bin"
     data = os.urandom(4 << 20)
     p.write_bytes(data)
     with open(p, "rb") as f:
@@ -62,86 +128,52 @@ def test_a_cached_file_is_read_buffered(stats):
         frac = fio.cached_fraction(fd, len(data))
     finally:
         os.close(fd)
-    if frac is None or frac < fio.CACHED_ENOUGH:
+    if frac is None or frac < rp.CACHED_ENOUGH:
         pytest.skip(f"the page cache did not keep the file ({frac})")
-    plan = _plan(p, len(data))
-    assert (plan.mode, plan.why, plan.key) == ("buffered", "cached", None)
+    if rp.filesystem_facts(tmp_path).kind == "memory":
+        pytest.skip("tmp_path is on tmpfs")
+    plan = _plan(p, len(data), stage_auto=True)
+    assert (plan.mode, plan.why) == ("buffered", "cached")
 
 
-def test_small_cold_reads_are_direct_and_not_recorded(stats, monkeypatch):
-    monkeypatch.setattr(fio, "READ_MEASURE_MIN", 64 << 20)
-    p = stats / "small.bin"
+def test_memory_filesystems_are_read_buffered(shm):
+    p = os.path.join(shm, "f.bin")
     _cold_file(p, 1 << 20)
-    plan = _plan(p, 1 << 20)
-    assert (plan.mode, plan.why, plan.key) == ("direct", "small", None)
-    fio.record_read(plan, 1 << 20, 0.01)
-    assert fio.read_stats() == {}
+    facts = rp.filesystem_facts(shm)
+    assert (facts.name, facts.kind) == ("tmpfs", "memory")
+    plan = _plan(p, 1 << 20, stage_auto=True)
+    assert (plan.arm, plan.why) == ("buffered", "memory-fs") and "tmpfs" in plan.reason
+    assert _plan(p, 1 << 20, read_mode="direct", stage=False).arm == "zero-copy"  # explicit: obeyed
 
 
-def test_auto_tries_each_way_then_takes_the_faster_and_re_measures(stats):
-    p = stats / "cold.bin"
-    _cold_file(p, 2 << 20)
-    first = _plan(p, 2 << 20)
-    assert (first.mode, first.why, first.stage) == ("direct", "untried", True)
-    fio.record_read(first, 1_000_000_000, 1.0)  # 1 GB/s
-    second = _plan(p, 2 << 20)
-    assert (second.mode, second.why, second.direct, second.stage) == ("buffered", "untried", False, False)
-    fio.record_read(second, 2_000_000_000, 1.0)  # 2 GB/s: buffered wins here
-    seen = []
-    for _ in range(fio.READ_REMEASURE_EVERY + 2):
-        plan = _plan(p, 2 << 20)
-        seen.append((plan.mode, plan.why))
-        fio.record_read(plan, 2_000_000_000 if plan.mode == "buffered" else 1_000_000_000, 1.0)
-    assert seen.count(("buffered", "fastest")) >= fio.READ_REMEASURE_EVERY - 1
-    assert ("direct", "re-measure") in seen
-    # the disk changes: direct becomes faster, and after its re-measurement it is taken
-    for _ in range(2 * fio.READ_REMEASURE_EVERY):
-        plan = _plan(p, 2 << 20)
-        fio.record_read(plan, 4_000_000_000 if plan.mode == "direct" else 2_000_000_000, 1.0)
-    assert _plan(p, 2 << 20).mode == "direct"
+@pytest.mark.parametrize("facts,why", [
+    (rp.FsFacts("nfs", "remote", True), "remote-fs"),
+    (rp.FsFacts("fuse", "remote", False), "remote-fs"),
+    (rp.FsFacts("0x1234", "local", False), "no-direct"),
+    (rp.FsFacts("tmpfs", "memory", True), "memory-fs"),
+])
+def test_filesystems_that_are_not_local_disks_are_read_buffered(tmp_path, monkeypatch, facts, why):
+    """Network filesystems and filesystems refusing O_DIRECT (none mounted here: the
+    facts of tmp_path's disk are replaced) read through the page cache."""
+    p = tmp_path / "f.bin"
+    _cold_file(p, 1 << 20)
+    monkeypatch.setattr(rp, "filesystem_facts", lambda target: facts)
+    plan = _plan(p, 1 << 20, stage_auto=True)
+    assert (plan.arm, plan.why) == ("buffered", why)
+    assert rp.describe_dir(tmp_path, config_mod.Config()).why == why
 
 
-def test_outcomes_persist_per_filesystem(stats):
-    p = stats / "cold.bin"
-    _cold_file(p, 2 << 20)
-    plan = _plan(p, 2 << 20)
-    fio.record_read(plan, 3_000_000_000, 1.0)
-    with open(fio.read_stats_path(), encoding="utf-8") as f:
-        on_disk = json.load(f)
-    assert plan.arm == "staged"  # stage=True in _plan
-    assert on_disk[plan.key]["staged"]["gbps"] == pytest.approx(3.0)
-    fio.reset_read_stats()  # a new process: starts from the file
-    assert fio.read_stats()[plan.key]["staged"]["n"] == 1
-    assert _plan(p, 2 << 20).mode == "buffered"  # the untried way next
-    fio.reset_read_stats(forget_file=True)
-    assert not os.path.exists(fio.read_stats_path())
-
-
-def test_staging_left_to_auto_is_measured_too(stats):
-    """With read_staging "auto", zero-copy and staged O_DIRECT reads are two ways of their own:
-    each is tried, and the faster one is taken."""
-    p = stats / "cold.bin"
-    _cold_file(p, 2 << 20)
-    speed = {"zero-copy": 3_000_000_000, "staged": 1_000_000_000, "buffered": 2_000_000_000}
-    tried = []
-    for _ in range(3):
-        plan = _plan(p, 2 << 20, stage_auto=True)
-        assert plan.why == "untried"
-        tried.append(plan.arm)
-        fio.record_read(plan, speed[plan.arm], 1.0)
-    assert tried == ["zero-copy", "staged", "buffered"]
-    seen = []
-    for _ in range(2 * fio.READ_REMEASURE_EVERY):
-        plan = _plan(p, 2 << 20, stage_auto=True)
-        seen.append((plan.arm, plan.why))
-        assert (plan.direct, plan.stage) == {"zero-copy": (True, False), "staged": (True, True),
-                                             "buffered": (False, False)}[plan.arm]
-        fio.record_read(plan, speed[plan.arm], 1.0)
-    assert seen.count(("zero-copy", "fastest")) >= 2 * fio.READ_REMEASURE_EVERY - 3
-    assert {arm for arm, why in seen if why == "re-measure"} == {"staged", "buffered"}
-    # without stage_auto the handle's own staging is the only O_DIRECT way
-    assert _plan(p, 2 << 20, stage=True).arm in ("staged", "buffered")
-    assert _plan(p, 2 << 20, stage=False).arm in ("zero-copy", "buffered")
+def test_filesystem_magic_of_real_mounts(tmp_path, shm):
+    assert rp.filesystem_facts(shm).kind == "memory"
+    disk = rp.filesystem_facts(tmp_path)
+    assert disk.kind in ("local", "memory", "remote") and disk.name
+    with open(tmp_path / "x", "wb"):
+        pass
+    fd = os.open(tmp_path / "x", os.O_RDONLY)
+    try:
+        assert rp.filesystem_facts(fd) == disk  # a descriptor and its directory: one filesystem
+    finally:
+        os.close(fd)
 
 
 def test_api_handles_mark_auto_staging_only():
@@ -150,40 +182,94 @@ def test_api_handles_mark_auto_staging_only():
     auto = handles.handle_for(config_mod.Config(read_staging="auto"), read=True)
     on = handles.handle_for(config_mod.Config(read_staging="on"), read=True)
     writer = handles.handle_for(config_mod.Config(read_staging="auto"))
-    assert fio.staging_auto(auto) and not fio.staging_auto(on) and not fio.staging_auto(writer)
+    assert rp.staging_auto(auto) and not rp.staging_auto(on) and not rp.staging_auto(writer)
     assert auto is not on and on.stage_reads
 
 
-def test_a_broken_record_file_is_ignored(stats):
-    path = fio.read_stats_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write("{not json")
-    fio.reset_read_stats()
-    assert fio.read_stats() == {}
-    p = stats / "cold.bin"
-    _cold_file(p, 2 << 20)
-    assert _plan(p, 2 << 20).why == "untried"
+def _places(tmp_path, shm):
+    return [str(tmp_path), shm]
 
 
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
-def test_loads_in_auto_mode_record_and_return_the_same_tensors(stats, fmt):
-    state = {f"w{i}": torch.randn(256, 1024) for i in range(4)}  # 4 MiB
-    p = stats / f"m.{fmt}"
+@pytest.mark.parametrize("where", ["disk", "shm"])
+@pytest.mark.parametrize("mode", ["auto", "direct", "buffered"])
+def test_every_read_way_returns_what_torch_load_returns(tmp_path, shm, fmt, where, mode):
+    state = {f"w{i}": torch.randn(64, 1024) for i in range(3)}
+    state["i8"] = torch.arange(-100, 100, dtype=torch.int8)
+    state["bf"] = torch.randn(33, dtype=torch.bfloat16)
+    d = str(tmp_path) if where == "disk" else shm
+    p = os.path.join(d, f"m.{fmt}")
     fastpersist.save(state, p)
-    with open(p, "rb+") as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    cfg = config_mod.Config(read_mode="auto")
-    modes = []
-    for _ in range(3):
-        with open(p, "rb") as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        out = fastpersist.load(p, config=cfg)
-        assert set(out) == set(state) and all(torch.equal(out[k], state[k]) for k in state)
-        rec = fio.read_stats()
-        modes.append({m: v["n"] for fs in rec.values() for m, v in fs.items() if isinstance(v, dict)})
-    # read_staging "auto" (the default): all three ways are tried in the first three loads
-    assert modes[-1] == {"zero-copy": 1, "staged": 1, "buffered": 1}
+    _drop_cache(p)
+    out = fastpersist.load(p, config=config_mod.Config(read_mode=mode))
+    assert set(out) == set(state)
+    for k in state:
+        assert out[k].dtype == state[k].dtype and torch.equal(out[k], state[k])
+    if fmt == "pt":
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        _drop_cache(p)
+        fastpersist.load_state_dict(target, p, config=config_mod.Config(read_mode=mode))
+        assert all(torch.equal(target[k], state[k]) for k in state)
+        ref = torch.load(p, weights_only=True)
+        assert all(torch.equal(out[k], ref[k]) for k in state)
+
+
+def test_readers_are_pooled_and_never_shared_by_two_loads(tmp_path):
+    handle = fio.native_module().Handle(direct=True)
+    plan = rp.ReadPlan("direct", True, False, "disk")
+    a = rp.borrow_reader(handle, plan)
+    b = rp.borrow_reader(handle, plan)
+    assert a is not b
+    rp.give_back_reader(a)
+    assert rp.borrow_reader(handle, plan) is a  # idle: reused
+    rp.give_back_reader(a)
+    rp.give_back_reader(a)  # twice: kept once
+    assert rp.borrow_reader(handle, plan) is a and rp.borrow_reader(handle, plan) is not a
+    staged = rp.borrow_reader(handle, rp.ReadPlan("direct", True, True, "configured"))
+    rp.give_back_reader(staged)  # a staged reader's ring is not kept
+    assert rp.borrow_reader(handle, rp.ReadPlan("direct", True, True, "configured")) is not staged
+
+    # loads on several threads at once, each with its own reader, all correct
+    states = [{f"w{j}": torch.full((256, 1024), float(i * 10 + j)) for j in range(3)} for i in range(4)]
+    paths = [tmp_path / f"t{i}.pt" for i in range(4)]
+    for s, p in zip(states, paths):
+        fastpersist.save(s, p)
+    errors: list[BaseException] = []
+    start = threading.Barrier(4)
+
+    def work(i: int) -> None:
+        try:
+            start.wait(timeout=60)
+            for _ in range(3):
+                out = fastpersist.load(paths[i])
+                assert all(torch.equal(out[k], states[i][k]) for k in states[i])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+
+
+def test_info_names_the_read_way(tmp_path, shm, capsys):
+    from fastpersist import cli
+
+    assert cli.main(["info", "--dir", shm]) == 0
+    out = capsys.readouterr().out
+    assert "Load reads : buffered (the filesystem is memory (tmpfs)" in out
+    assert cli.main(["info", "--dir", str(tmp_path)]) == 0
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Load reads")]
+    expected = rp.describe_dir(tmp_path, config_mod.get_default())
+    assert line and line[0].startswith(f"Load reads : {expected.arm} (")
+    with config_mod.override(read_mode="buffered"):
+        assert cli.main(["info", "--json", "--dir", str(tmp_path)]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert data["read_way"] == {"way": "buffered", "why": "read_mode='buffered'"}
 
 
 def test_read_mode_setting():
@@ -222,25 +308,3 @@ def test_crc32_paths_match_zlib():
             seed = rng.randrange(1 << 32)
             assert _native.crc32(ctypes.addressof(buf), len(data)) == zlib.crc32(data), n
             assert _native.crc32(ctypes.addressof(buf), len(data), seed) == zlib.crc32(data, seed), n
-
-
-def test_loads_into_existing_memory_are_recorded_apart(stats):
-    """load_state_dict reads into memory in use; its outcomes go under the filesystem key + "+into"
-    and do not steer loads into new memory (and the other way round)."""
-    state = {f"w{i}": torch.randn(256, 1024) for i in range(4)}  # 4 MiB
-    p = stats / "m.pt"
-    fastpersist.save(state, p)
-    cfg = config_mod.Config(read_mode="auto")
-    target = {k: torch.zeros_like(v) for k, v in state.items()}
-    with open(p, "rb") as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    fastpersist.load_state_dict(target, p, config=cfg)
-    assert all(torch.equal(target[k], state[k]) for k in state)
-    keys = list(fio.read_stats())
-    assert len(keys) == 1 and keys[0].endswith("+into")
-    with open(p, "rb") as f:
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    fastpersist.load(p, config=cfg)
-    assert sorted(fio.read_stats()) == sorted([keys[0], keys[0][: -len("+into")]])
-    plain = _plan(p, 2 << 20)
-    assert plain.key is None or not plain.key.endswith("+into")

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import struct
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence, Union
 
@@ -47,7 +46,8 @@ from fastpersist.cudaload import RingItem, ring_read
 from fastpersist.cudastage import DeviceSources
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.base import PATCH_HEX8, WritePlan
-from fastpersist.io import pinned_empty, plan_read, reader_handle, record_read, staging_auto
+from fastpersist.io import pinned_empty
+from fastpersist.readpolicy import borrow_reader, give_back_reader, plan_read, staging_auto
 
 __all__ = [
     "ENTRY_CRC_KEY",
@@ -841,7 +841,6 @@ def load_safetensors(
         check = checksum and header.crcs is not None
         extents, slots = data_extents(header, lambda off: base_ptr + off)
         reader, plan = _plan_reader(fd, header.file_size, handle)
-        started = time.perf_counter()
         if check:
             read_extents = [(0, base_ptr, header.data_start, -1)] + extents
             crcs = _read_fd(reader, fd, path, read_extents, len(slots))
@@ -850,8 +849,8 @@ def load_safetensors(
                 raise checksum_error(path, problems)
         else:
             _read_fd(reader, fd, path, [(0, base_ptr, header.file_size, -1)], 0)
-        if plan is not None:
-            record_read(plan, header.file_size, time.perf_counter() - started)
+        if reader is not handle:
+            give_back_reader(reader)
     finally:
         os.close(fd)
 
@@ -933,7 +932,7 @@ def _load_via_ring(path: str, header: SafetensorsHeader, handle: Any, device: to
 
 def _plan_reader(fd: int, nbytes: int, handle: Any) -> tuple[Any, Any]:
     """The handle a load of the file open as ``fd`` reads with (``handle`` itself, or a
-    pooled one reading the way :func:`fastpersist.io.plan_read` chose) and the plan
+    pooled one reading the way :func:`fastpersist.readpolicy.plan_read` chose) and the plan
     (None: ``handle`` as it is)."""
     mode = getattr(handle, "read_mode", None)
     if mode is None or not hasattr(handle, "stage_reads"):
@@ -942,7 +941,7 @@ def _plan_reader(fd: int, nbytes: int, handle: Any) -> tuple[Any, Any]:
                      stage_auto=staging_auto(handle))
     if plan.direct == handle.direct and plan.stage == handle.stage_reads:
         return handle, plan
-    return reader_handle(handle, plan), plan
+    return borrow_reader(handle, plan), plan
 
 
 def _tensors(header: SafetensorsHeader, base: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:

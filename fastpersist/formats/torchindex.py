@@ -44,7 +44,6 @@ import pickle
 import stat
 import struct
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -58,7 +57,7 @@ from fastpersist.formats import safetensors as st
 from fastpersist.formats import torchload
 from fastpersist.formats.torchload import HeaderMismatch, Reader
 from fastpersist.formats.torchload import bad as zbad
-from fastpersist.io import record_read
+from fastpersist.readpolicy import borrow_reader, plan_read, staging_auto
 
 __all__ = [
     "AmbiguousNameError",
@@ -280,8 +279,7 @@ class CheckpointFile:
         if not extents:
             return
         nbytes = sum(e[2] for e in extents)
-        reader, plan = self._reader(handle, nbytes, into_existing)
-        started = time.perf_counter()
+        reader = self._reader(handle, nbytes, into_existing)
         try:
             crcs = reader.read(self.fd, extents, len(slots))
         except EOFError as e:
@@ -291,8 +289,6 @@ class CheckpointFile:
             if e.filename is None and e.errno is not None:
                 raise type(e)(e.errno, f"{e.strerror or e} (reading {self.path!r})", self.path) from e
             raise
-        if plan is not None:
-            record_read(plan, nbytes, time.perf_counter() - started)
         if self._load is not None:
             view = memoryview(head_buf.numpy())
             for r in recs:
@@ -314,26 +310,23 @@ class CheckpointFile:
                 records=[p.split(":", 1)[0] for p in problems],
             )
 
-    def _reader(self, handle: Any, nbytes: int, into_existing: bool = False) -> tuple[Any, Any]:
+    def _reader(self, handle: Any, nbytes: int, into_existing: bool = False) -> Any:
         """The handle to read ``nbytes`` with: ``handle``, or one reading the way
-        ``fastpersist.io.plan_read`` chooses for this file (``Config.read_mode``: page
-        cache or O_DIRECT, measured per filesystem), kept for this file's next reads."""
+        :func:`fastpersist.readpolicy.plan_read` chooses for this file (``Config.read_mode``:
+        page cache or O_DIRECT, from the filesystem and the page cache), kept for this
+        file's next reads."""
         mode = getattr(handle, "read_mode", None)
         if mode is None or not hasattr(handle, "stage_reads"):
-            return handle, None
-        try:
-            from fastpersist.io import plan_read, reader_handle, staging_auto
-        except ImportError:  # pragma: no cover - an older io module
-            return handle, None
+            return handle
         plan = plan_read(self.fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads,
                          stage_auto=staging_auto(handle), into_existing=into_existing)
         if plan.direct == handle.direct and plan.stage == handle.stage_reads:
-            return handle, plan
+            return handle
         key = (plan.direct, plan.stage)
         reader = self._readers.get(key)
         if reader is None:
-            reader = self._readers[key] = reader_handle(handle, plan)
-        return reader, plan
+            reader = self._readers[key] = borrow_reader(handle, plan)
+        return reader
 
     def read_records(self, names: Iterable[str], handle: Any) -> dict[str, torch.Tensor]:
         """The bytes of the given records, each as a uint8 CPU tensor with a storage of

@@ -37,7 +37,6 @@ import stat
 import struct
 import sys
 import threading
-import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -57,7 +56,7 @@ from fastpersist.formats.zipindex import (
     pread_full,
     read_central_directory,
 )
-from fastpersist.io import plan_read, reader_handle, record_read, staging_auto
+from fastpersist.readpolicy import borrow_reader, give_back_reader, plan_read, staging_auto
 from fastpersist.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
@@ -639,7 +638,7 @@ def _load_records(
         if to_device:
             wanted = wanted - set(to_device)
 
-    reader, finish = _start_bulk(load, handle, wanted, record=not to_device)  # the ring's time is not the planned read's
+    reader, finish = _start_bulk(load, handle, wanted)
     if to_device:
         try:
             cudaload.read_to_device(load, reader, fd, to_device)
@@ -683,26 +682,36 @@ def _load_records(
 PREFAULT_MIN = 16 << 20
 
 
-def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]], *,
-                record: bool = True) -> tuple[Any, Callable[..., None]]:
-    """Plan and submit the bulk read of the storage records (``wanted``: their keys, None:
-    all); returns ``(reader, finish)``: the native handle reading, and ``finish(only=None)``,
-    which waits for it, checks local headers and CRC-32s (of the records ``only``
-    accepts) and (``record``) records the read's rate for ``read_mode="auto"``."""
+def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]]) -> tuple[Any, Callable[..., None]]:
+    """Plan (:func:`fastpersist.readpolicy.plan_read`) and submit the bulk read of the
+    storage records (``wanted``: their keys, None: all); returns ``(reader, finish)``: the
+    native handle reading, and ``finish(only=None)``, which waits for it, hands the reader
+    back to the pool and checks local headers and CRC-32s (of the records ``only`` accepts)."""
     extents, bulk = load.plan_bulk(wanted)
     nbytes = sum(r.size for r in bulk)
     plan = plan_read(load.fd, nbytes, read_mode=getattr(handle, "read_mode", "direct"), direct=handle.direct,
                      stage=handle.stage_reads, stage_auto=staging_auto(handle))
-    reader = reader_handle(handle, plan)
+    reader = borrow_reader(handle, plan)
     # The buffers are new memory: a second thread faults them in ahead of the reads
     # (fastpersist.prefault). Locked buffers (pinned for CUDA) were populated by mlock.
     prefault = None
     if not load.lock and nbytes >= PREFAULT_MIN:
         prefault = Prefaulter(list({id(r.buffer): r.buffer for r in bulk}.values()))
-    started = time.perf_counter()
+    # A read of one transfer is done here, in this thread: handing it to the handle's
+    # worker costs more than it overlaps with the unpickling (on a busy machine, a
+    # scheduling delay each way). Its outcome is kept for finish(), so errors surface
+    # where the asynchronous read's do.
+    sync = bool(extents) and prefault is None and nbytes <= int(getattr(reader, "chunk_size", 0))
+    early: list[Any] = []
     try:
         if extents:
-            reader.submit_read(load.fd, extents, len(bulk))
+            if sync:
+                try:
+                    early.append(reader.read(load.fd, extents, len(bulk)))
+                except (OSError, EOFError) as e:
+                    early.append(e)
+            else:
+                reader.submit_read(load.fd, extents, len(bulk))
     except BaseException:
         if prefault is not None:
             prefault.close()
@@ -711,7 +720,12 @@ def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]], *,
     def finish(only: Optional[Callable[[_Record], bool]] = None) -> None:
         try:
             try:
-                done = reader.wait()
+                if sync:
+                    if isinstance(early[0], BaseException):
+                        raise early[0]
+                    done = [(0, early[0])]
+                else:
+                    done = reader.wait()
             finally:
                 if prefault is not None:
                     prefault.close()
@@ -722,10 +736,9 @@ def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]], *,
             if e.filename is None and e.errno is not None:
                 raise type(e)(e.errno, e.strerror or str(e), load.path) from e
             raise
+        give_back_reader(reader)
         crcs = done[0][1] if done else []
         load.check_bulk(bulk, crcs, only)
-        if record:
-            record_read(plan, nbytes, time.perf_counter() - started)
 
     return reader, finish
 

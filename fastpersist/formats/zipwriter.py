@@ -62,6 +62,7 @@ _PAD = b"Z" * 65536
 DESC_CRC_FIELD = 4
 CD_CRC_FIELD = 16
 _BLOCK = 1 << 20
+_FIRST_BLOCK = 64 << 10
 _PAD_BYTES = bytearray(b"Z" * 65536)
 _PAD_BLOCK = (_PAD_BYTES, torch.frombuffer(_PAD_BYTES, dtype=torch.uint8))
 
@@ -78,6 +79,7 @@ class BlockRecorder:
         self.pos = 0
         self.blocks: list[Any] = []  # (bytearray, tensor) pairs: keep alive
         self._cur: Optional[bytearray] = None
+        self._cur_index = -1  # index of ``_cur`` in ``blocks``
         self._cur_ptr = 0
         self._used = 0
         self._cap = 0
@@ -89,10 +91,13 @@ class BlockRecorder:
 
     def _room(self, n: int) -> None:
         if self._cur is None or self._used + n > self._cap:
-            cap = max(_BLOCK, n)
+            # 64 KiB first, doubling up to 1 MiB: a small checkpoint's headers and pickle
+            # fit the first block, and a bytearray's every page is zeroed when made.
+            cap = max(min(_BLOCK, _FIRST_BLOCK << (self._cur_index + 1)), n)
             ba = bytearray(cap)
             t = torch.frombuffer(ba, dtype=torch.uint8)
             self.blocks.append((ba, t))
+            self._cur_index = len(self.blocks) - 1
             self._cur, self._cur_ptr, self._used, self._cap = ba, t.data_ptr(), 0, cap
 
     def write(self, data: Any) -> int:
@@ -108,7 +113,7 @@ class BlockRecorder:
         if last is not None and last[0] + last[2] == self.pos and last[1] + last[2] == ptr:
             last[2] += n
         else:
-            self.runs.append([self.pos, ptr, n, len(self.blocks) - 1, self._used])
+            self.runs.append([self.pos, ptr, n, self._cur_index, self._used])
             self._starts.append(self.pos)
         self._used += n
         self.pos += n
@@ -124,7 +129,6 @@ class BlockRecorder:
         if self._pad_index < 0:
             self.blocks.append(_PAD_BLOCK)
             self._pad_index = len(self.blocks) - 1
-            self._cur = None  # the next write starts a fresh block of its own
         self.runs.append([self.pos, _PAD_BLOCK[1].data_ptr(), n, self._pad_index, 0])
         self._starts.append(self.pos)
         self.pos += n

@@ -11,6 +11,8 @@ namespace fastpersist {
 
 namespace {
 
+IoDone transfer(const IoReq& r);
+
 class PsyncEngine final : public Engine {
  public:
   explicit PsyncEngine(unsigned threads) {
@@ -69,15 +71,7 @@ class PsyncEngine final : public Engine {
         r = queue_.front();
         queue_.pop_front();
       }
-      IoDone d;
-      d.tag = r.tag;
-      size_t done = 0;
-      int dfd = r.align > 1 ? r.fd : -1;
-      int bfd = r.align > 1 ? (r.fallback_fd >= 0 ? r.fallback_fd : r.fd) : r.fd;
-      int rc = r.write ? sys::full_pwrite(bfd, dfd, r.align, r.buf, r.len, r.off, &done)
-                       : sys::full_pread(bfd, dfd, r.align, r.buf, r.len, r.off, &done);
-      d.res = rc < 0 ? rc : static_cast<int64_t>(done);
-      d.err_off = r.off + done;
+      IoDone d = transfer(r);
       {
         std::lock_guard<std::mutex> lk(mu_);
         done_.push_back(d);
@@ -96,7 +90,38 @@ class PsyncEngine final : public Engine {
   std::vector<std::thread> workers_;
 };
 
+IoDone transfer(const IoReq& r) {
+  IoDone d;
+  d.tag = r.tag;
+  size_t done = 0;
+  int dfd = r.align > 1 ? r.fd : -1;
+  int bfd = r.align > 1 ? (r.fallback_fd >= 0 ? r.fallback_fd : r.fd) : r.fd;
+  int rc = r.write ? sys::full_pwrite(bfd, dfd, r.align, r.buf, r.len, r.off, &done)
+                   : sys::full_pread(bfd, dfd, r.align, r.buf, r.len, r.off, &done);
+  d.res = rc < 0 ? rc : static_cast<int64_t>(done);
+  d.err_off = r.off + done;
+  return d;
+}
+
+class InlineEngine final : public Engine {
+ public:
+  const char* name() const override { return "psync"; }
+  void submit(const IoReq& r) override { done_.push_back(transfer(r)); }
+  size_t reap(std::vector<IoDone>& out, size_t /*min_nr*/) override {
+    size_t n = done_.size();
+    for (auto& d : done_) out.push_back(d);
+    done_.clear();
+    return n;
+  }
+  size_t in_flight() const override { return 0; }
+
+ private:
+  std::vector<IoDone> done_;
+};
+
 }  // namespace
+
+std::unique_ptr<Engine> make_inline_engine() { return std::make_unique<InlineEngine>(); }
 
 std::unique_ptr<Engine> make_psync_engine(unsigned threads) {
   return std::make_unique<PsyncEngine>(threads);

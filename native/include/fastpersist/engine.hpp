@@ -47,6 +47,10 @@ class Engine {
 std::unique_ptr<Engine> make_aio_engine(unsigned queue_depth);
 // A pool of `threads` threads doing pread/pwrite.
 std::unique_ptr<Engine> make_psync_engine(unsigned threads);
+// No thread: submit() does the transfer in the calling thread (same retrying loops as
+// psync), reap() hands back what was done. For ops of one transfer, where a thread
+// handoff costs more than it overlaps (on a busy machine, a scheduling delay each way).
+std::unique_ptr<Engine> make_inline_engine();
 // Whether this kernel offers AIO at all (io_setup succeeds).
 bool aio_available();
 
