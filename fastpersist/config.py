@@ -481,8 +481,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "threads. `auto`: with `FASTPERSIST_READ_MODE=auto` (the default), measured like the read mode: "
         "staged and zero-copy O_DIRECT reads are two of the ways auto tries and records per filesystem, "
         "because neither wins everywhere (on the reference VM staged loads ran 1.4-1.6x faster in one "
-        "session's in-process rounds, docs/benchmarks.md \"Staged reads\", and zero-copy loads 1.3-2.3x "
-        "faster in fresh processes in another, \"Session 7\"); where the read mode is set explicitly, `auto` "
+        "process's rounds and zero-copy loads faster in fresh processes, docs/benchmarks.md \"Staged reads\"); "
+        "where the read mode is set explicitly, `auto` "
         "means `on` under a hypervisor (the `hypervisor` flag in /proc/cpuinfo) and `off` on bare metal. "
         "Only O_DIRECT reads are "
         "staged: a buffered read is already a copy out of the page cache. The ring costs "
@@ -596,7 +596,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "(copies of 256 KiB or more), which skip reading the destination's cache lines and leave "
         "the caches to the training; `plain`: memcpy, then the CRC-32 of the copy. On the reference "
         "VM `stream` took 20% less CPU per 1 GiB save and made the async snapshot call 1.4-1.9x "
-        "shorter (docs/benchmarks.md, \"Session 11\"). Read once, when the native module is imported.",
+        "shorter (docs/benchmarks.md, \"Where the time goes\"). Read once, when the native module is imported.",
         default="stream",
     ),
     # -- asynchronous saves (fastpersist.asyncsave) --
