@@ -571,7 +571,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "`deepspeed.runtime.engine` is imported). Unset: follows FASTPERSIST_PATCH_TORCH_SAVE. "
         "An engine whose DeepSpeed config has a top-level `\"fastpersist\"` key follows that key "
         "instead (`true`/`false`, or `{\"enabled\", \"decoupled\", \"split_replicated\", \"config\"}`; "
-        "README, DeepSpeed row).",
+        "docs/integrations.md, DeepSpeed).",
         default="unset",
     ),
     EnvVar(
