@@ -113,7 +113,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending
+from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending, s3collective
 from fastpersist import config as config_mod
 from fastpersist import distributed as D
 from fastpersist import io as fpio
@@ -600,8 +600,11 @@ def save_async(
     _hook_multiprocessing_exit()
     if objectstore.is_s3_url(path):
         if group is not None:
-            raise ValueError(f"save_async(group=...) to an s3:// URL is not supported yet ({os.fspath(path)!r}): "
-                             "save from one rank, or to a local path")
+            import torch.distributed as dist
+
+            D.check_group(group)
+            if dist.get_world_size(group) > 1:
+                return _save_async_s3_group(obj, path, mode, cfg, format, group)
         return _save_async_s3(obj, path, mode, cfg, format, metadata)
     if group is not None:
         import torch.distributed as dist
@@ -843,6 +846,27 @@ def _save_async_s3(obj: Any, path: PathLike, mode: str, cfg: Any, format: Option
         url, parts = objectstore.stage(obj, path, config=cfg, format=format, metadata=metadata)
     job = _Job(fut, "", cfg.fsync)
     job.collective = _S3Upload(url, parts, cfg)
+    with _lock:
+        _jobs.append(job)
+    _enqueue(job)
+    return fut
+
+
+def _save_async_s3_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str],
+                         group: Any) -> SaveFuture:
+    """``save_async(url, group=group)`` with more than one rank: agreement, the upload's
+    creation and the copy of this rank's parts happen at the call (collectives on the
+    caller's thread; every rank raises the same error there); the parts' upload, the
+    exchange of their ETags and the completion in the background
+    (:mod:`fastpersist.s3collective`)."""
+    fut = SaveFuture(os.fspath(path), mode)
+    with asyncstage.capture_lock():  # an uncollected async error is reported to every rank at the plan step
+        upload = s3collective.start_async(obj, path, group=group, config=cfg, format=format, before=_raise_unreported)
+    if upload is None:  # torch's writer: uploaded at the call
+        fut._event.set()
+        return fut
+    job = _Job(fut, "", cfg.fsync)
+    job.collective = upload
     with _lock:
         _jobs.append(job)
     _enqueue(job)

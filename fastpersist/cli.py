@@ -159,7 +159,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
 
 def _add_bench_parsers(bench: argparse.ArgumentParser, debug: argparse.ArgumentParser) -> None:
     """The subcommands of ``fastpersist bench`` (io, save, train, dist, stream)."""
-    from fastpersist.bench import stream_bench
+    from fastpersist.bench import resume_bench, stream_bench
 
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
@@ -289,6 +289,7 @@ def _add_bench_parsers(bench: argparse.ArgumentParser, debug: argparse.ArgumentP
     p.set_defaults(func=cmd_bench_dist)
 
     stream_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
+    resume_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
 
 
 # ---- commands ---------------------------------------------------------------------

@@ -95,6 +95,13 @@ the main process writes them. Other distributed types (FSDP, DeepSpeed,
 Megatron-LM, XLA) keep Accelerate's own path for their model and optimizer files;
 for DeepSpeed, enable :mod:`fastpersist.integrations.deepspeed` as well.
 
+Object storage: ``save_state("s3://bucket/prefix/ckpt")`` / ``load_state(...)`` of an
+enabled Accelerator: stock ``save_state`` writes into a local temporary directory (in
+``TMPDIR``), every process uploads the files it wrote, one object each, and the main
+process commits the folder (:mod:`fastpersist.s3folder`: a manifest of sizes and ETags
+written last); ``load_state`` refuses a folder without its commit, downloads it into a
+local temporary directory and loads it there (docs/objectstore.md, Accelerate).
+
 FSDP is not routed through :mod:`fastpersist.dcp` yet: Accelerate runs FSDP only on
 accelerators (on CPU, ``Accelerator(cpu=True, fsdp_plugin=...)`` silently stays
 ``MULTI_CPU`` with DDP, and ``accelerate launch --use_fsdp`` refuses without a
@@ -116,6 +123,7 @@ import pathlib
 import re
 import secrets
 import shutil
+import tempfile
 import types
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
@@ -123,11 +131,12 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 import fastpersist
-from fastpersist import dircommit
+from fastpersist import dircommit, s3folder
 from fastpersist.commit import fsync_dir
 from fastpersist.envflags import adapter_enabled
 from fastpersist.errors import CheckpointFormatError, ChecksumError
 from fastpersist.replicated import save_replicated
+from fastpersist.s3url import is_s3_url
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
 
@@ -427,6 +436,9 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
 
         pc = self.project_configuration
         auto = bool(pc.automatic_checkpoint_naming)
+        if auto and is_s3_url(self.project_dir):
+            raise ValueError(f"save_state: automatic_checkpoint_naming with an s3:// project_dir ({self.project_dir}) "
+                             "is not supported: pass the checkpoint's URL, save_state('s3://bucket/prefix/step-N')")
         if auto:  # stock save_state's own checks, before anything is written
             checkpoints = os.path.join(self.project_dir, "checkpoints")
             os.makedirs(checkpoints, exist_ok=True)
@@ -438,6 +450,8 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
                 )
         elif output_dir is None:
             return original(self, output_dir, safe_serialization, **kwargs)  # stock raises
+        elif is_s3_url(output_dir):
+            return _save_state_s3(self, original, s, str(output_dir), safe_serialization, kwargs)
         else:
             final = os.fspath(output_dir)
             os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
@@ -530,6 +544,10 @@ def _wrap_load_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         if s is None:
             return original(self, *args, **kwargs)
         install()
+        input_dir = args[0] if args else kwargs.get("input_dir")
+        if input_dir is not None and is_s3_url(input_dir):
+            rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
+            return _load_state_s3(self, load_state, s.config, str(input_dir), args[1:], rest)
         failures: list = []
         token = _load_failures.set(failures)
         try:
@@ -543,6 +561,99 @@ def _wrap_load_state(original: Callable[..., Any], settings: Callable[[Any], Opt
 
     setattr(load_state, _MARK, original)
     return load_state
+
+
+# ---------------------------------------------------------------- s3:// output_dir
+# save_state("s3://bucket/prefix/ckpt"): every process runs stock save_state (its files
+# through fastpersist, as for a local save) into a local temporary directory, then uploads
+# the files it wrote, one object each, under the URL; the main process then writes the
+# folder's commit object (fastpersist.s3folder's manifest). load_state of the URL downloads
+# the committed folder into a local temporary directory and loads it there.
+
+
+def _gather_outcome(acc: Any, value: Any, error: Optional[BaseException]) -> list:
+    from accelerate.utils import gather_object
+
+    return gather_object([(value, None if error is None else f"{type(error).__name__}: {error}")])
+
+
+def _accelerate_entry(rel: str) -> bool:
+    """Whether an object under an s3:// checkpoint folder belongs to Accelerate (by its
+    top-level name): the others (a user's config.json) stay when the folder is saved again."""
+    return bool(_CHECKPOINT_ENTRY_RE.fullmatch(rel.split("/", 1)[0]))
+
+
+def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: str, safe_serialization: bool,
+                   kwargs: dict) -> str:
+    """``save_state`` into the ``s3://`` folder ``url`` (see above); returns ``url``."""
+    url = str(s3folder.folder_url(url))
+    tmp = tempfile.mkdtemp(prefix="fastpersist-accelerate-")
+    local = os.path.join(tmp, "checkpoint")
+    try:
+        error: Optional[BaseException] = None
+        try:
+            with _routing(s):
+                original(self, local, safe_serialization, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - every rank learns of it below
+            error = e
+        outcome = _gather_outcome(self, None, error)  # nothing uploaded yet: the folder is untouched
+        failed = next((m for _v, m in outcome if m is not None), None)
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise RuntimeError(f"fastpersist: save_state to {url} failed on another process: {failed}; "
+                               f"{url} is untouched")
+        if self.is_main_process:
+            try:
+                s3folder.begin(url, config=s.config)  # the folder is uncommitted from here on
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        begun = _gather_outcome(self, None, error)
+        if error is not None:
+            raise error
+        failed = next((m for _v, m in begun if m is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"fastpersist: save_state to {url} failed on the main process: {failed}")
+        files: dict = {}
+        try:
+            files = s3folder.upload_files(local, url, config=s.config)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        uploaded = _gather_outcome(self, files, error)
+        failed = next((m for _v, m in uploaded if m is not None), None)
+        if error is None and failed is None and self.is_main_process:
+            merged: dict = {}
+            for part, _m in uploaded:
+                merged.update(part)
+            try:
+                s3folder.commit(url, merged, owns=_accelerate_entry, config=s.config)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        committed = _gather_outcome(self, None, error)
+        if error is not None:
+            log.error("fastpersist: save_state to %s failed (%s); the folder holds no committed checkpoint until a "
+                      "save into it succeeds", url, error)
+            raise error
+        failed = failed or next((m for _v, m in committed if m is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"fastpersist: save_state to {url} failed on another process: {failed}; the folder "
+                               "holds no committed checkpoint until a save into it succeeds")
+        return url
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_state_s3(self: Any, load_state: Callable[..., Any], config: Any, url: str, args: tuple,
+                   kwargs: dict) -> Any:
+    """``load_state`` of the committed ``s3://`` folder ``url``: downloaded (every object
+    checked against the commit object) into a local temporary directory, loaded from there."""
+    tmp = tempfile.mkdtemp(prefix="fastpersist-accelerate-")
+    try:
+        local = os.path.join(tmp, "checkpoint")
+        s3folder.download(url, local, config=config)
+        return load_state(self, local, *args, **kwargs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _raise_swallowed(failures: list) -> None:

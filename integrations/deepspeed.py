@@ -80,6 +80,14 @@ writes overlap the following forward/backward, and DeepSpeed calls ``commit``
 commit (the tag directory holds the previous checkpoint meanwhile); a second
 ``save_checkpoint`` before it first commits the pending one.
 
+Object storage: ``engine.save_checkpoint("s3://bucket/run", tag)`` runs DeepSpeed's
+save into a local temporary save_dir, every rank uploads the files of the tag it wrote
+(one object each, under ``s3://bucket/run/TAG/``), rank 0 commits the tag folder
+(:mod:`fastpersist.s3folder`'s manifest) and writes the ``latest`` object last, so
+``latest`` only ever names a committed tag; ``load_checkpoint("s3://bucket/run")``
+downloads the committed tag into a local temporary directory and loads it there
+(docs/objectstore.md, DeepSpeed). Not with ``decoupled=True``.
+
 Which rank writes what: ZeRO partitions and stage-3 model-states files are unique
 to their rank and written by it alone. The model-states file of stages 0-2, which
 every data-parallel rank holds a replica of, is written by all of them together
@@ -98,14 +106,17 @@ import logging
 import os
 import re
 import secrets
+import shutil
+import tempfile
 from typing import Any, Optional
 
 import fastpersist
-from fastpersist import dircommit
+from fastpersist import dircommit, s3folder
 from fastpersist.commit import atomic_write, fsync_dir
 from fastpersist.envflags import adapter_enabled
 from fastpersist.ranks import all_gather, global_rank, world_size
 from fastpersist.replicated import save_replicated
+from fastpersist.s3url import is_s3_url
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]
@@ -476,6 +487,8 @@ def _attach(engine: Any, *, config: Any = None, decoupled: bool = False, split_r
         engine.save_non_zero_checkpoint = True  # every data-parallel rank takes part in the model-states file
     if not hasattr(engine.save_checkpoint, _MARK):
         engine.save_checkpoint = _with_durable_latest(engine, engine.save_checkpoint)
+    if not hasattr(engine.load_checkpoint, _MARK):
+        engine.load_checkpoint = _with_s3_loads(engine, engine.load_checkpoint)
     return ce
 
 
@@ -484,6 +497,8 @@ def _with_durable_latest(engine: Any, original: Any) -> Any:
 
     @functools.wraps(original)
     def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
+        if is_s3_url(save_dir):
+            return _save_checkpoint_s3(engine, save_checkpoint, str(save_dir), args, kwargs)
         try:
             result = original(save_dir, *args, **kwargs)
         except BaseException as e:
@@ -502,6 +517,132 @@ def _with_durable_latest(engine: Any, original: Any) -> Any:
 
     setattr(save_checkpoint, _MARK, original)
     return save_checkpoint
+
+
+# ---------------------------------------------------------------- s3:// save_dir
+# save_checkpoint("s3://bucket/run", tag): every rank runs DeepSpeed's own save (its files
+# through this checkpoint engine) into a local temporary save_dir, then uploads the files
+# of TAG it wrote, one object each, under s3://bucket/run/TAG/; rank 0 commits the tag
+# folder (fastpersist.s3folder's manifest), then writes the ``latest`` object: the tag
+# DeepSpeed's load_checkpoint resumes from is always a committed one. load_checkpoint of
+# the URL reads ``latest`` (or the tag given), downloads the committed tag folder into a
+# local temporary directory and loads it there.
+
+_ZERO_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+def _agree(error: Optional[BaseException], value: Any = None) -> list:
+    """Every rank's ``(value, error message)``: no rank goes on alone after a failure."""
+    return all_gather((value, None if error is None else f"{type(error).__name__}: {error}"))
+
+
+def _raise_agreed(error: Optional[BaseException], outcome: list, url: str, after: str) -> None:
+    if error is not None:
+        raise error
+    failed = next((m for _v, m in outcome if m is not None), None)
+    if failed is not None:
+        raise RuntimeError(f"fastpersist: save_checkpoint to {url} failed on another rank: {failed}; {after}")
+
+
+def _save_checkpoint_s3(engine: Any, local_save: Any, url: str, args: tuple, kwargs: dict) -> Any:
+    """``engine.save_checkpoint`` into the ``s3://`` folder ``url`` (see above)."""
+    ce = engine.checkpoint_engine
+    if ce.is_decoupled():
+        raise ValueError(f"save_checkpoint to {url}: a decoupled checkpoint engine (enable(decoupled=True)) cannot "
+                         "save to object storage yet; enable it with decoupled=False for s3:// save_dir")
+    url = str(s3folder.folder_url(url))
+    call = dict(zip(("tag", "client_state", "save_latest", "exclude_frozen_parameters"), args))
+    call.update(kwargs)
+    tag = call.get("tag")
+    tag = call["tag"] = str(f"global_step{engine.global_steps}" if tag is None else tag)  # DeepSpeed's default
+    save_latest = bool(call.get("save_latest", True))
+    call["save_latest"] = False  # no local `latest`: the object is written below, last
+    folder = s3folder.join(url, tag)
+    tmp = tempfile.mkdtemp(prefix="fastpersist-deepspeed-")
+    config = getattr(ce, "config", None)
+    try:
+        error: Optional[BaseException] = None
+        try:  # DeepSpeed's own save, into a local save_dir (no local `latest` needed)
+            local_save(tmp, **call)
+        except BaseException as e:  # noqa: BLE001 - every rank learns of it below
+            error = e
+        _raise_agreed(error, _agree(error), url, f"{folder} is untouched")
+        rank0 = global_rank() == 0
+        if rank0:
+            try:
+                s3folder.begin(folder, config=config)  # the tag folder is uncommitted from here on
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        _raise_agreed(error, _agree(error), url, f"{folder} is untouched")
+        files: dict = {}
+        try:
+            files = s3folder.upload_files(os.path.join(tmp, tag), folder, config=config)
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        uploaded = _agree(error, files)
+        if error is None and all(m is None for _v, m in uploaded) and rank0:
+            merged: dict = {}
+            for part, _m in uploaded:
+                merged.update(part)
+            try:
+                s3folder.commit(folder, merged, config=config)
+                for script in _ZERO_SCRIPTS:  # DeepSpeed's copy beside the tags (zero_to_fp32.py)
+                    path = os.path.join(tmp, script)
+                    if os.path.isfile(path):
+                        with open(path, "rb") as f:
+                            s3folder.put_small(s3folder.join(url, script), f.read(), config=config)
+                if save_latest:
+                    s3folder.put_small(s3folder.join(url, "latest"), tag.encode(), config=config)
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        if error is not None:
+            log.error("fastpersist: save_checkpoint to %s failed (%s); `latest` still names the previous tag",
+                      folder, error)
+        _raise_agreed(error, _agree(error) + uploaded, url, "`latest` still names the previous tag")
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _with_s3_loads(engine: Any, original: Any) -> Any:
+    """``load_checkpoint`` of an ``s3://`` load_dir: the tag from the ``latest`` object
+    (or the one given), its committed folder downloaded into a local temporary
+    directory (every object checked against the commit object) and loaded there."""
+
+    @functools.wraps(original)
+    def load_checkpoint(load_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        if not is_s3_url(load_dir):
+            return original(load_dir, *args, **kwargs)
+        url = str(s3folder.folder_url(load_dir))
+        config = getattr(engine.checkpoint_engine, "config", None)
+        tag = _arg(args, kwargs, 0, "tag", None)
+        if tag is None:
+            try:
+                tag = s3folder.get_small(s3folder.join(url, "latest"), config=config).decode().strip()
+            except s3folder.UncommittedFolderError:
+                raise
+            except FileNotFoundError:
+                log.warning("fastpersist: no `latest` object under %s: nothing to resume (as DeepSpeed without a "
+                            "latest file)", url)
+                return None, None
+        tag = str(tag)
+        tmp = tempfile.mkdtemp(prefix="fastpersist-deepspeed-")
+        try:
+            s3folder.download(s3folder.join(url, tag), os.path.join(tmp, tag), config=config)
+            rest = {k: v for k, v in kwargs.items() if k != "tag"}
+            path, client = original(tmp, tag, *args[1:], **rest)
+            if isinstance(path, str):
+                path = s3folder.join(url, os.path.relpath(path, tmp))
+            return path, client
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    setattr(load_checkpoint, _MARK, original)
+    return load_checkpoint
 
 
 def enable(engine: Any = None, *, config: Any = None, decoupled: bool = False, split_replicated: bool = True) -> Any:

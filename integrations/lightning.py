@@ -17,8 +17,12 @@ page-locked host memory; no extra copy on the GPU as Lightning's
 finished before a checkpoint is loaded or removed (so retention never deletes the
 previous checkpoint before the new one is durable), before ``ModelCheckpoint`` links
 or copies ``last.ckpt`` (``save_last="link"``), and at teardown; their errors are
-raised there. Loads go through :func:`fastpersist.load`. Paths that are not local
-files (``s3://``, ``gs://``, ... fsspec URLs) go to Lightning's ``TorchCheckpointIO``.
+raised there. Loads go through :func:`fastpersist.load`. ``s3://`` paths
+(``ModelCheckpoint(dirpath="s3://bucket/prefix")``, ``Trainer(default_root_dir=...)``,
+``fit(ckpt_path="s3://...")``) go to object storage the same way: each ``.ckpt`` one
+object, committed whole by its multipart upload (docs/objectstore.md); removals
+delete the object. Lightning lists and checks such folders through fsspec, which needs
+``s3fs`` installed. Other URLs (``gs://``, ...) go to Lightning's ``TorchCheckpointIO``.
 
 Strategy names, registered in Lightning's ``StrategyRegistry``:
 
@@ -57,10 +61,12 @@ supported: :func:`classes_for` builds the classes for either package.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
 import os
+import re
 import sys
 import threading
 import types
@@ -74,7 +80,9 @@ import torch
 import fastpersist
 import fastpersist.asyncsave
 from fastpersist.distributed import ReplicasDifferError
+from fastpersist import s3folder
 from fastpersist.localpath import is_local, local_path
+from fastpersist.s3url import is_s3_url
 from fastpersist.ranks import world_group
 from fastpersist.replicated import group_save_available, rank0_if_different
 
@@ -158,13 +166,50 @@ _guards: list[tuple[Any, str, Any]] = []
 
 
 def _wait_path(path: Any) -> None:
-    if path is not None and is_local(path):
+    if path is not None and is_s3_url(path):
+        fastpersist.asyncsave.wait_for_path(str(path))
+    elif path is not None and is_local(path):
         fastpersist.asyncsave.wait_for_path(local_path(path))
 
 
 def _wait_dir(path: Any) -> None:
-    if path is not None and is_local(path):
+    if path is not None and is_s3_url(path):
+        fastpersist.asyncsave.wait_for_dir(str(path))
+    elif path is not None and is_local(path):
         fastpersist.asyncsave.wait_for_dir(local_path(path))
+
+
+def _forget_listings(path: str) -> None:
+    """After a save or removal of an ``s3://`` object: drop what s3fs (Lightning's
+    filesystem for such paths, through fsspec) has cached about its folder, so that
+    ``ModelCheckpoint``'s existence checks and listings see the change."""
+    if not is_s3_url(path) or "s3fs" not in sys.modules:
+        return
+    fs_class = getattr(sys.modules["s3fs"], "S3FileSystem", None)
+    for fs in list(getattr(fs_class, "_cache", {}).values()):
+        with contextlib.suppress(Exception):
+            fs.invalidate_cache(path)
+
+
+def _find_last_on_s3(callback: Any, folder: str) -> set[str]:
+    """``ModelCheckpoint._find_last_checkpoints`` for an ``s3://`` folder. Lightning's own
+    lists it with the callback's filesystem, which is the local one while ``dirpath`` is
+    unresolved (``default_root_dir`` set, ``dirpath`` not), and keeps fsspec's names of
+    the objects, which lack the scheme (``bucket/key``) and are then looked up on the
+    local filesystem: no ``ckpt_path="last"`` resume from s3 at all."""
+    from fsspec.core import url_to_fs  # noqa: PLC0415 - Lightning's own dependency
+
+    _wait_dir(folder)
+    fs, _path = url_to_fs(folder)
+    pattern = re.compile(rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-(\d+))?$")
+    if not fs.exists(folder):
+        return set()
+    found = set()
+    for name in fs.ls(folder, detail=False, refresh=True):
+        stem, ext = os.path.splitext(str(name).rsplit("/", 1)[-1])
+        if ext == callback.FILE_EXTENSION and pattern.match(stem):
+            found.add("s3://" + str(name).lstrip("/"))
+    return found
 
 
 def _guard(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
@@ -200,6 +245,10 @@ def _install_path_guards(package: str, fabric: str) -> None:
         @functools.wraps(original)
         def wrapper(self: Any, trainer: Any) -> Any:
             _wait_dir(self.dirpath)
+            resolve = getattr(self, "_ModelCheckpoint__resolve_ckpt_dir", None)
+            folder = self.dirpath or (resolve(trainer) if resolve is not None else None)
+            if folder is not None and is_s3_url(folder):
+                return _find_last_on_s3(self, str(folder))
             return original(self, trainer)
         return wrapper
 
@@ -322,15 +371,19 @@ def _define(package: str) -> types.SimpleNamespace:
                 raise TypeError(
                     f"`Trainer.save_checkpoint(..., storage_options=...)` is not supported by {type(self).__name__}"
                 )
-            if not is_local(path):
+            if is_s3_url(path):
+                target = str(path)
+            elif not is_local(path):
                 self.finalize()
                 self.counts["torch"] += 1
                 return self._fallback.save_checkpoint(checkpoint, path)
-            target = local_path(path)
-            os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+            else:
+                target = local_path(path)
+                os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
             if not self.async_save:
                 fastpersist.save(checkpoint, target, config=self.config)
                 self.counts["save"] += 1
+                _forget_listings(target)
                 return
             self._collect(block=False)
             future = fastpersist.save_async(checkpoint, target, mode=self.mode, config=self.config)
@@ -352,6 +405,7 @@ def _define(package: str) -> types.SimpleNamespace:
                     future.wait()
                 except BaseException as e:  # report the first, still wait for the rest
                     error = error or e
+                _forget_listings(str(getattr(future, "path", "")))
             with self._lock:
                 self._pending[:0] = keep
             if error is not None:
@@ -388,6 +442,10 @@ def _define(package: str) -> types.SimpleNamespace:
             weights_only: Optional[bool] = None,
         ) -> dict[str, Any]:
             self.finalize()
+            if is_s3_url(path):  # fastpersist.load names a missing object (a FileNotFoundError)
+                self.counts["load"] += 1
+                return fastpersist.load(str(path), map_location=map_location, weights_only=weights_only,
+                                        config=self.config)
             if not is_local(path):
                 self.counts["torch"] += 1
                 return self._fallback.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
@@ -413,6 +471,10 @@ def _define(package: str) -> types.SimpleNamespace:
         def remove_checkpoint(self, path: Any) -> None:
             # Retention: the checkpoint that replaces this one must be durable first.
             self.finalize()
+            if is_s3_url(path):
+                s3folder.delete_object(str(path), config=self.config)
+                _forget_listings(str(path))
+                return
             self._fallback.remove_checkpoint(path)
 
         def teardown(self) -> None:
@@ -563,6 +625,10 @@ def _define(package: str) -> types.SimpleNamespace:
             self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
         ) -> None:
             writer = _dcp_writer()
+            if self._state_dict_type == "sharded" and is_s3_url(filepath):
+                raise ValueError(f"fsdp_fastpersist: sharded checkpoints cannot go to object storage yet ({filepath}); "
+                                 "use a local dirpath, or state_dict_type='full' (one object through the "
+                                 "CheckpointIO)")
             if self._state_dict_type != "sharded" or writer is None or storage_options is not None:
                 return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             import torch.distributed.checkpoint as dcp
