@@ -24,20 +24,19 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import fastpersist
 from fastpersist import _native, describe, objectstore, readpolicy
 from fastpersist._inputs import check_input
-from fastpersist.bench import cgroup, gpu_bench, report, resume_bench, stream_bench, sweep_bench
-from fastpersist.bench.conditions import Conditions, auto_size, plan_line
-from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
-from fastpersist.bench.io_bench import run_io_bench
-from fastpersist.bench.machine import collect_machine_info
-from fastpersist.bench.s3_bench import S3_PEERS, run_s3_bench
-from fastpersist.bench.save_bench import PEERS, run_save_bench
-from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
-from fastpersist.bench.units import format_bytes, parse_int_list, parse_size, parse_size_list
 from fastpersist.commit import clean_stale_temps, scan_temps
 from fastpersist.config import get_default
 from fastpersist.errors import FastPersistError
 from fastpersist.io import gpu_path
+from fastpersist.machine import collect_machine_info
+from fastpersist.units import format_bytes, parse_int_list, parse_size, parse_size_list
 from fastpersist.verifytree import collect, is_dcp_dir
+
+# The benchmarks (fastpersist.bench, several thousand lines and their dependencies) are not
+# part of the library: they are imported inside the ``bench`` command's functions only, so
+# that ``import fastpersist.cli``, ``fastpersist info`` and ``fastpersist verify`` never load
+# them (tests/test_cli.py checks it). The bench subcommands' parsers are built only when the
+# command line asks for ``bench`` (or by build_parser() with no argument: every command).
 
 PROG = "fastpersist"
 #: where ``bench save`` writes its chart unless told otherwise (``--plot``, ``--no-plot``)
@@ -97,8 +96,9 @@ def _add_outputs(p: argparse.ArgumentParser, plot: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress display")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``fastpersist`` command."""
+def build_parser(bench: bool = True) -> argparse.ArgumentParser:
+    """The argument parser of the ``fastpersist`` command; with ``bench=False``, the
+    ``bench`` command is listed but its subcommands (which import the benchmarks) are not built."""
     debug = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: a subcommand's parser must not reset a --debug given before the subcommand
     # (the action object is shared by every parser built from this parent).
@@ -151,7 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "otherwise an object with status, exit_status, files, errors, skipped)")
     p.set_defaults(func=cmd_verify)
 
-    bench = sub.add_parser("bench", parents=[debug], help="benchmarks on your disk")
+    bench_parser = sub.add_parser("bench", parents=[debug], help="benchmarks on your disk")
+    if bench:
+        _add_bench_parsers(bench_parser, debug)
+    return parser
+
+
+def _add_bench_parsers(bench: argparse.ArgumentParser, debug: argparse.ArgumentParser) -> None:
+    """The subcommands of ``fastpersist bench`` (io, save, train, dist, stream, resume, sweep)."""
+    from fastpersist.bench import resume_bench, stream_bench, sweep_bench
+
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
 
@@ -282,7 +291,6 @@ def build_parser() -> argparse.ArgumentParser:
     stream_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
     resume_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
     sweep_bench.add_cli(bsub, debug, _add_outputs, _positive)
-    return parser
 
 
 # ---- commands ---------------------------------------------------------------------
@@ -569,6 +577,9 @@ def _check_dir(path: str) -> str:
 
 def cmd_bench_io(args: argparse.Namespace) -> int:
     """``fastpersist bench io``: see :mod:`fastpersist.bench.io_bench`."""
+    from fastpersist.bench import report
+    from fastpersist.bench.io_bench import run_io_bench
+
     _check_dir(args.dir)
     if not args.engines:
         raise UsageError("--engines: give at least one engine")
@@ -599,6 +610,11 @@ def cmd_bench_io(args: argparse.Namespace) -> int:
 def cmd_bench_save(args: argparse.Namespace) -> int:
     """``fastpersist bench save``: see :mod:`fastpersist.bench.save_bench` (and
     :mod:`fastpersist.bench.s3_bench` for an ``s3://`` target)."""
+    from fastpersist.bench import report
+    from fastpersist.bench.conditions import Conditions, auto_size, plan_line
+    from fastpersist.bench.s3_bench import S3_PEERS, run_s3_bench
+    from fastpersist.bench.save_bench import PEERS, run_save_bench
+
     if objectstore.is_s3_url(args.dir):
         peers = list(S3_PEERS) if args.peers == list(PEERS) else args.peers
         bad = sorted(set(peers) - set(S3_PEERS))
@@ -653,6 +669,8 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
 def _say_path(key: str, path: str, hint: str, out: Any) -> None:
     """``Key        : path hint`` within 100 columns where it fits; else the path stays whole
     on the key's line and the hint goes on the next one, indented."""
+    from fastpersist.bench import report
+
     line = f"{key:<11}: {path} {hint}"
     if len(line) <= report.WIDTH:
         print(line, file=out)
@@ -663,6 +681,8 @@ def _say_path(key: str, path: str, hint: str, out: Any) -> None:
 
 def _bench_gpu(args: argparse.Namespace, kind: str) -> int:
     """``bench io/save --device cuda``: see :mod:`fastpersist.bench.gpu_bench`."""
+    from fastpersist.bench import gpu_bench, report
+
     try:
         gpu_bench.require_cuda()
     except RuntimeError as e:
@@ -682,6 +702,9 @@ def _bench_gpu(args: argparse.Namespace, kind: str) -> int:
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
     """``fastpersist bench train``: see :mod:`fastpersist.bench.train_bench`."""
+    from fastpersist.bench import report
+    from fastpersist.bench.train_bench import METHODS, plot_train, print_train_report, run_train_bench
+
     _check_dir(args.dir)
     methods = args.methods or list(METHODS)
     bad = sorted(set(methods) - set(METHODS))
@@ -708,6 +731,9 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 def cmd_bench_dist(args: argparse.Namespace) -> int:
     """``fastpersist bench dist``: see :mod:`fastpersist.bench.dist_bench`."""
+    from fastpersist.bench import cgroup, report
+    from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
+
     _check_dir(args.dir)
     if args.rank_bandwidth is not None:
         why = cgroup.unavailable_reason()
@@ -734,9 +760,15 @@ def cmd_bench_dist(args: argparse.Namespace) -> int:
 # ---- entry point ------------------------------------------------------------------
 
 
+def _command_of(argv: Sequence[str]) -> Optional[str]:
+    """The command word of ``argv`` (the first argument that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the ``fastpersist`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(bench=_command_of(argv) == "bench")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)

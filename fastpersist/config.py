@@ -561,7 +561,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "`deepspeed.runtime.engine` is imported). Unset: follows FASTPERSIST_PATCH_TORCH_SAVE. "
         "An engine whose DeepSpeed config has a top-level `\"fastpersist\"` key follows that key "
         "instead (`true`/`false`, or `{\"enabled\", \"decoupled\", \"split_replicated\", \"config\"}`; "
-        "README, DeepSpeed row).",
+        "docs/integrations.md, DeepSpeed).",
         default="unset",
     ),
     EnvVar(
@@ -586,7 +586,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "(copies of 256 KiB or more), which skip reading the destination's cache lines and leave "
         "the caches to the training; `plain`: memcpy, then the CRC-32 of the copy. On the reference "
         "VM `stream` took 20% less CPU per 1 GiB save and made the async snapshot call 1.4-1.9x "
-        "shorter (docs/benchmarks.md, \"Session 11\"). Read once, when the native module is imported.",
+        "shorter (docs/benchmarks.md, \"Where the time goes\"). Read once, when the native module is imported.",
         default="stream",
     ),
     # -- asynchronous saves (fastpersist.asyncsave) --

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from fastpersist import verifytree
 from fastpersist.api import verify
-from fastpersist.bench.units import format_bytes
+from fastpersist.units import format_bytes
 from fastpersist.formats import crcpolicy
 from fastpersist.formats.dcpmetadata import load_metadata
 from fastpersist.formats.zipindex import fd_reader, parse_zip_index, pread_full

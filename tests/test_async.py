@@ -403,8 +403,7 @@ def test_uncollected_error_raised_by_next_save_and_wait_all(tmp_path):
     fastpersist.save_async({"w": torch.zeros(10)}, tmp_path / "ok.pt").wait()
     _native.set_fault("write", 1, "EIO", 1000)
     fastpersist.save_async({"w": torch.zeros(100_000)}, tmp_path / "e2.pt")
-    while asyncsave._jobs:  # finished in the background, error not collected by anyone
-        time.sleep(0.01)
+    assert asyncsave.wait_for_path(tmp_path / "e2.pt", timeout=120)  # failed; error not collected by anyone
     _native.clear_faults()
     with pytest.raises(OSError):
         fastpersist.save_async({"w": torch.zeros(10)}, tmp_path / "next.pt")
@@ -448,8 +447,7 @@ def test_blocking_save_after_async_to_same_file_keeps_the_newer_state(tmp_path, 
 def test_uncollected_async_error_raised_by_next_blocking_save(tmp_path):
     _native.set_fault("write", 1, "EIO", 1000)
     fastpersist.save_async({"w": torch.zeros(100_000)}, tmp_path / "e.pt")
-    while asyncsave._jobs:  # finished in the background, error not collected by anyone
-        time.sleep(0.01)
+    assert asyncsave.wait_for_path(tmp_path / "e.pt", timeout=120)  # failed; error not collected by anyone
     _native.clear_faults()
     with pytest.raises(OSError) as ei:
         fastpersist.save({"w": torch.zeros(10)}, tmp_path / "next.pt")

@@ -312,11 +312,11 @@ def test_lazy_without_guard_is_refused_on_every_rank(run: tuple) -> None:
 def test_killed_rank_fails_the_pending_future_naming_it(run: tuple) -> None:
     d, results = run
     assert "kill" not in results[1]
-    name, msg, missing, elapsed, left = ok(results[:1], "kill")[0]
+    name, msg, missing, _elapsed, left = ok(results[:1], "kill")[0]
     assert name == "DistributedTimeoutError", msg
     assert missing == [1], msg
     assert "rank 1" in msg
-    assert elapsed < TIMEOUT + 30
+    assert f"within {TIMEOUT:g} s" in msg, msg  # the configured timeout ended the wait
     assert left == []
     assert same(d, "snapshot.pt")
 

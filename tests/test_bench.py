@@ -25,7 +25,7 @@ from fastpersist.bench import fio as fio_mod
 from fastpersist.bench import state as S
 from fastpersist.bench.fsutil import drop_page_cache, files_under, total_size
 from fastpersist.bench.io_bench import run_io_bench
-from fastpersist.bench.machine import collect_machine_info, probe_direct_io
+from fastpersist.machine import collect_machine_info, probe_direct_io
 from fastpersist.bench.ceiling import EngineProbe, write_ceiling
 from fastpersist.bench.progress import NoProgress, PlainProgress, progress
 from fastpersist.bench.report import WIDTH, plot_io, plot_save, print_io_report, print_save_report
@@ -40,7 +40,7 @@ from fastpersist.bench.save_bench import (
     load_in_fresh_process,
     run_save_bench,
 )
-from fastpersist.bench.units import format_block, format_bytes, gbps, parse_int_list, parse_size, parse_size_list
+from fastpersist.units import format_block, format_bytes, gbps, parse_int_list, parse_size, parse_size_list
 
 MiB = 1 << 20
 HAVE_FIO = fio_mod.fio_executable() is not None

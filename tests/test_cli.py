@@ -421,3 +421,36 @@ def test_bench_io_no_fio(tmp_path, capsys) -> None:
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fio"] is None and data["runs"][0]["write_vs_fio"] is None
+
+
+# ---- the benchmarks are not part of the library -------------------------------------
+
+
+_BENCH_LOADED = ("import sys\n"
+                 "def bench_loaded():\n"
+                 "    return sorted(m for m in sys.modules if m.split('.')[:2] == ['fastpersist', 'bench'])\n")
+
+
+def test_cli_and_its_non_bench_commands_do_not_load_the_benchmarks(tmp_path) -> None:
+    """fastpersist.bench is loaded by ``fastpersist bench ...`` only: not by importing the
+    package or the CLI, nor by ``info`` (a checkpoint or a directory), ``verify`` or ``--help``."""
+    ckpt = tmp_path / "c.pt"
+    fastpersist.save({"w": torch.ones(4)}, ckpt)
+    calls = [["info", str(ckpt)], ["info", str(tmp_path)], ["info", "--dir", str(tmp_path)],
+             ["verify", str(ckpt)], ["--help"], ["verify", "--help"], ["bench", "save", "--help"]]
+    code = _BENCH_LOADED + (
+        "import contextlib, io, json\n"
+        "import fastpersist, fastpersist.cli\n"
+        "print(json.dumps(['import', bench_loaded()]))\n"
+        f"for args in {calls!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        fastpersist.cli.main(args)\n"
+        "    print(json.dumps([args, bench_loaded()]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    seen = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [args for args, _ in seen] == ["import"] + calls
+    for args, loaded in seen[:-1]:
+        assert loaded == [], (args, loaded)
+    # the bench command does load them, and its subcommands parse as before
+    assert "fastpersist.bench.save_bench" in seen[-1][1]

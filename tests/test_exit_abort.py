@@ -48,20 +48,22 @@ print("returned", flush=True)
 # when the script ends: it must not take the GIL back during finalization.
 # The extension is loaded alone (no torch import: a run takes a fraction of a second).
 DAEMON_IN_NATIVE = """
-import importlib.util, sys, threading, time
+import importlib.util, sys, threading
 _native = sys.modules.get("fastpersist._native")  # preloaded by .ci/sanitize's sitecustomize
 if _native is None:
     spec = importlib.util.spec_from_file_location("fastpersist._native", sys.argv[2])
     _native = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(_native)
 buf = _native.PinnedBuffer(32 << 20, 4096, False)
-def spin():
+def spin(running):
     while True:
         _native.crc32(buf.ptr, buf.nbytes)
         _native.PinnedBuffer(1 << 20, 4096, False)
-for _ in range(2):
-    threading.Thread(target=spin, daemon=True).start()
-time.sleep(0.2)
+        running.set()  # one round of native calls done: the thread is in its loop
+running = [threading.Event() for _ in range(2)]
+for ev in running:
+    threading.Thread(target=spin, args=(ev,), daemon=True).start()
+assert all(ev.wait(120) for ev in running)
 print("returned", flush=True)
 """
 

@@ -296,18 +296,23 @@ def test_fork_while_parent_thread_saves_and_loads(tmp_path, ext):
     stop = threading.Event()
     errors: list[BaseException] = []
     rounds = [0]
+    started, one_round = threading.Event(), threading.Event()
 
     def busy() -> None:
         try:
             while not stop.is_set():
                 p = str(tmp_path / f"busy.{ext}")
+                started.set()
                 fastpersist.save(big, p, config=CONFIG)
                 got = fastpersist.load(p, config=CONFIG)
                 assert torch.equal(got["t7"], big["t7"])
                 assert fastpersist.verify(p, config=CONFIG).ok
                 rounds[0] += 1
+                one_round.set()
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
+            started.set()
+            one_round.set()
 
     def child(n: int) -> None:
         _roundtrip(str(tmp_path / f"child{n}.{ext}"), seed=n)
@@ -316,16 +321,17 @@ def test_fork_while_parent_thread_saves_and_loads(tmp_path, ext):
     t = threading.Thread(target=busy, daemon=True)
     t.start()
     try:
-        time.sleep(0.2)
+        assert started.wait(TIMEOUT), "the saving thread did not start"
         forks_during_io = 0
         for n in range(8):
-            time.sleep(0.05 * (n % 3))
+            time.sleep(0.05 * (n % 3))  # forks at varied moments of the thread's saves and loads
             alive = t.is_alive()
             if n % 2:
                 run_os_fork(child, n)
             else:
                 run_mp_fork(child, n)
             forks_during_io += alive
+        assert one_round.wait(TIMEOUT), "the saving thread finished no round"
     finally:
         stop.set()
         t.join(TIMEOUT)

@@ -189,9 +189,8 @@ def test_waiting_releases_the_gil(tmp_path):
     fut = h.read_async(fifo, [(0, out.data_ptr(), out.numel(), -1)])
     ticks = []
 
-    def spin() -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 0.3:
+    def spin() -> None:  # the read can complete only after this thread ran 50 times
+        while len(ticks) < 50:
             ticks.append(1)
             time.sleep(0.001)
         with open(fifo, "wb") as w:

@@ -355,7 +355,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
 
 
 DECOUPLED_COMMIT_FAILURE = r"""
-import os, sys, time, types
+import os, sys, threading, types
 import torch
 from fastpersist import asyncsave
 from fastpersist.integrations.deepspeed import FastPersistCheckpointEngine
@@ -363,12 +363,21 @@ from fastpersist.integrations.deepspeed import FastPersistCheckpointEngine
 root = sys.argv[1]
 tag_dir = os.path.join(root, "step1")
 real = asyncsave._finish
+real_wait = asyncsave.SaveFuture.wait
+bad_seen = threading.Event()
+def wait(self, timeout=None):
+    try:
+        return real_wait(self, timeout)
+    finally:
+        if self.path.endswith("bad.pt"):
+            bad_seen.set()  # commit has collected the failed save's error
 def finish(job):
     if job.future.path.endswith("bad.pt"):
         os.remove(job.tmp)  # its rename fails (ENOENT)
     else:
-        time.sleep(0.5)  # still pending when the first one has failed
+        assert bad_seen.wait(120)  # still pending when commit has seen the first one fail
     real(job)
+asyncsave.SaveFuture.wait = wait
 asyncsave._finish = finish
 eng = FastPersistCheckpointEngine(None, decoupled=True)
 info = types.SimpleNamespace(save_dir=root, tag="step1", save_latest=True)

@@ -1,4 +1,4 @@
-"""The fresh-memory probe printed in every benchmark header (fastpersist.bench.memprobe)."""
+"""The fresh-memory probe printed in every benchmark header (fastpersist.memprobe)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from fastpersist.bench import memprobe
-from fastpersist.bench.machine import collect_machine_info
+from fastpersist import memprobe
+from fastpersist.machine import collect_machine_info
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 

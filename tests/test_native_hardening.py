@@ -6,7 +6,6 @@ to do. Faults come from the native syscall layer (fastpersist.testing)."""
 from __future__ import annotations
 
 import errno
-import time
 
 import pytest
 import torch
@@ -27,34 +26,31 @@ FOREVER = 10**9  # fault count: every matching call for the rest of the block
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_persistent_eagain_fails_clearly_and_quickly(tmp_path, engine, direct, op) -> None:
-    """Every call fails with EAGAIN: the op gives up after the ~1 s backoff budget
-    with an OSError(EAGAIN) naming file, op and offset, sleeping (not spinning)."""
+    """Every call fails with EAGAIN: the op gives up after its backoff budget with an
+    OSError(EAGAIN) naming file, op and offset, after a bounded number of retries
+    (a backoff that sleeps: a spinning loop retries millions of times). How long the
+    budget lasts is not asserted here (speed belongs to the benchmarks); a retry loop
+    that never gives up fails by the suite's timeout."""
     path = tmp_path / "eagain.bin"
     offset = 4096 + 17
     path.write_bytes(_data(offset + SIZE, 1))
     h = _handle(engine, direct)
     dst = torch.empty(SIZE, dtype=torch.uint8)
-    wall0, cpu0 = time.monotonic(), time.process_time()
     with inject_fault(op, 1, "EAGAIN", FOREVER) as fault:
         with pytest.raises(OSError) as ei:
             if op == "write":
                 h.pwrite(_tensor(_data(SIZE)), path, offset)
             else:
                 h.pread(dst, path, offset)
-    wall, cpu = time.monotonic() - wall0, time.process_time() - cpu0
     e = ei.value
     assert e.errno == errno.EAGAIN
     assert e.filename == str(path)
     assert e.operation == ("pwrite" if op == "write" else "pread")
     assert offset // 4096 * 4096 <= e.offset < offset + SIZE
     assert f"at offset {e.offset}" in str(e) and "retrying with backoff" in str(e), str(e)
-    # Bounded: about 1 s of backoff per request (requests back off concurrently,
-    # or one after the other on the aio engine's single thread sharing one budget).
-    assert 0.5 <= wall < 5.0, wall
-    # Retried, but with sleeps: a few dozen calls per request, not millions, and
-    # far less CPU than wall time (the old loop spun a core at 100%).
+    # Retried, but with sleeps between the tries: a few dozen calls per request, not
+    # the millions of a loop that spins through its budget.
     assert 2 <= fault.hits < 1000, fault.hits
-    assert cpu < 0.5 * wall + 0.2, (cpu, wall)
     # The handle is fine afterwards.
     data = _data(SIZE, 2)
     h.pwrite(_tensor(data), path, offset)
@@ -76,13 +72,11 @@ def test_transient_eagain_recovers_exactly(tmp_path, engine, direct, op, nth, co
         path.write_bytes(bytes(offset) + data)
     h = _handle(engine, direct)
     dst = torch.empty(SIZE, dtype=torch.uint8)
-    t0 = time.monotonic()
     with inject_fault(op, nth, "EAGAIN", count) as fault:
         if op == "write":
             h.pwrite(_tensor(data), path, offset)
         else:
             h.pread(dst, path, offset)
-    assert time.monotonic() - t0 < 5.0
     assert fault.hits == count
     if op == "write":
         assert path.read_bytes() == bytes(offset) + data

@@ -1,4 +1,6 @@
-"""README.md stays true: its Python examples run, and CI runs the test command it gives."""
+"""README.md stays true: its Python examples run, and CI runs the test command it gives.
+The examples that moved from README to the documentation pages made of its sections
+(docs/usage.md, docs/format.md) run here too."""
 
 from __future__ import annotations
 
@@ -13,12 +15,16 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README, flags=re.DOTALL | re.MULTILINE)
+def _blocks(lang: str, text: str = README) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
 
 
 # Examples with s3:// URLs need an S3 server: tests/test_s3_modes.py runs them against s3proxy.
 PYTHON_BLOCKS = [b for b in _blocks("python") if "s3://" not in b]
+# The pages README's sections moved to; their examples that README does not repeat.
+DOC_PAGES = ["docs/usage.md", "docs/format.md"]
+DOC_BLOCKS = [(page, b) for page in DOC_PAGES for b in _blocks("python", (ROOT / page).read_text(encoding="utf-8"))
+              if "s3://" not in b and b not in PYTHON_BLOCKS]
 
 
 def test_readme_has_examples() -> None:
@@ -34,6 +40,22 @@ def test_readme_python_example_runs(tmp_path, index) -> None:
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, f"README example {index} failed:\n{PYTHON_BLOCKS[index]}\n{r.stderr}"
+
+
+def test_docs_pages_made_of_readme_sections_have_their_examples() -> None:
+    assert len(DOC_BLOCKS) >= 3, DOC_BLOCKS  # the I/O layer, loading into a model, safetensors
+
+
+@pytest.mark.parametrize("index", range(len(DOC_BLOCKS)))
+def test_moved_readme_example_runs(tmp_path, index) -> None:
+    """As README's own: a fresh interpreter in an empty directory."""
+    page, block = DOC_BLOCKS[index]
+    script = tmp_path / f"doc_example_{index}.py"
+    script.write_text(block, encoding="utf-8")
+    r = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, f"{page} example failed:\n{block}\n{r.stderr}"
 
 
 def test_readme_opens_with_the_two_commands() -> None:

@@ -1,5 +1,5 @@
-"""Which background work slows a one-thread training step (docs/benchmarks.md, "What slows the
-steps around an async save"). Writes a 469 MiB file under the directory given (default
+"""Which background work slows a one-thread training step (docs/benchmarks.md, "Training
+time lost to checkpointing"). Writes a 469 MiB file under the directory given (default
 /work/bench/train) several times; run on a quiet machine: python docs/experiments/step_interference.py DIR
 
 Part 1 (raw work, no fastpersist save): a background thread writes 469 MiB with O_DIRECT, O_DIRECT +

@@ -436,7 +436,7 @@ def _release_heap() -> None:
     used, as a resumed job does. Without it ``torch.load``, whose storages come from
     malloc, reused last round's already-faulted memory, while fastpersist's read buffers
     are fresh mappings every time (the bias that made ``bench save`` load in fresh
-    processes, docs/benchmarks.md "Session 7")."""
+    processes, docs/benchmarks.md "bench save")."""
     gc.collect()
     libc = libc_handle()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
