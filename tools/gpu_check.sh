@@ -71,7 +71,7 @@ export PYTHONUNBUFFERED=1
 SIZE_BYTES="$("$PY" - "$SIZE" <<'PY' 2>/dev/null
 import sys
 try:
-    from fastpersist.bench.units import parse_size
+    from fastpersist.units import parse_size
 except Exception:
     import re
     m = re.fullmatch(r"(\d+)([KMG]i?B?)?", sys.argv[1], re.I)

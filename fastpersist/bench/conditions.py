@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from fastpersist.bench.units import format_bytes
+from fastpersist.units import format_bytes
 
 #: the largest state ``bench save`` picks by itself (``--size`` chooses any)
 AUTO_SIZE_MAX = 512 << 20

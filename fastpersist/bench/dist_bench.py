@@ -68,9 +68,9 @@ from fastpersist.bench import cgroup, report
 from fastpersist.bench import state as state_mod
 from fastpersist.bench.cgroup import BandwidthGroup
 from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, remove_path, total_size
-from fastpersist.bench.machine import MachineInfo, collect_machine_info
+from fastpersist.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.save_bench import build_workload
-from fastpersist.bench.units import format_bytes, gbps, median, ratio
+from fastpersist.units import format_bytes, gbps, median, ratio
 from fastpersist.distributed import last_load_phases, last_save_phases
 from fastpersist.io import libc_handle
 

@@ -27,7 +27,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from fastpersist.bench.units import format_block
+from fastpersist.units import format_block
 
 DEFAULT_BLOCK_SIZES = (1 << 20, 8 << 20)
 DEFAULT_IODEPTHS = (8, 32)

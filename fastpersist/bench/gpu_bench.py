@@ -33,7 +33,7 @@ import torch
 import fastpersist
 from fastpersist.bench.fio import fio_ceiling
 from fastpersist.bench.fsutil import drop_page_cache, fsync_path
-from fastpersist.bench.units import format_bytes, gbps, median
+from fastpersist.units import format_bytes, gbps, median
 from fastpersist.io import IOHandle, cufile_status, gpu_path
 
 

@@ -24,9 +24,9 @@ import torch
 
 from fastpersist.bench import fio as fio_mod
 from fastpersist.bench.fsutil import drop_page_cache, fsync_dir, remove_path
-from fastpersist.bench.machine import MachineInfo, collect_machine_info
+from fastpersist.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.progress import progress
-from fastpersist.bench.units import gbps, median, ratio
+from fastpersist.units import gbps, median, ratio
 from fastpersist.config import get_default
 from fastpersist.io import IOHandle, pinned_empty
 

@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 from fastpersist.bench.io_bench import IOBenchResult
 from fastpersist.bench.save_bench import SaveBenchResult
-from fastpersist.bench.units import format_block, format_bytes, ratio
+from fastpersist.units import format_block, format_bytes, ratio
 
 
 def _num(value: Optional[float], digits: int = 2) -> str:

@@ -38,9 +38,9 @@ from typing import Any, Optional
 
 from fastpersist.bench import report
 from fastpersist.bench.fsutil import drop_page_cache_all
-from fastpersist.bench.machine import collect_machine_info
+from fastpersist.machine import collect_machine_info
 from fastpersist.bench.report import print_header, render_table
-from fastpersist.bench.units import format_bytes
+from fastpersist.units import format_bytes
 
 SCENARIOS = ("lightning", "load_model", "load_state_dict")
 #: per scenario: (fastpersist's method, the stock method)

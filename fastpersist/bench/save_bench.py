@@ -83,9 +83,9 @@ from fastpersist.bench import ceiling as ceiling_mod
 from fastpersist.bench import fio as fio_mod
 from fastpersist.bench import state as state_mod
 from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, fsync_path, remove_path, total_size
-from fastpersist.bench.machine import MachineInfo, collect_machine_info
+from fastpersist.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.progress import progress as make_progress
-from fastpersist.bench.units import gbps, median, ratio
+from fastpersist.units import gbps, median, ratio
 from fastpersist.config import Config
 from fastpersist.io import available_engines
 

@@ -42,7 +42,7 @@ from fastpersist import config as config_mod
 from fastpersist import handles
 from fastpersist.bench import report
 from fastpersist.bench.fio import FioProbe
-from fastpersist.bench.machine import collect_machine_info
+from fastpersist.machine import collect_machine_info
 from fastpersist.bench.report import parent_dir, print_header, render_table
 from fastpersist.commit import atomic_write
 from fastpersist.formats.safetensors import plan_safetensors

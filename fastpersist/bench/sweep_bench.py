@@ -34,9 +34,9 @@ import fastpersist
 from fastpersist import readpolicy
 from fastpersist.config import get_default
 from fastpersist.bench.fsutil import drop_page_cache
-from fastpersist.bench.machine import collect_machine_info, memory_bytes
+from fastpersist.machine import collect_machine_info, memory_bytes
 from fastpersist.bench.report import write_json
-from fastpersist.bench.units import format_bytes, median, parse_size_list
+from fastpersist.units import format_bytes, median, parse_size_list
 
 #: The default sizes, largest first cut to what the machine holds (:func:`default_sizes`).
 SIZES = "1MiB,4MiB,16MiB,64MiB,256MiB,1GiB,2GiB"
