@@ -113,7 +113,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending
+from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending, s3tier
 from fastpersist import config as config_mod
 from fastpersist import distributed as D
 from fastpersist import io as fpio
@@ -163,10 +163,33 @@ class SaveFuture:
         self._event = threading.Event()
         self._exc: Optional[BaseException] = None
         self._reported = False
+        #: Tiered mode (``s3_local_dir``): the drain of the local copy to the store.
+        self.drain: Optional[s3tier.DrainFuture] = None
 
     def done(self) -> bool:
         """Whether the save has finished (committed, or failed)."""
         return self._event.is_set()
+
+    def wait_durable(self, timeout: Optional[float] = None) -> bool:
+        """Block until the checkpoint is durable where it was sent: for a tiered save of
+        an ``s3://`` URL, until the drain has confirmed the object in the store (the
+        local copy is committed before); otherwise as :meth:`wait`. True when durable,
+        False when ``timeout`` seconds passed first; raises the local save's or the
+        drain's error."""
+        if self.drain is None:
+            return self.wait(timeout)
+        try:
+            return self.drain.wait(timeout)
+        except BaseException as e:
+            if e is self._exc:
+                _mark_reported(self)
+            raise
+
+    def durable(self) -> bool:
+        """Whether :meth:`wait_durable` would return True at once."""
+        if self.drain is None:
+            return self.done() and self._exc is None
+        return self.drain.durable()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the file is committed; True when done, False when ``timeout``
@@ -602,6 +625,8 @@ def save_async(
         if group is not None:
             raise ValueError(f"save_async(group=...) to an s3:// URL is not supported yet ({os.fspath(path)!r}): "
                              "save from one rank, or to a local path")
+        if s3tier.enabled(cfg):
+            return _save_async_tiered(obj, path, mode, cfg, format, metadata)
         return _save_async_s3(obj, path, mode, cfg, format, metadata)
     if group is not None:
         import torch.distributed as dist
@@ -846,6 +871,30 @@ def _save_async_s3(obj: Any, path: PathLike, mode: str, cfg: Any, format: Option
     with _lock:
         _jobs.append(job)
     _enqueue(job)
+    return fut
+
+
+def _save_async_tiered(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str],
+                       metadata: Optional[dict]) -> SaveFuture:
+    """An async save to an ``s3://`` URL in the tiered mode: the ordinary async save of
+    the local copy (the future's path), its drain queued behind its commit
+    (``SaveFuture.drain``)."""
+    t = s3tier.begin(path, cfg)
+    try:
+        fut = save_async(obj, t.local, mode=mode, config=cfg, format=format, metadata=metadata)
+    except BaseException as e:
+        s3tier.abandon(t)
+        err = s3tier.local_error(e, t)
+        if err is e:
+            raise
+        raise err from e
+
+    def committed() -> None:  # the local save's outcome, without collecting its error (its future reports it)
+        fut._event.wait()
+        if fut._exc is not None:
+            raise fut._exc
+
+    fut.drain = s3tier.enqueue(t, committed)
     return fut
 
 

@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command: ``info [DIR]``, ``verify PATH...``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``.
+"""The ``fastpersist`` command: ``info [DIR]``, ``verify PATH...``, ``drain``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``.
 
 Exit status: 0 success; 1 the command ran and found a problem (a checkpoint
 that fails verification, data read back that differs from what was written,
@@ -22,7 +22,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native, describe, objectstore
+from fastpersist import _native, describe, objectstore, s3tier
 from fastpersist._inputs import check_input
 from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
 from fastpersist.bench.conditions import Conditions, auto_size, plan_line
@@ -150,6 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON (one file: its result; "
                    "otherwise an object with status, exit_status, files, errors, skipped)")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser(
+        "drain", parents=[debug], help="tiered s3:// mode: finish the drains to object storage left pending",
+        description="Drain to object storage every checkpoint of the tiered mode's local directory still pending "
+        "(left by a process that was killed, or whose drain failed), wait for them, and list the directory's "
+        "checkpoints with their state (pending, durable). Drains that another running process owns are left to it.",
+        epilog="exit status: 0 every drain finished; 1 a drain failed (its local copy is kept); 2 no local "
+        "directory configured.",
+    )
+    p.add_argument("--local-dir", default=None, help="the tiered mode's local directory (default: "
+                   "FASTPERSIST_S3_LOCAL_DIR)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_drain)
 
     bench = sub.add_parser("bench", parents=[debug], help="benchmarks on your disk")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
@@ -363,6 +376,35 @@ def _info_machine(args: argparse.Namespace) -> int:
         for piece in describe.wrap(line):  # within 100 columns
             print(piece)
     return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """``fastpersist drain``: see :func:`fastpersist.s3tier.recover`."""
+    cfg = get_default()
+    if args.local_dir:
+        cfg = cfg.replace(s3_local_dir=args.local_dir)
+    root = s3tier.local_root(cfg)
+    if root is None:
+        raise UsageError("no local directory: give --local-dir DIR or set FASTPERSIST_S3_LOCAL_DIR")
+    futures = s3tier.recover(root, cfg)
+    failed = 0
+    for f in futures:
+        try:
+            f.wait()
+        except Exception as e:  # noqa: BLE001 - reported, the exit status says it
+            failed += 1
+            print(f"FAILED  {f.url}: {type(e).__name__}: {e}", file=sys.stderr)
+    entries = s3tier.status(root)
+    if args.json:
+        print(json.dumps({"local_dir": root, "drained": len(futures), "failed": failed, "checkpoints": entries},
+                         indent=2))
+    else:
+        print(f"Local directory: {root} ({len(futures)} drain(s) resumed, {failed} failed)")
+        for e in entries:
+            where = f"  local {e['local']}" if e["local"] else ""
+            err = f"  last error: {e['error']}" if e["error"] and e["state"] != "durable" else ""
+            print(f"  {e['state']:8s} {e['url']}{where}{err}")
+    return 1 if failed else 0
 
 
 def _info_s3(args: argparse.Namespace) -> int:
