@@ -254,8 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive, default=8, help="batch size (default: 8)")
     p.add_argument("--methods", type=_names, default=None,
                    help="comma-separated: none, torch.save, fastpersist.save, async-snapshot, async-lazy, "
-                   "dcp.async_save, dcp.async_save-process, lightning-async (default: all; the none baseline runs in "
-                   "every round anyway)")
+                   "dcp.async_save, dcp.async_save-process, lightning-async, async-tiered (needs --s3) (default: all; "
+                   "the none baseline runs in every round anyway)")
     p.add_argument("--rounds", type=_positive, default=1,
                    help="rounds; each runs every method once plus the no-checkpoint baseline, in a seeded shuffled "
                    "order; figures are medians over rounds (default: 1)")
@@ -264,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads (torch.set_num_threads) of the training loop, the same for every "
                    "method and the baseline; below the core count it leaves cores to background checkpoint work, "
                    "as a GPU-bound step does (default: torch's default, left as it is)")
+    p.add_argument("--s3", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="run async-tiered too: save_async to this prefix in the tiered mode (local copies in --dir, "
+                   "the uploads drained in the background; each object read back and compared byte for byte, then "
+                   "deleted)")
     _add_outputs(p, plot="step time over steps, checkpoints marked (PNG)")
     p.set_defaults(func=cmd_bench_train)
 
@@ -717,11 +721,13 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--methods: unknown method(s) {', '.join(bad)} (use {', '.join(METHODS)})")
     if args.d_model % 64 and args.d_model % 6:
         raise UsageError("--d-model must be a multiple of 64 or of 6 (attention heads)")
+    if args.s3 is not None and not objectstore.is_s3_url(args.s3):
+        raise UsageError(f"--s3 takes an s3://bucket/prefix, not {args.s3!r}")
     result = run_train_bench(
         args.dir, steps=args.steps, every=args.every, layers=args.layers, d_model=args.d_model,
         heads=6 if args.d_model % 6 == 0 else args.d_model // 64, vocab=args.vocab, seq=args.seq,
         batch=args.batch, methods=methods, progress=not args.no_progress, rounds=args.rounds,
-        train_threads=args.train_threads, seed=args.seed,
+        train_threads=args.train_threads, seed=args.seed, s3=args.s3,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout
     print_train_report(result, out)

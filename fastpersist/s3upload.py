@@ -161,8 +161,6 @@ class MultipartUpload:
         self.threads = max(1, threads)
         self.upload_id: Optional[str] = None
         self.etags: dict[int, str] = {}
-        #: MD5 digest of each part sent (its Content-MD5), by part number.
-        self.md5s: dict[int, bytes] = {}
         #: The object's ETag as ``CompleteMultipartUpload`` answered it.
         self.etag = ""
         self._lock = threading.Lock()
@@ -203,14 +201,12 @@ class MultipartUpload:
 
     def _put(self, part: StagedPart, holds_slot: bool) -> None:
         try:
-            digest = hashlib.md5(part.data).digest()  # noqa: S324 - S3's Content-MD5
-            md5 = base64.b64encode(digest).decode()
+            md5 = base64.b64encode(hashlib.md5(part.data).digest()).decode()  # noqa: S324 - S3's Content-MD5
             r = self._call("UploadPart", self.client.upload_part, Bucket=self.url.bucket, Key=self.url.key,
                            UploadId=self.upload_id, PartNumber=part.number, Body=part.data,
                            ContentLength=len(part.data), ContentMD5=md5)
             with self._lock:
                 self.etags[part.number] = r["ETag"]
-                self.md5s[part.number] = digest
         finally:
             part.data = bytearray()
             if holds_slot:
@@ -226,12 +222,6 @@ class MultipartUpload:
                        Key=self.url.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts})
         self.etag = str(r.get("ETag", ""))
         self._pool.shutdown(wait=True)
-
-    def expected_etag(self) -> str:
-        """The ETag S3 gives a multipart object of exactly the parts sent: the MD5 of
-        the parts' MD5 digests, ``-`` and the number of parts, quoted."""
-        joined = b"".join(self.md5s[n] for n in sorted(self.md5s))
-        return f'"{hashlib.md5(joined).hexdigest()}-{len(self.md5s)}"'  # noqa: S324 - S3's ETag
 
     def abort(self) -> None:
         """Stop uploading (queued parts are dropped), wait for the parts in flight, abort
@@ -326,7 +316,7 @@ def upload_file(fd: int, size: int, url: S3Url, client: Any, *, threads: int = 8
     read with ``pread`` as upload slots free up (at most ``threads + 2`` parts in
     memory), each sent with its Content-MD5. ``before_complete`` runs once every part
     is stored and before the commit; an error it raises aborts the upload. Returns the
-    completed upload (its :attr:`~MultipartUpload.etag` and part digests)."""
+    completed upload (its :attr:`~MultipartUpload.etag`)."""
     psize = part_size(size, preferred_part)
     nparts = max(1, -(-size // psize))
 
