@@ -298,3 +298,18 @@ def test_config_keys():
     with pytest.raises(TypeError):
         fastpersist.Config(s3_local_dir=3)  # type: ignore[arg-type]
     assert not s3tier.enabled(fastpersist.Config())
+
+
+def test_bench_train_tiered_reads_every_object_back(boto, bucket, s3_env, tmp_path):  # noqa: ANN001
+    from fastpersist.bench.train_bench import TIERED, run_train_bench
+
+    tiny = dict(steps=6, every=2, layers=1, d_model=32, heads=2, vocab=64, seq=8, batch=2, progress=False)
+    res = run_train_bench(str(tmp_path), methods=[TIERED], s3=f"s3://{bucket}/b", **tiny)
+    [run] = res.runs_of(TIERED, ok=False)
+    assert run.error is None and run.verified is True
+    assert run.checkpoints_verified == len(run.checkpoint_steps) == 2  # each object equal to its local copy
+    assert run.durable_wait_s >= 0
+    assert boto.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0  # its objects removed
+    _no_uploads(boto, bucket)
+    res = run_train_bench(str(tmp_path), methods=[TIERED], **tiny)  # no s3 prefix: not run, and said why
+    assert not res.runs_of(TIERED, ok=False) and any("needs --s3" in n for n in res.notes)
