@@ -1012,6 +1012,25 @@ def _at_exit(interpreter_exit: bool = False) -> None:
 
 atexit.register(_at_exit, True)
 
+
+def _finish_uploads_at_shutdown() -> None:
+    """Async saves to ``s3://`` URLs upload on ThreadPoolExecutors, which refuse new work
+    once the interpreter's shutdown has begun (concurrent.futures' hook, run before the
+    ``atexit`` hooks): wait for them in that earlier phase (those hooks run newest
+    first, and this one is registered after concurrent.futures')."""
+    with _lock:
+        uploads = [j.future for j in _jobs if isinstance(j.collective, _S3Upload)]
+    try:
+        for f in uploads:
+            f._event.wait()
+    except KeyboardInterrupt:  # _at_exit reports what is left
+        pass
+
+
+_register_shutdown = getattr(threading, "_register_atexit", None)
+if _register_shutdown is not None:
+    _register_shutdown(_finish_uploads_at_shutdown)
+
 _mp_hooked: set[int] = set()
 
 
