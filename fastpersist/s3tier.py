@@ -23,6 +23,7 @@ vouches for it.
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import sys
@@ -34,7 +35,7 @@ from typing import Any, Callable, Optional
 
 from fastpersist import io as fpio
 from fastpersist import pending, s3client, s3journal, s3upload
-from fastpersist.errors import ChecksumError, CheckpointFormatError, ObjectStoreError
+from fastpersist.errors import ChecksumError, CheckpointFormatError, DirectorySyncError, ObjectStoreError
 from fastpersist.s3url import S3Url, is_s3_url, parse
 
 log = logging.getLogger("fastpersist.s3")
@@ -161,16 +162,25 @@ def begin(target: Any, cfg: Any) -> Ticket:
             t = Ticket(url, root, local, cfg, bool(entry["pending"]))
             entry.update(pending=True, seq=time.time_ns(), evicted=False)
             s3journal.write(root, entry)
+    except OSError as e:
+        _owner.give(root, url)
+        if e.errno is None:
+            raise
+        raise type(e)(e.errno, f"tiered save of {url}: the journal entry in {root} could not be written "
+                      f"({e.strerror or e}); nothing was saved, the previous checkpoint is untouched",
+                      e.filename) from e
     except BaseException:
         _owner.give(root, url)
         raise
     return t
 
 
-def abandon(t: Ticket) -> None:
-    """The local save of ``t`` failed: nothing to drain (its entry is as before)."""
+def abandon(t: Ticket, keep_pending: bool = False) -> None:
+    """The local save of ``t`` failed: nothing to drain (its entry is as before; with
+    ``keep_pending``, a new local file may be in place: the next start drains it)."""
     try:
-        _unmark(t)
+        if not keep_pending:
+            _unmark(t)
     finally:
         _owner.give(t.root, t.url)
 
@@ -188,11 +198,15 @@ def _unmark(t: Ticket) -> None:
 
 def local_error(e: BaseException, t: Ticket) -> BaseException:
     """The local save's error of a tiered save, naming the URL too (same type and errno)."""
-    if isinstance(e, OSError) and e.errno is not None and not isinstance(e, ObjectStoreError):
+    if not isinstance(e, OSError) or e.errno is None or isinstance(e, (ObjectStoreError, DirectorySyncError)):
+        return e
+    hint = f"; free space in {t.root} or turn the tiered mode off (s3_local_dir=None)" if e.errno == errno.ENOSPC else ""
+    try:
         return type(e)(e.errno, f"tiered save of {t.url}: the local copy could not be written ({e.strerror or e}); "
-                       "nothing was queued for upload, the previous checkpoint (local and remote) is untouched; "
-                       f"free space in {t.root} or turn the tiered mode off (s3_local_dir)", t.local)
-    return e
+                       f"nothing was queued for upload, the previous checkpoint (local and remote) is untouched{hint}",
+                       t.local)
+    except TypeError:  # an OSError subclass with a constructor of its own
+        return e
 
 
 def enqueue(t: Ticket, wait_local: Optional[Callable[[], None]] = None) -> DrainFuture:
@@ -238,7 +252,8 @@ def _drain_loop() -> None:
             else:
                 _queued.pop(str(t.url), None)
         if local_failed:
-            _unmark(t)
+            if not isinstance(exc, DirectorySyncError):  # that one: the new file is in place, left pending
+                _unmark(t)
         elif exc is not None:
             _note_failure(t, exc)
         _owner.give(t.root, t.url)
@@ -586,7 +601,7 @@ def save_through(target: Any, cfg: Any, write_local: Callable[[str], Any]) -> Dr
     try:
         write_local(t.local)
     except BaseException as e:
-        abandon(t)
+        abandon(t, keep_pending=isinstance(e, DirectorySyncError))  # that one: the new file is in place
         err = local_error(e, t)
         if err is e:
             raise
