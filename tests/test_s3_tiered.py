@@ -227,27 +227,33 @@ def test_drain_killed_mid_upload_resumes_at_the_next_start(boto, bucket, faulty,
 _EXIT_WAITS = """
 import sys, torch, fastpersist
 state = {"w": torch.ones(3 * (1 << 20)), "seed": 1}
-fastpersist.save_async(state, sys.argv[1] + "/e.pt")  # tiered (FASTPERSIST_S3_LOCAL_DIR)
 fastpersist.save_async(state, sys.argv[1] + "/direct.pt", config=fastpersist.Config(s3_local_dir=None))
-print("returning", flush=True)
+fut = fastpersist.save_async(state, sys.argv[1] + "/e.pt")  # tiered (FASTPERSIST_S3_LOCAL_DIR)
+fut.wait()
+print("durable at exit:", fut.durable(), flush=True)
 """
 
 
-def test_exit_waits_for_the_drain_and_the_direct_upload(boto, bucket, s3_env, tmp_path):  # noqa: ANN001
-    """The interpreter exits with a drain and a direct-mode async upload running: both
-    are finished first (the uploads' thread pools refuse new work once the shutdown has
-    begun, so the waits come before that)."""
+def test_exit_waits_for_the_drain_and_the_direct_upload(boto, bucket, faulty, tmp_path):  # noqa: ANN001
+    """The interpreter exits with a drain and a direct-mode async upload running (their
+    first parts stall past the 1 s timeout, then are retried): both are finished first
+    (the uploads' thread pools refuse new work once the shutdown has begun, so the waits
+    come before that)."""
     root = str(tmp_path / "tier")
-    env = dict(os.environ, FASTPERSIST_S3_PART_SIZE="5M", FASTPERSIST_S3_LOCAL_DIR=root)
+    faulty.stall_s = 3.0
+    faulty.arm(Fault("stall", method="PUT", query="partNumber=", count=4))
+    env = dict(os.environ, FASTPERSIST_S3_PART_SIZE="5M", FASTPERSIST_S3_LOCAL_DIR=root, FASTPERSIST_S3_TIMEOUT="1")
     r = subprocess.run([sys.executable, "-c", _EXIT_WAITS, f"s3://{bucket}"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    assert "durable at exit: False" in r.stdout
     assert "waiting for 1 drain(s)" in r.stderr
     with open(os.path.join(root, bucket, "e.pt"), "rb") as f:
         assert _remote_bytes(boto, bucket, "e.pt") == f.read()
     direct = torch.load(io.BytesIO(_remote_bytes(boto, bucket, "direct.pt")), weights_only=True)
     assert torch.equal(direct["w"], torch.ones(3 * MiB))
     assert not os.path.exists(os.path.join(root, bucket, "direct.pt"))
+    _no_uploads(boto, bucket)
 
 
 @pytest.mark.parametrize("how", ["save", "save_async"])
