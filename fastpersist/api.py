@@ -22,11 +22,12 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from fastpersist import distributed, pending, pipeline
+from fastpersist import distributed, modelload, pending, pipeline, s3collective
 from fastpersist.s3url import is_s3_url
 from fastpersist.formats.base import VerifyResult
 from fastpersist.formats.registry import FORMATS as _FORMAT_TABLE
-from fastpersist.formats.safetensors import DEFAULT_SAFETENSORS_METADATA, load_into_model, safetensors_metadata
+from fastpersist.formats.safetensors import DEFAULT_SAFETENSORS_METADATA, safetensors_metadata
+from fastpersist.modelload import load_into_model
 from fastpersist.formats.zipindex import starts_like_zip
 
 __all__ = ["DEFAULT_SAFETENSORS_METADATA", "FORMATS", "VerifyResult", "load", "load_file", "load_model",
@@ -52,7 +53,9 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
         config: a :class:`fastpersist.Config`; default: ``fastpersist.config.get_default()``.
         format: ``"torch"`` or ``"safetensors"``; default: by extension.
         group: a ``torch.distributed`` process group whose ranks all call ``save`` with the
-            same (replicated) object and write one file together; see :mod:`fastpersist.distributed`.
+            same (replicated) object and write one file together; see :mod:`fastpersist.distributed`
+            (to an ``s3://`` URL: one multipart upload with parts from every rank, see
+            :mod:`fastpersist.s3collective`).
         metadata: safetensors only: the file's ``__metadata__`` (str -> str), with
             ``"format": "pt"`` added unless it sets ``"format"`` (no metadata: ``{"format":
             "pt"}``, as transformers' ``save_pretrained`` writes; transformers 4.x refuses
@@ -70,9 +73,10 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
     result loads with stock ``torch.load`` (or ``safetensors``).
     """
     if group is not None:
-        _no_group_url(path, "save")
         if metadata is not None:
             raise TypeError("fastpersist.save(..., group=...) takes no metadata (group saves write {'format': 'pt'})")
+        if is_s3_url(path):  # one multipart upload, its parts from every rank
+            return s3collective.save(obj, path, group=group, config=config, format=format)
         return distributed.save(obj, path, group=group, config=config, format=format)
     pipeline.save(obj, path, config=config, format=format, metadata=metadata)
 
@@ -158,6 +162,10 @@ def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
                 "holds the weights with fastpersist.load_state_dict(model, path, key='state_dict') (the key of "
                 "that part: 'state_dict' in Lightning checkpoints)")
         return load_into_model(model, state, strict)
+    if not is_s3_url(filename):
+        done = modelload.load_model_in_place(model, filename, strict, device, config)
+        if done is not None:
+            return done
     state_dict = pipeline.load_file(filename, device, backend=backend, config=config)
     return load_into_model(model, state_dict, strict)
 
@@ -217,17 +225,13 @@ def load(
     """
     pending.wait_before_reading(path)
     if group is not None:  # every rank of the group calls it; see fastpersist.distributed
-        _no_group_url(path, "load")
+        if is_s3_url(path):
+            return s3collective.load(path, map_location, pickle_module, group=group, weights_only=weights_only,
+                                     mmap=mmap, config=config, **pickle_load_args)
         return distributed.load(path, map_location, pickle_module, group=group, weights_only=weights_only, mmap=mmap,
                                 config=config, **pickle_load_args)
     return pipeline.load(path, map_location, pickle_module, weights_only=weights_only, mmap=mmap, config=config,
                          **pickle_load_args)
-
-
-def _no_group_url(path: Any, what: str) -> None:
-    if is_s3_url(path):
-        raise ValueError(f"fastpersist.{what}(..., group=...) does not take s3:// URLs yet ({os.fspath(path)!r}): "
-                         f"{what} from one rank without group=")
 
 
 def verify(path: PathLike, *, config: Any = None) -> VerifyResult:

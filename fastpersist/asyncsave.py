@@ -113,7 +113,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending, s3tier
+from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending, s3collective, s3tier
 from fastpersist import config as config_mod
 from fastpersist import distributed as D
 from fastpersist import io as fpio
@@ -623,8 +623,11 @@ def save_async(
     _hook_multiprocessing_exit()
     if objectstore.is_s3_url(path):
         if group is not None:
-            raise ValueError(f"save_async(group=...) to an s3:// URL is not supported yet ({os.fspath(path)!r}): "
-                             "save from one rank, or to a local path")
+            import torch.distributed as dist
+
+            D.check_group(group)
+            if dist.get_world_size(group) > 1:  # collective saves to object storage go direct
+                return _save_async_s3_group(obj, path, mode, cfg, format, group)
         if s3tier.enabled(cfg):
             return _save_async_tiered(obj, path, mode, cfg, format, metadata)
         return _save_async_s3(obj, path, mode, cfg, format, metadata)
@@ -898,6 +901,27 @@ def _save_async_tiered(obj: Any, path: PathLike, mode: str, cfg: Any, format: Op
     return fut
 
 
+def _save_async_s3_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str],
+                         group: Any) -> SaveFuture:
+    """``save_async(url, group=group)`` with more than one rank: agreement, the upload's
+    creation and the copy of this rank's parts happen at the call (collectives on the
+    caller's thread; every rank raises the same error there); the parts' upload, the
+    exchange of their ETags and the completion in the background
+    (:mod:`fastpersist.s3collective`)."""
+    fut = SaveFuture(os.fspath(path), mode)
+    with asyncstage.capture_lock():  # an uncollected async error is reported to every rank at the plan step
+        upload = s3collective.start_async(obj, path, group=group, config=cfg, format=format, before=_raise_unreported)
+    if upload is None:  # torch's writer: uploaded at the call
+        fut._event.set()
+        return fut
+    job = _Job(fut, "", cfg.fsync)
+    job.collective = upload
+    with _lock:
+        _jobs.append(job)
+    _enqueue(job)
+    return fut
+
+
 def wait_all(timeout: Optional[float] = None) -> bool:
     """Wait for every pending async save; raise the first error not yet collected.
     Returns False if ``timeout`` seconds passed first."""
@@ -1019,7 +1043,7 @@ def _finish_uploads_at_shutdown() -> None:
     ``atexit`` hooks): wait for them in that earlier phase (those hooks run newest
     first, and this one is registered after concurrent.futures')."""
     with _lock:
-        uploads = [j.future for j in _jobs if isinstance(j.collective, _S3Upload)]
+        uploads = [j.future for j in _jobs if j.collective is not None and not isinstance(j.collective, _GroupCommit)]
     try:
         for f in uploads:
             f._event.wait()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import fastpersist
 from fastpersist import _native, describe, objectstore, s3tier
 from fastpersist._inputs import check_input
-from fastpersist.bench import cgroup, gpu_bench, report, stream_bench
+from fastpersist.bench import cgroup, gpu_bench, report, resume_bench, stream_bench
 from fastpersist.bench.conditions import Conditions, auto_size, plan_line
 from fastpersist.bench.dist_bench import plot_dist, print_dist_report, run_dist_bench
 from fastpersist.bench.io_bench import run_io_bench
@@ -297,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_dist)
 
     stream_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
+    resume_bench.add_cli(bsub, debug, _add_outputs, _size, _positive)
     return parser
 
 

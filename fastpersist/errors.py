@@ -78,3 +78,9 @@ class ObjectStoreError(FastPersistError, OSError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple:
+        # Picklable with its fields: DCP sends a rank's exception to the others
+        # (CheckpointException.failures), and OSError's own reduction would call
+        # __init__ with the message alone.
+        return (type(self), (str(self), self.url, self.operation, self.code), dict(self.__dict__))

@@ -29,8 +29,8 @@ from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
 
 log = logging.getLogger("fastpersist.s3")
 
-__all__ = ["ALIGNMENT", "describe", "fetch", "is_s3_url", "load", "load_file", "name_url_in_error", "plan_for", "save",
-           "save_file", "stage", "upload_staged", "verify"]
+__all__ = ["ALIGNMENT", "describe", "fetch", "is_s3_url", "load", "load_file", "load_with_etag", "name_url_in_error",
+           "plan_for", "save", "save_file", "stage", "upload_staged", "verify"]
 
 #: Payload alignment of objects: what a local save uses on an ordinary filesystem, so
 #: that the object's bytes equal those of a local save.
@@ -137,6 +137,12 @@ def load(target: Any, req: registry.LoadRequest, *, config: Any = None) -> Any:
     """``torch.load`` semantics for an object: fetched, then loaded by its format's
     loader. Onto the CPU (and unless ``mmap=False``) the tensors are views of the
     fetched memory (the loaders' mmap path: no copy)."""
+    return load_with_etag(target, req, config=config)[0]
+
+
+def load_with_etag(target: Any, req: registry.LoadRequest, *, config: Any = None) -> tuple[Any, str]:
+    """:func:`load`, and the ETag of the object version it read (every ranged GET was
+    pinned to it): a collective load compares the ranks' ETags."""
     url = parse(target)
     cfg = config_mod.resolve(config)
     fmt = registry.format_for(url.key)
@@ -148,7 +154,7 @@ def load(target: Any, req: registry.LoadRequest, *, config: Any = None) -> Any:
         local = registry.LoadRequest(got.path, req.map_location, req.pickle_module, req.weights_only, mmap,
                                      req.pickle_load_args)
         try:
-            return fmt.load(got.path, cfg, local)
+            return fmt.load(got.path, cfg, local), got.etag
         except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
             name_url_in_error(e, got.path, str(url))
             raise

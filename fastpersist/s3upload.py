@@ -223,13 +223,18 @@ class MultipartUpload:
         self.etag = str(r.get("ETag", ""))
         self._pool.shutdown(wait=True)
 
+    def stop(self) -> None:
+        """Stop uploading: queued parts are dropped and the parts in flight waited for
+        (the upload itself stays: a collective save's other ranks may own it)."""
+        for f in self._futures:
+            f.cancel()
+        self._pool.shutdown(wait=True)
+
     def abort(self) -> None:
         """Stop uploading (queued parts are dropped), wait for the parts in flight, abort
         the upload. Never raises: a failed abort is logged (the lifecycle rule or the
         next save's cleanup removes the upload)."""
-        for f in self._futures:
-            f.cancel()
-        self._pool.shutdown(wait=True)
+        self.stop()
         if self.upload_id is None:
             return
         try:
@@ -240,9 +245,10 @@ class MultipartUpload:
 
 
 def upload_plan(plan: WritePlan, url: S3Url, client: Any, handle: Any, *, threads: int = 8,
-                preferred_part: int = DEFAULT_PART) -> None:
+                preferred_part: int = DEFAULT_PART) -> list[int]:
     """Upload the file ``plan`` describes to ``url`` as one multipart upload (see the
-    module docstring); blocks until the object is complete, or raises (upload aborted)."""
+    module docstring); blocks until the object is complete, or raises (upload aborted).
+    Returns the CRC-32 of every CRC slot of the plan (what its CRC fields hold)."""
     stager = PartStager(plan, part_size(plan.file_size, preferred_part), handle)
     held: list[StagedPart] = []
 
@@ -268,6 +274,7 @@ def upload_plan(plan: WritePlan, url: S3Url, client: Any, handle: Any, *, thread
             raise AssertionError(f"CRC fields of parts {[h.number for h in held]} never became ready")
 
     _upload(client, url, threads, send)
+    return [stager.crc.get(slot, (0, 0))[0] for slot in range(plan.nslots)]
 
 
 def _upload(client: Any, url: S3Url, threads: int, send: Callable[["MultipartUpload"], None]) -> MultipartUpload:

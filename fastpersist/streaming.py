@@ -57,6 +57,7 @@ from fastpersist import config as config_mod
 from fastpersist.errors import FastPersistError
 from fastpersist.formats.torchindex import CheckpointFile, Piece, TensorInfo, open_checkpoint
 from fastpersist.io import pinned_empty
+from fastpersist.metabuffers import recreate_meta_buffers
 
 __all__ = ["Streamer", "StreamingError", "find_blocks", "stream_weights", "streamer_of"]
 
@@ -420,8 +421,9 @@ def stream_weights(
             taken from the checkpoint by their ``state_dict`` names; tied parameters (one
             object under two names) need only one name in the file; a ``model.tie_weights()``
             (transformers) is called first. Buffers that are
-            not in the file (rotary ``inv_freq``) must already hold values (so prefer
-            ``init_empty_weights``, which keeps buffers real).
+            not in the file (rotary ``inv_freq``) keep their values; where they are on
+            meta, the model computes them again if it can
+            (:func:`fastpersist.metabuffers.recreate_meta_buffers`), else the call is refused.
         checkpoint: a torch zip file (``fastpersist.save`` / ``torch.save`` of the state
             dict), a ``.safetensors`` file, or a folder with ``model.safetensors.index.json``
             and its shards (``save_pretrained``), or with one ``.safetensors`` file.
@@ -468,6 +470,7 @@ def stream_weights(
         raise ValueError("blocks is empty")
     ckpt = _Checkpoint(checkpoint, cfg.checksum)
     try:
+        recreate_meta_buffers(model, lambda name: name in ckpt.where)
         return _setup(model, ckpt, block_modules, prefetch, dev, handle)
     except BaseException:
         ckpt.close()
@@ -491,8 +494,9 @@ def _setup(model: nn.Module, ckpt: _Checkpoint, block_modules: list[nn.Module], 
             if t.device.type == "meta":
                 what = "buffer" if not where[0][3] else "parameter"
                 problems.append(f"{names[0]}: a {what} on the meta device with no entry in the checkpoint"
-                                + (" (non-persistent buffers need real values: build the model with "
-                                   "accelerate.init_empty_weights(), which keeps buffers)" if what == "buffer" else ""))
+                                + (" that the model cannot compute (no _init_weights for it, and its module cannot be "
+                                   "rebuilt from a config): build the model with accelerate.init_empty_weights(), "
+                                   "which keeps buffers real" if what == "buffer" else ""))
             continue
         f, info = found
         bad = _check(names[0], t, info, f.path)

@@ -198,11 +198,13 @@ def test_object_replaced_during_a_load_fails_it(boto, bucket, five_mib_parts, mo
     assert torch.equal(fastpersist.load(url)["w"], torch.ones(3 << 20))
 
 
-def test_group_calls_refuse_urls_before_any_collective() -> None:
-    sentinel = object()  # never used as a group: the URL is refused first
-    with pytest.raises(ValueError, match="group"):
+def test_group_calls_with_urls_need_a_process_group() -> None:
+    """group= with a URL is a collective (tests/test_s3_collective.py): without an initialized
+    process group it says so before any request."""
+    sentinel = object()
+    with pytest.raises(RuntimeError, match="init_process_group"):
         fastpersist.save({"a": torch.ones(1)}, "s3://some-bucket/k.pt", group=sentinel)
-    with pytest.raises(ValueError, match="group"):
+    with pytest.raises(RuntimeError, match="init_process_group"):
         fastpersist.load("s3://some-bucket/k.pt", group=sentinel)
-    with pytest.raises(ValueError, match="group"):
+    with pytest.raises(RuntimeError, match="init_process_group"):
         fastpersist.save_async({"a": torch.ones(1)}, "s3://some-bucket/k.pt", group=sentinel)

@@ -228,12 +228,64 @@ def test_missing_shard_and_missing_tensor(tmp_path, models: dict) -> None:
         fastpersist.stream_weights(_empty("llama"), p2)
 
 
-def test_meta_buffers_without_values_are_refused(models: dict) -> None:
-    _, paths = models["llama"]
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_model_built_under_torch_device_meta_streams(models: dict, arch: str) -> None:
+    """``with torch.device("meta")`` puts the rotary ``inv_freq`` (LLaMA, non-persistent,
+    in no file) on meta too: the model's own initialiser computes it again, and the
+    streamed model generates the reference's tokens."""
+    ref, paths = models[arch]
     with torch.device("meta"):
-        m = transformers.AutoModelForCausalLM.from_config(_llama_config())
-    with pytest.raises(StreamingError, match="init_empty_weights"):
-        fastpersist.stream_weights(m, paths["torch"])
+        m = transformers.AutoModelForCausalLM.from_config(CONFIGS[arch]()).eval()
+    meta_bufs = [n for n, b in m.named_buffers() if b.device.type == "meta"]
+    model = fastpersist.stream_weights(m, paths["sharded"])
+    ref_bufs = dict(ref.named_buffers())
+    for name in meta_bufs:  # every buffer of the reference that no file holds, recomputed exactly
+        got = dict(model.named_buffers()).get(name)
+        if got is not None and got.device.type != "meta":
+            assert torch.equal(got, ref_bufs[name]), name
+    mask = torch.ones_like(IDS)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, ref(IDS).logits)
+    gen_want = ref.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    gen_got = model.generate(IDS, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(gen_got, gen_want)
+    streamer_of(model).close()
+
+
+class _Scaled(torch.nn.Module):
+    """A block list plus a non-persistent buffer computed from a constructor argument that is
+    not a config: nothing can compute it again once it is on meta."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.register_buffer("scale", torch.full((8,), scale), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x) * self.scale
+        return x
+
+
+def test_meta_buffer_that_cannot_be_computed_is_refused_with_the_call_to_use(tmp_path) -> None:
+    torch.manual_seed(0)
+    path = str(tmp_path / "scaled.pt")
+    fastpersist.save(_Scaled(0.5).state_dict(), path)
+    with torch.device("meta"):
+        m = _Scaled(0.5)
+    with pytest.raises(StreamingError, match=r"scale: a buffer on the meta device.*init_empty_weights"):
+        fastpersist.stream_weights(m, path)
+    with accelerate.init_empty_weights():  # the call the message names: buffers stay real
+        m = _Scaled(0.5)
+    model = fastpersist.stream_weights(m, path)
+    ref = _Scaled(0.5)
+    ref.load_state_dict(fastpersist.load(path))
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), ref(ids))
+    streamer_of(model).close()
 
 
 def test_bad_arguments(models: dict) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import io
 import logging
 import os
-from typing import Any, Union
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -15,9 +18,12 @@ from torch.futures import Future
 
 from fastpersist import _compat, _native
 from fastpersist.config import get_default
+from fastpersist.dcp._s3 import S3Checkpoint
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
-from fastpersist.formats.dcpmetadata import ADVICE, inside, item_name, load_metadata, table_problems
+from fastpersist.formats.dcpmetadata import (ADVICE, inside, item_name, load_metadata, load_metadata_bytes,
+                                             table_problems)
 from fastpersist.formats.zipindex import buffer_reader, parse_zip_index
+from fastpersist.s3url import is_s3_url
 
 log = logging.getLogger("fastpersist.dcp")
 
@@ -117,6 +123,11 @@ class FastPersistReader(FileSystemReader):
 
     Items with stream transforms (``_extensions``), or a torch whose DCP internals
     differ from what this class knows, are read by ``FileSystemReader`` itself.
+
+    ``path`` may be an ``s3://bucket/prefix`` URL (a checkpoint :class:`FastPersistWriter`
+    wrote there, or any DCP checkpoint laid out as a directory under that prefix): the
+    ``.metadata`` object is fetched and checked as a local one, and each rank reads
+    exactly its items' byte ranges with ranged GETs in parallel (docs/dcp.md).
     """
 
     def __init__(self, path: PathLike, *, config: Any = None, **kwargs: Any) -> None:
@@ -125,6 +136,21 @@ class FastPersistReader(FileSystemReader):
         self._handle: Any = None
         #: the error of a .metadata that could not be read, kept for set_up_storage_reader (see read_metadata)
         self._metadata_error: Any = None
+        #: the checkpoint's objects when ``path`` is an ``s3://`` URL (None: a directory)
+        self._s3: Optional[S3Checkpoint] = None
+        if is_s3_url(path):
+            self._s3 = S3Checkpoint(os.fspath(path), config)
+            self.path = self._s3.url
+
+    def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
+        if checkpoint_id and is_s3_url(checkpoint_id):
+            super().reset(None)
+            self._s3 = S3Checkpoint(os.fspath(checkpoint_id), self.config)
+            self.path = self._s3.url
+            return
+        if checkpoint_id:
+            self._s3 = None
+        super().reset(checkpoint_id)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -148,18 +174,27 @@ class FastPersistReader(FileSystemReader):
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         rank = kwargs.get("rank")
-        if hasattr(self, "_get_metadata_path"):
-            path = os.fsdecode(os.fspath(self._get_metadata_path(rank)))
-        else:  # a torch without the helper: its naming
-            path = os.path.join(os.fsdecode(os.fspath(self.path)), ".metadata" if rank is None else f"__{rank}.metadata")
+        store = self._s3
+        read: Callable[[], Any]
+        if store is not None:
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            path = store.name_of(name)
+            read = lambda: load_metadata_bytes(store.get(name), path)  # noqa: E731
+        else:
+            if hasattr(self, "_get_metadata_path"):
+                path = os.fsdecode(os.fspath(self._get_metadata_path(rank)))
+            else:  # a torch without the helper: its naming
+                path = os.path.join(os.fsdecode(os.fspath(self.path)),
+                                    ".metadata" if rank is None else f"__{rank}.metadata")
+            read = lambda: load_metadata(path)  # noqa: E731
         self._metadata_error = None
         try:
-            metadata, _sealed = load_metadata(path)
+            metadata, _sealed = read()
         except (CheckpointFormatError, OSError) as e:
             # A missing file, or a damaged global .metadata beside per-rank ones, goes to
             # DCP as stock's would: DCP then tries the per-rank __RANK.metadata.
             if isinstance(e, FileNotFoundError) or not _called_by_dcp_load() or (
-                    rank is None and _has_rank_metadata(os.path.dirname(path))):
+                    rank is None and store is None and _has_rank_metadata(os.path.dirname(path))):
                 raise
             # dcp.load catches whatever read_metadata raises and reports only its text,
             # inside AssertionError("metadata is None; ..."). Handed an empty Metadata
@@ -199,13 +234,19 @@ class FastPersistReader(FileSystemReader):
         if not _compat.ok("dcp_storage_layer") or any(
             getattr(self.storage_data[r.storage_index], "transform_descriptors", None) for r in plan.items
         ):
+            if self._s3 is not None:
+                raise ValueError(f"fastpersist.dcp: {self.path}: items with stream transforms (_extensions) cannot "
+                                 "be read from object storage by fastpersist: copy the checkpoint to a local "
+                                 "directory and read it with FileSystemReader")
             log.info("fastpersist.dcp: reading %s with DCP's FileSystemReader", self.path)
             return super().read_data(plan, planner)
         by_index: dict[Any, list[Any]] = {}
         for req in plan.items:
             by_index.setdefault(req.storage_index, []).append(req)
         batches = self._batches(by_index)
-        if batches:
+        if batches and self._s3 is not None:
+            self._s3_pipeline(batches, by_index, planner)
+        elif batches:
             self._pipeline(batches, by_index, planner)
         fut: Future = Future()
         fut.set_result(None)
@@ -220,12 +261,12 @@ class FastPersistReader(FileSystemReader):
             per_file.setdefault(self.storage_data[idx].relative_path, []).append(idx)
         out = []
         for rel, idxs in per_file.items():
-            path = os.path.join(root, rel)
+            path = self._s3.name_of(rel) if self._s3 is not None else os.path.join(root, rel)
             if not inside(rel):
                 raise CheckpointFormatError(f"{root}/.metadata: item {item_name(idxs[0])} names no file inside the "
                                             f"checkpoint ({rel!r}); {ADVICE}", path)
             try:
-                size = os.stat(path).st_size
+                size = self._size(rel, path)
             except FileNotFoundError:
                 raise FileNotFoundError(
                     errno.ENOENT, f"missing file of the checkpoint: .metadata stores {len(idxs)} item(s) to load in it "
@@ -261,6 +302,50 @@ class FastPersistReader(FileSystemReader):
             if batch:
                 out.append((path, batch, places, total))
         return out
+
+    def _size(self, rel: str, path: str) -> int:
+        """The size of data file ``rel`` (at ``path``); ``FileNotFoundError`` when missing."""
+        if self._s3 is None:
+            return os.stat(path).st_size
+        size = self._s3.size(rel)
+        if size is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        return size
+
+    def _s3_pipeline(self, batches: list[tuple[str, list[Any], list[int], int]], by_index: dict[Any, list[Any]],
+                     planner: LoadPlanner) -> None:
+        """:meth:`_pipeline` from object storage: the items of batch k+1 are fetched (ranged
+        GETs of exactly their bytes, in parallel) while batch k is checked and handed over."""
+        store = self._s3
+        assert store is not None
+
+        def fetch(k: int) -> bytearray:
+            _path, batch, places, total = batches[k]
+            buf = bytearray(total)
+            ranges = [(self.storage_data[idx].relative_path, self.storage_data[idx].offset,
+                       self.storage_data[idx].length, at) for idx, at in zip(batch, places)]
+            store.read_ranges(ranges, memoryview(buf))
+            return buf
+
+        with ThreadPoolExecutor(1, thread_name_prefix="fastpersist-dcp-ahead") as ahead:
+            pending = ahead.submit(fetch, 0)
+            try:
+                for k, (path, batch, places, _total) in enumerate(batches):
+                    buf = pending.result()
+                    if k + 1 < len(batches):
+                        pending = ahead.submit(fetch, k + 1)
+                    mem = memoryview(buf)
+                    lengths = [self.storage_data[idx].length for idx in batch]
+                    self._check(path, batch, [zlib.crc32(mem[at:at + n]) & 0xFFFFFFFF
+                                              for at, n in zip(places, lengths)])
+                    ptr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) if buf else 0
+                    self._check_zip_crcs(self._get_handle(), path, batch, places, ptr, mem, by_index)
+                    for idx, at, n in zip(batch, places, lengths):
+                        raw = mem[at:at + n]
+                        for req in by_index[idx]:
+                            self._deliver(req, raw, planner, path, self.storage_data[idx])
+            finally:
+                pending.cancel()
 
     def _pipeline(self, batches: list[tuple[str, list[Any], list[int], int]], by_index: dict[Any, list[Any]],
                   planner: LoadPlanner) -> None:

@@ -9,6 +9,7 @@ import pickle
 import re
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Union
 
 import torch
@@ -22,8 +23,12 @@ from fastpersist import _compat, _native, _sys
 from fastpersist.commit import clean_stale_temps, fsync_dir, fsync_dir_after_rename, temp_path_for
 from fastpersist.config import get_default
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
-from fastpersist.formats.dcpmetadata import load_metadata, seal
+from fastpersist.dcp._s3 import ALIGNMENT as S3_ALIGNMENT
+from fastpersist.dcp._s3 import S3Checkpoint
+from fastpersist.formats.dcpmetadata import load_metadata, load_metadata_bytes, seal
 from fastpersist.handles import alignment_for
+from fastpersist.plan import WritePlan
+from fastpersist.s3url import is_s3_url
 
 log = logging.getLogger("fastpersist.dcp")
 
@@ -159,6 +164,11 @@ class FastPersistWriter(FileSystemWriter):
        already committed. (Temporary files of writers that died are removed when a save
        starts, once their writer is known to be gone: ``fastpersist.commit``.)
 
+    ``path`` may be an ``s3://bucket/prefix`` URL: each rank uploads each of its data
+    files as one object (a multipart upload, parts in parallel, aborted on failure), and
+    the coordinator commits by putting the ``.metadata`` object last; the same steps,
+    with "rename" read as "complete the upload" (docs/dcp.md, "Object storage").
+
     ``overwrite=False`` raises when the directory holds a checkpoint, as stock. With
     ``use_collectives=False`` each rank does all four steps for its own ``__RANK.metadata``
     and files. Two saves into one directory at the same time are not supported (as with
@@ -174,6 +184,21 @@ class FastPersistWriter(FileSystemWriter):
         super().__init__(path, **kwargs)
         self.config = config
         self._handle: Any = None
+        #: the checkpoint's objects when ``path`` is an ``s3://`` URL (None: a directory)
+        self._s3: Union[S3Checkpoint, None] = None
+        if is_s3_url(path):
+            self._s3 = S3Checkpoint(os.fspath(path), config)
+            self.path = self._s3.url
+
+    def reset(self, checkpoint_id: Union[PathLike, None] = None) -> None:
+        if checkpoint_id and is_s3_url(checkpoint_id):
+            super().reset(None)
+            self._s3 = S3Checkpoint(os.fspath(checkpoint_id), self.config)
+            self.path = self._s3.url
+            return
+        if checkpoint_id:
+            self._s3 = None
+        super().reset(checkpoint_id)
 
     def __getstate__(self) -> dict:  # the native handle stays in this process
         state = dict(self.__dict__)
@@ -183,6 +208,14 @@ class FastPersistWriter(FileSystemWriter):
     # ------------------------------------------------------------------ helpers
 
     def _fast(self) -> bool:
+        why = self._stock_reason()
+        if why:
+            log.info("fastpersist.dcp: writing %s with DCP's FileSystemWriter: %s", self.path, why)
+            return False
+        return True
+
+    def _stock_reason(self) -> Union[str, None]:
+        """Why the stock writer must write this save (None: fastpersist writes it)."""
         why = None
         if not _compat.ok("dcp_storage_layer"):
             why = f"dcp_storage_layer unavailable ({_compat.status('dcp_storage_layer').reason})"
@@ -190,10 +223,7 @@ class FastPersistWriter(FileSystemWriter):
             why = "stream transforms (_extensions) are applied by the stock writer"
         elif self.serialization_format != SerializationFormat.TORCH_SAVE:
             why = f"serialization_format={self.serialization_format} is written by the stock writer"
-        if why:
-            log.info("fastpersist.dcp: writing %s with DCP's FileSystemWriter: %s", self.path, why)
-            return False
-        return True
+        return why
 
     def _get_handle(self, nfiles: int) -> Any:
         """A native handle for these settings, shared by every writer of this process (its
@@ -231,6 +261,8 @@ class FastPersistWriter(FileSystemWriter):
     # ------------------------------------------------------------------ StorageWriter
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self._s3 is not None:
+            return self._s3_local_plan(plan)
         plan = super().prepare_local_plan(plan)  # mkdir, overwrite check, rank prefix
         if self._rank_local():  # no coordinator: each rank owns its metadata and names its files
             clean_stale_temps(self._dir())
@@ -243,6 +275,12 @@ class FastPersistWriter(FileSystemWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator after every rank's local plan and before any write_data
         # (rank-local saves: on each rank, with the plan prepare_local_plan named).
+        if self._s3 is not None:
+            if self._rank_local():
+                return plans
+            token = secrets.token_hex(6) if self._s3.exists(_METADATA) else None
+            return [dataclasses.replace(plan, storage_data=_prefix(i, token))
+                    if plan.storage_data is None else plan for i, plan in enumerate(plans)]
         if not _compat.ok("dcp_storage_layer"):
             self._drop_old_metadata()
             clean_stale_temps(self._dir())
@@ -255,18 +293,14 @@ class FastPersistWriter(FileSystemWriter):
         return [dataclasses.replace(plan, storage_data=_prefix(i, token))
                 if plan.storage_data is None else plan for i, plan in enumerate(plans)]
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if not self._fast():
-            return super().write_data(plan, planner)
+    def _layouts(self, plan: SavePlan, planner: SavePlanner, alignment: int) -> list[tuple[str, FileLayout]]:
+        """``(file name, layout)`` of each data file of this rank's ``plan``."""
         prefix = plan.storage_data.prefix
         if self.single_file_per_rank:
             groups = [b for b in _buckets(plan.items, self.thread_count) if b]
         else:
             groups = [[item] for item in plan.items]
-        directory = self._dir()
-
-        alignment = alignment_for(directory)
-        files: list[tuple[str, str, str, FileLayout]] = []  # (name, final, tmp, layout)
+        out = []
         for k, group in enumerate(groups):
             entries = []
             # stock order: bytes items first, then tensors
@@ -277,10 +311,21 @@ class FastPersistWriter(FileSystemWriter):
                 if wi.type != WriteItemType.BYTE_IO:
                     data = stock_tensor(data)
                 entries.append((wi.index, data))
-            name = f"{prefix}{k}{_SUFFIX}"
-            final = os.path.join(directory, name)
-            files.append((name, final, temp_path_for(final), plan_file(entries, alignment)))
-        results = self._write_files(files)
+            out.append((f"{prefix}{k}{_SUFFIX}", plan_file(entries, alignment)))
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._s3 is not None:
+            results = self._s3_write(plan, planner)
+        else:
+            if not self._fast():
+                return super().write_data(plan, planner)
+            directory = self._dir()
+            files: list[tuple[str, str, str, FileLayout]] = []  # (name, final, tmp, layout)
+            for name, lay in self._layouts(plan, planner, alignment_for(directory)):
+                final = os.path.join(directory, name)
+                files.append((name, final, temp_path_for(final), lay))
+            results = self._write_files(files)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -306,12 +351,47 @@ class FastPersistWriter(FileSystemWriter):
             raise
         if self.sync_files and files:
             fsync_dir(self._dir())
-        results: list[WriteResult] = []
-        for crcs, (name, _final, _tmp, lay) in zip(slot_crcs, files):
-            for item, crc in zip(lay.items, item_crcs(lay, crcs)):
-                info = _compat.dcp_storage_info(name, item.offset, item.length, crc)
-                results.append(WriteResult(index=item.index, size_in_bytes=item.length, storage_data=info))
-        return results
+        return _results([(name, lay) for name, _final, _tmp, lay in files], slot_crcs)
+
+    # ------------------------------------------------------------------ s3://
+
+    def _s3_local_plan(self, plan: SavePlan) -> SavePlan:
+        assert self._s3 is not None
+        why = self._stock_reason()
+        if why:
+            raise ValueError(f"fastpersist.dcp: {self.path}: {why}, which cannot write to object storage: save to a "
+                             "local directory, or without that option")
+        if not self.overwrite and self._s3.exists(self._metadata_name() if self._rank_local() else _METADATA):
+            raise RuntimeError(f"Checkpoint already exists at {self.path} and self.overwrite=False.")
+        if self._rank_local():
+            token = secrets.token_hex(6) if self._s3.exists(self._metadata_name()) else None
+            plan = dataclasses.replace(plan, storage_data=_prefix(self.rank, token))
+        return plan
+
+    def _s3_write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """Upload this rank's data files, one object each (files in parallel, each a
+        multipart upload with parts in parallel). On failure the objects already complete
+        are deleted (best effort: the next committed save removes what is left) and the
+        error is raised; no ``.metadata`` is written, so no checkpoint names them."""
+        store = self._s3
+        assert store is not None
+        files = self._layouts(plan, planner, S3_ALIGNMENT)
+        if not files:
+            return []
+        cfg = self.config if self.config is not None else get_default()
+        workers = max(1, min(len(files), self.thread_count))
+        threads = max(2, cfg.s3_threads // workers)
+        with ThreadPoolExecutor(workers, thread_name_prefix="fastpersist-dcp-put") as pool:
+            futures = [pool.submit(store.upload, name, WritePlan(lay.extents, lay.patches, lay.nslots, lay.size,
+                                                                 lay.keepalive), threads)
+                       for name, lay in files]
+            errors = [f.exception() for f in futures]
+        failed = [e for e in errors if e is not None]
+        if failed:
+            done = [name for (name, _lay), e in zip(files, errors) if e is None]
+            store.delete(done)
+            raise failed[0]
+        return _results(files, [f.result() for f in futures])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if not _compat.ok("dcp_storage_layer"):
@@ -325,6 +405,14 @@ class FastPersistWriter(FileSystemWriter):
         metadata.storage_data = storage_md
         metadata.storage_meta = self.storage_meta()
         data = seal(pickle.dumps(metadata))  # stock pickle.load ignores the trailer
+        if self._s3 is not None:
+            self._s3.put(self._metadata_name(), data)  # the commit: the object appears whole or not at all
+            try:
+                self._s3_collect_garbage(metadata)
+            except Exception as e:  # noqa: BLE001 - leftovers cost space, not correctness
+                log.warning("fastpersist.dcp: %s: could not remove the previous checkpoint's data objects: %s",
+                            self.path, e)
+            return
         directory = self._dir()
         final = os.path.join(directory, self._metadata_name())
         tmp = temp_path_for(final)
@@ -354,6 +442,45 @@ class FastPersistWriter(FileSystemWriter):
             log.warning("fastpersist.dcp: %s: could not remove the previous checkpoint's data files: %s",
                         directory, e)
 
+    def _s3_collect_garbage(self, metadata: Metadata) -> None:
+        """:meth:`_collect_garbage` of the objects under the prefix."""
+        store = self._s3
+        assert store is not None
+        names = store.names()
+        removable = self._unreferenced(metadata, names, lambda n: load_metadata_bytes(store.get(n), store.name_of(n)))
+        removed = store.delete(removable)
+        if removed:
+            log.info("fastpersist.dcp: %s: removed %d data object(s) no checkpoint references: %s", self.path,
+                     len(removed), ", ".join(sorted(removed)))
+
+    def _unreferenced(self, metadata: Metadata, names: list[str], read: Any) -> list[str]:
+        """The data files among ``names`` that no metadata file references (see
+        :meth:`_collect_garbage`); ``read(name)`` loads another metadata file. Empty when
+        one of those cannot be read."""
+        mine = self._metadata_name()
+        keep = {os.path.normpath(info.relative_path) for info in metadata.storage_data.values()}
+        for n in names:
+            if n == mine or not _is_metadata_name(n):
+                continue
+            try:
+                other, _sealed = read(n)
+            except FileNotFoundError:
+                continue
+            except Exception as e:  # noqa: BLE001
+                log.warning("fastpersist.dcp: %s: %s is unreadable (%s), so which data files it uses is unknown: "
+                            "no data file removed", self.path, n, e)
+                return []
+            keep.update(os.path.normpath(str(getattr(i, "relative_path", ""))) for i in other.storage_data.values())
+        out = []
+        for n in names:
+            m = _DATA_RE.fullmatch(n)
+            if m is None or n in keep:
+                continue
+            if self._rank_local() and int(m["rank"]) != self.rank:
+                continue
+            out.append(n)
+        return out
+
     def _collect_garbage(self, metadata: Metadata) -> None:
         """Remove the data files that the ``.metadata`` just published does not reference:
         the previous checkpoint's, and those of saves that did not finish (killed, failed on
@@ -363,28 +490,9 @@ class FastPersistWriter(FileSystemWriter):
         the directory (``.metadata`` / ``__N.metadata`` of another kind of save) references
         stay; if one of those cannot be read, nothing is removed."""
         directory = self._dir()
-        mine = self._metadata_name()
-        keep = {os.path.normpath(info.relative_path) for info in metadata.storage_data.values()}
         names = os.listdir(directory)
-        for n in names:
-            if n == mine or not _is_metadata_name(n):
-                continue
-            try:
-                other, _sealed = load_metadata(os.path.join(directory, n))
-            except FileNotFoundError:
-                continue
-            except Exception as e:  # noqa: BLE001
-                log.warning("fastpersist.dcp: %s: %s is unreadable (%s), so which data files it uses is unknown: "
-                            "no data file removed", directory, n, e)
-                return
-            keep.update(os.path.normpath(str(getattr(i, "relative_path", ""))) for i in other.storage_data.values())
         removed = []
-        for n in names:
-            m = _DATA_RE.fullmatch(n)
-            if m is None or n in keep:
-                continue
-            if self._rank_local() and int(m["rank"]) != self.rank:
-                continue
+        for n in self._unreferenced(metadata, names, lambda n: load_metadata(os.path.join(directory, n))):
             try:
                 os.unlink(os.path.join(directory, n))
             except FileNotFoundError:
@@ -396,3 +504,12 @@ class FastPersistWriter(FileSystemWriter):
             log.info("fastpersist.dcp: %s: removed %d data file(s) no checkpoint references: %s", directory,
                      len(removed), ", ".join(sorted(removed)))
 
+
+def _results(files: list[tuple[str, FileLayout]], slot_crcs: list[list[int]]) -> list[WriteResult]:
+    """DCP's write results of ``files``: each item's ``_StorageInfo`` with its CRC-32."""
+    results: list[WriteResult] = []
+    for crcs, (name, lay) in zip(slot_crcs, files):
+        for item, crc in zip(lay.items, item_crcs(lay, crcs)):
+            info = _compat.dcp_storage_info(name, item.offset, item.length, crc)
+            results.append(WriteResult(index=item.index, size_in_bytes=item.length, storage_data=info))
+    return results

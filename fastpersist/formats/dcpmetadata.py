@@ -100,10 +100,16 @@ def unseal(raw: bytes, path: str) -> tuple[bytes, bool]:
 def load_metadata(path: str) -> tuple[Any, bool]:
     """``(Metadata, sealed)`` from the file at ``path``; ``CheckpointFormatError`` naming
     the file for anything that is not sealed-and-intact or unsealed DCP metadata."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
     with open(path, "rb") as f:
         raw = f.read()
+    return load_metadata_bytes(raw, path)
+
+
+def load_metadata_bytes(raw: bytes, path: str) -> tuple[Any, bool]:
+    """:func:`load_metadata` of a ``.metadata`` already read (an object fetched from a
+    store); ``path`` names it in errors."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     body, sealed = unseal(raw, path)
     try:
         md = MetadataUnpickler(io.BytesIO(body)).load()

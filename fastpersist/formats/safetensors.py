@@ -394,38 +394,6 @@ def duplicate_names(state_dict: dict[str, torch.Tensor], preferred: Any = ()) ->
     return out
 
 
-def load_into_model(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True
-                    ) -> tuple[set[str], list[str]]:
-    """``model.load_state_dict(state_dict)`` as ``safetensors.torch.load_model`` does it:
-    a file holds one name of each group of tied weights, so the model's other names of
-    a group are neither missing nor (when the file has them too) silently taken.
-
-    Returns:
-        ``(missing, unexpected)``: the model's names the file did not fill (a set, as
-        safetensors returns it), the file's names the model did not use (a list).
-
-    Raises:
-        RuntimeError: ``strict`` and either is not empty (the names are listed).
-    """
-    drop = duplicate_names(model.state_dict(), preferred=state_dict.keys())
-    missing_list, unexpected = model.load_state_dict(state_dict, strict=False)
-    missing = set(missing_list)
-    for names in drop.values():
-        for name in names:
-            if name in missing:
-                missing.remove(name)
-            else:
-                unexpected.append(name)
-    if strict and (missing or unexpected):
-        error = f"Error(s) in loading state_dict for {model.__class__.__name__}:"
-        if missing:
-            error += "\n    Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(missing))
-        if unexpected:
-            error += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected))
-        raise RuntimeError(error)
-    return missing, unexpected
-
-
 def _prepare(name: str, t: torch.Tensor, keep_device: Any = None) -> torch.Tensor:
     """Validate one tensor and return a CPU tensor whose memory holds exactly its bytes
     (a tensor on its own device when ``keep_device(storage)`` says so: a device source)."""
