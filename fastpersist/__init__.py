@@ -9,6 +9,7 @@ Public API::
     fastpersist.load_file(path, device="cpu")            # drop-in for safetensors.torch.load_file
     fastpersist.load_model(model, path)                  # drop-in for safetensors.torch.load_model
     fastpersist.save_async(obj, path)    # background save, bytes as at the call (snapshot or lazy + guard)
+    fastpersist.wait_durable()           # tiered s3:// saves (s3_local_dir): wait until every drain is in the store
     fastpersist.patch_torch_save()       # route torch.save/torch.load through fastpersist
     fastpersist.Config                   # engine, buffers, queue depth, threads, O_DIRECT, fsync, checksum
     fastpersist.io                       # low-level I/O handle, pinned tensors, byte views
@@ -28,6 +29,7 @@ from fastpersist.api import load, load_file, load_model, save, save_file, verify
 from fastpersist.asyncsave import SaveFuture, guard, save_async, wait_all  # noqa: E402
 from fastpersist.config import Config  # noqa: E402
 from fastpersist.patch import patch_torch_save, unpatch_torch_save  # noqa: E402
+from fastpersist.s3tier import wait_durable  # noqa: E402
 from fastpersist.lazy import CheckpointReader, open  # noqa: E402,A004
 from fastpersist.loadinto import PartialLoadError, StateDictMismatchError, load_state_dict  # noqa: E402
 from fastpersist.streaming import StreamingError, stream_weights  # noqa: E402
@@ -55,6 +57,7 @@ __all__ = [
     "unpatch_torch_save",
     "verify",
     "wait_all",
+    "wait_durable",
 ]
 
 from fastpersist.patch import apply_env_patch  # noqa: E402

@@ -113,7 +113,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending, s3collective
+from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending, s3collective, s3tier
 from fastpersist import config as config_mod
 from fastpersist import distributed as D
 from fastpersist import io as fpio
@@ -163,10 +163,33 @@ class SaveFuture:
         self._event = threading.Event()
         self._exc: Optional[BaseException] = None
         self._reported = False
+        #: Tiered mode (``s3_local_dir``): the drain of the local copy to the store.
+        self.drain: Optional[s3tier.DrainFuture] = None
 
     def done(self) -> bool:
         """Whether the save has finished (committed, or failed)."""
         return self._event.is_set()
+
+    def wait_durable(self, timeout: Optional[float] = None) -> bool:
+        """Block until the checkpoint is durable where it was sent: for a tiered save of
+        an ``s3://`` URL, until the drain has confirmed the object in the store (the
+        local copy is committed before); otherwise as :meth:`wait`. True when durable,
+        False when ``timeout`` seconds passed first; raises the local save's or the
+        drain's error."""
+        if self.drain is None:
+            return self.wait(timeout)
+        try:
+            return self.drain.wait(timeout)
+        except BaseException as e:
+            if e is self._exc:
+                _mark_reported(self)
+            raise
+
+    def durable(self) -> bool:
+        """Whether :meth:`wait_durable` would return True at once."""
+        if self.drain is None:
+            return self.done() and self._exc is None
+        return self.drain.durable()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the file is committed; True when done, False when ``timeout``
@@ -603,8 +626,10 @@ def save_async(
             import torch.distributed as dist
 
             D.check_group(group)
-            if dist.get_world_size(group) > 1:
+            if dist.get_world_size(group) > 1:  # collective saves to object storage go direct
                 return _save_async_s3_group(obj, path, mode, cfg, format, group)
+        if s3tier.enabled(cfg):
+            return _save_async_tiered(obj, path, mode, cfg, format, metadata)
         return _save_async_s3(obj, path, mode, cfg, format, metadata)
     if group is not None:
         import torch.distributed as dist
@@ -852,6 +877,30 @@ def _save_async_s3(obj: Any, path: PathLike, mode: str, cfg: Any, format: Option
     return fut
 
 
+def _save_async_tiered(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str],
+                       metadata: Optional[dict]) -> SaveFuture:
+    """An async save to an ``s3://`` URL in the tiered mode: the ordinary async save of
+    the local copy (the future's path), its drain queued behind its commit
+    (``SaveFuture.drain``)."""
+    t = s3tier.begin(path, cfg)
+    try:
+        fut = save_async(obj, t.local, mode=mode, config=cfg, format=format, metadata=metadata)
+    except BaseException as e:
+        s3tier.abandon(t)
+        err = s3tier.local_error(e, t)
+        if err is e:
+            raise
+        raise err from e
+
+    def committed() -> None:  # the local save's outcome, without collecting its error (its future reports it)
+        fut._event.wait()
+        if fut._exc is not None:
+            raise fut._exc
+
+    fut.drain = s3tier.enqueue(t, committed)
+    return fut
+
+
 def _save_async_s3_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Optional[str],
                          group: Any) -> SaveFuture:
     """``save_async(url, group=group)`` with more than one rank: agreement, the upload's
@@ -986,6 +1035,25 @@ def _at_exit(interpreter_exit: bool = False) -> None:
 
 
 atexit.register(_at_exit, True)
+
+
+def _finish_uploads_at_shutdown() -> None:
+    """Async saves to ``s3://`` URLs upload on ThreadPoolExecutors, which refuse new work
+    once the interpreter's shutdown has begun (concurrent.futures' hook, run before the
+    ``atexit`` hooks): wait for them in that earlier phase (those hooks run newest
+    first, and this one is registered after concurrent.futures')."""
+    with _lock:
+        uploads = [j.future for j in _jobs if j.collective is not None and not isinstance(j.collective, _GroupCommit)]
+    try:
+        for f in uploads:
+            f._event.wait()
+    except KeyboardInterrupt:  # _at_exit reports what is left
+        pass
+
+
+_register_shutdown = getattr(threading, "_register_atexit", None)
+if _register_shutdown is not None:
+    _register_shutdown(_finish_uploads_at_shutdown)
 
 _mp_hooked: set[int] = set()
 

@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command: ``info [DIR]``, ``verify PATH...``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``, ``bench sweep``.
+"""The ``fastpersist`` command: ``info [DIR]``, ``verify PATH...``, ``drain``, ``bench io``, ``bench save``, ``bench train``, ``bench dist``, ``bench sweep``.
 
 Exit status: 0 success; 1 the command ran and found a problem (a checkpoint
 that fails verification, data read back that differs from what was written,
@@ -22,7 +22,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native, describe, objectstore, readpolicy
+from fastpersist import _native, describe, objectstore, readpolicy, s3tier
 from fastpersist._inputs import check_input
 from fastpersist.commit import clean_stale_temps, scan_temps
 from fastpersist.config import get_default
@@ -151,6 +151,19 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
                    "otherwise an object with status, exit_status, files, errors, skipped)")
     p.set_defaults(func=cmd_verify)
 
+    p = sub.add_parser(
+        "drain", parents=[debug], help="tiered s3:// mode: finish the drains to object storage left pending",
+        description="Drain to object storage every checkpoint of the tiered mode's local directory still pending "
+        "(left by a process that was killed, or whose drain failed), wait for them, and list the directory's "
+        "checkpoints with their state (pending, durable). Drains that another running process owns are left to it.",
+        epilog="exit status: 0 every drain finished; 1 a drain failed (its local copy is kept); 2 no local "
+        "directory configured.",
+    )
+    p.add_argument("--local-dir", default=None, help="the tiered mode's local directory (default: "
+                   "FASTPERSIST_S3_LOCAL_DIR)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_drain)
+
     bench_parser = sub.add_parser("bench", parents=[debug], help="benchmarks on your disk")
     if bench:
         _add_bench_parsers(bench_parser, debug)
@@ -250,8 +263,8 @@ def _add_bench_parsers(bench: argparse.ArgumentParser, debug: argparse.ArgumentP
     p.add_argument("--batch", type=_positive, default=8, help="batch size (default: 8)")
     p.add_argument("--methods", type=_names, default=None,
                    help="comma-separated: none, torch.save, fastpersist.save, async-snapshot, async-lazy, "
-                   "dcp.async_save, dcp.async_save-process, lightning-async (default: all; the none baseline runs in "
-                   "every round anyway)")
+                   "dcp.async_save, dcp.async_save-process, lightning-async, async-tiered (needs --s3) (default: all; "
+                   "the none baseline runs in every round anyway)")
     p.add_argument("--rounds", type=_positive, default=1,
                    help="rounds; each runs every method once plus the no-checkpoint baseline, in a seeded shuffled "
                    "order; figures are medians over rounds (default: 1)")
@@ -260,6 +273,10 @@ def _add_bench_parsers(bench: argparse.ArgumentParser, debug: argparse.ArgumentP
                    help="torch intra-op threads (torch.set_num_threads) of the training loop, the same for every "
                    "method and the baseline; below the core count it leaves cores to background checkpoint work, "
                    "as a GPU-bound step does (default: torch's default, left as it is)")
+    p.add_argument("--s3", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="run async-tiered too: save_async to this prefix in the tiered mode (local copies in --dir, "
+                   "the uploads drained in the background; each object read back and compared byte for byte, then "
+                   "deleted)")
     _add_outputs(p, plot="step time over steps, checkpoints marked (PNG)")
     p.set_defaults(func=cmd_bench_train)
 
@@ -376,6 +393,35 @@ def _info_machine(args: argparse.Namespace) -> int:
         for piece in describe.wrap(line):  # within 100 columns
             print(piece)
     return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """``fastpersist drain``: see :func:`fastpersist.s3tier.recover`."""
+    cfg = get_default()
+    if args.local_dir:
+        cfg = cfg.replace(s3_local_dir=args.local_dir)
+    root = s3tier.local_root(cfg)
+    if root is None:
+        raise UsageError("no local directory: give --local-dir DIR or set FASTPERSIST_S3_LOCAL_DIR")
+    futures = s3tier.recover(root, cfg)
+    failed = 0
+    for f in futures:
+        try:
+            f.wait()
+        except Exception as e:  # noqa: BLE001 - reported, the exit status says it
+            failed += 1
+            print(f"FAILED  {f.url}: {type(e).__name__}: {e}", file=sys.stderr)
+    entries = s3tier.status(root)
+    if args.json:
+        print(json.dumps({"local_dir": root, "drained": len(futures), "failed": failed, "checkpoints": entries},
+                         indent=2))
+    else:
+        print(f"Local directory: {root} ({len(futures)} drain(s) resumed, {failed} failed)")
+        for e in entries:
+            where = f"  local {e['local']}" if e["local"] else ""
+            err = f"  last error: {e['error']}" if e["error"] and e["state"] != "durable" else ""
+            print(f"  {e['state']:8s} {e['url']}{where}{err}")
+    return 1 if failed else 0
 
 
 def _info_s3(args: argparse.Namespace) -> int:
@@ -712,11 +758,13 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--methods: unknown method(s) {', '.join(bad)} (use {', '.join(METHODS)})")
     if args.d_model % 64 and args.d_model % 6:
         raise UsageError("--d-model must be a multiple of 64 or of 6 (attention heads)")
+    if args.s3 is not None and not objectstore.is_s3_url(args.s3):
+        raise UsageError(f"--s3 takes an s3://bucket/prefix, not {args.s3!r}")
     result = run_train_bench(
         args.dir, steps=args.steps, every=args.every, layers=args.layers, d_model=args.d_model,
         heads=6 if args.d_model % 6 == 0 else args.d_model // 64, vocab=args.vocab, seq=args.seq,
         batch=args.batch, methods=methods, progress=not args.no_progress, rounds=args.rounds,
-        train_threads=args.train_threads, seed=args.seed,
+        train_threads=args.train_threads, seed=args.seed, s3=args.s3,
     )
     out = sys.stderr if _json_to_stdout(args) else sys.stdout
     print_train_report(result, out)

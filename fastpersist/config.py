@@ -148,6 +148,15 @@ class Config:
             grown for files that would need more than 10,000 parts.
         s3_timeout: Seconds an ``s3://`` request may wait to connect, and then for
             each read from the store, before botocore retries it (a stalled store).
+        s3_local_dir: The local directory of the tiered mode (None: direct mode). Set,
+            a save to ``s3://bucket/key`` writes ``<s3_local_dir>/bucket/key`` as a local
+            save does and a background drain uploads it; loads read the local copy
+            when it is there and checks out (:mod:`fastpersist.s3tier`).
+        s3_keep_local: Tiered mode: checkpoints kept in the local directory per
+            ``s3://bucket/prefix/`` (only ones already durable remotely are removed);
+            0 keeps all.
+        s3_keep_remote: Tiered mode: checkpoints kept in the store per
+            ``s3://bucket/prefix/``, counting only objects the tier uploaded; 0 keeps all.
     """
 
     engine: str = "auto"
@@ -186,6 +195,12 @@ class Config:
     s3_part_size: int = 16 << 20
     #: Seconds to connect and per read before a request is retried (a stalled store).
     s3_timeout: float = 60.0
+    #: Tiered mode: the local directory saves land in before the drain uploads them (None: direct mode).
+    s3_local_dir: Optional[str] = None
+    #: Tiered mode: checkpoints kept locally per bucket and key prefix (0: all).
+    s3_keep_local: int = 0
+    #: Tiered mode: checkpoints the tier uploaded kept remotely per bucket and key prefix (0: all).
+    s3_keep_remote: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -268,6 +283,10 @@ def _validate_field(name: str, value: Any) -> None:
     if name in _DIST_FIELDS:
         _validate_dist_field(name, value)
         return
+    if name == "s3_local_dir":
+        if value is not None and (not isinstance(value, str) or not value):
+            raise TypeError(f"s3_local_dir must be a directory path (str) or None, not {value!r}")
+        return
     if name == "s3_timeout":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"s3_timeout must be a positive number of seconds, not {value!r}")
@@ -296,6 +315,9 @@ def _validate_field(name: str, value: Any) -> None:
         elif name in ("threads", "max_async", "s3_threads"):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, not {value}")
+        elif name in ("s3_keep_local", "s3_keep_remote"):
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0 (0 keeps every checkpoint), not {value}")
         elif name == "async_nice":
             if not 0 <= value <= 19:
                 raise ValueError(f"async_nice must be a nice value from 0 to 19, not {value}")
@@ -376,6 +398,10 @@ def parse_size(name: str, raw: str) -> int:
     if m is None or (m.group(3) and not m.group(2) and m.group(3).lower() == "ib"):
         raise ValueError(f"{name}={raw!r} is not a size; use bytes or a number with K, M, G or T (e.g. 8M, 8MiB)")
     return int(m.group(1)) << _SIZE_SHIFT[m.group(2).lower()]
+
+
+def _parse_path(name: str, raw: str) -> str:
+    return os.path.expanduser(raw.strip())
 
 
 def _parse_engine(name: str, raw: str) -> str:
@@ -620,6 +646,26 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "FASTPERSIST_S3_TIMEOUT", "s3_timeout", _parse_seconds, "seconds",
         "Seconds an `s3://` request may take to connect, and then may wait for each read from the "
         "store, before botocore retries it with backoff (a stalled store; docs/objectstore.md).",
+    ),
+    EnvVar(
+        "FASTPERSIST_S3_LOCAL_DIR", "s3_local_dir", _parse_path, "directory",
+        "Turns on the tiered mode of `s3://` URLs: a save to `s3://bucket/key` lands in "
+        "`DIR/bucket/key` at local-disk speed and a background drain uploads it; "
+        "`SaveFuture.wait_durable()`/`fastpersist.wait_durable()` say when the object is in the store; "
+        "loads read the local copy when it is there and checks out, else the object "
+        "(docs/objectstore.md, \"Tiered mode\"). Unset: direct mode.",
+        default="unset",
+    ),
+    EnvVar(
+        "FASTPERSIST_S3_KEEP_LOCAL", "s3_keep_local", _parse_int, "integer >= 0",
+        "Tiered mode: the newest N checkpoints of each `s3://bucket/prefix/` stay in the local "
+        "directory; older ones are removed from it once they are durable in the store. 0 keeps all.",
+    ),
+    EnvVar(
+        "FASTPERSIST_S3_KEEP_REMOTE", "s3_keep_remote", _parse_int, "integer >= 0",
+        "Tiered mode: the newest N checkpoints of each `s3://bucket/prefix/` that the tier uploaded "
+        "stay in the store; older ones are deleted (from both tiers). Objects the tier did not upload "
+        "are never deleted. 0 keeps all.",
     ),
 )
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from fastpersist import _native, handles, objectstore
+from fastpersist import _native, handles, objectstore, s3tier
 from fastpersist import config as config_mod
 from fastpersist.errors import CheckpointFormatError, FastPersistError, UnsupportedLayoutError
 from fastpersist.formats.torchindex import (
@@ -308,13 +308,19 @@ def load_state_dict(
             malformed (found before anything was read into the target).
         pickle.UnpicklingError: the pickle holds what ``weights_only`` refuses.
     """
-    if objectstore.is_s3_url(path):  # fetched into memory by ranged GETs, then read from there
-        with objectstore.fetch(path, config=config) as got:
-            try:
-                return load_state_dict(target, got.path, strict=strict, key=key, cast=cast, config=config)
-            except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
-                objectstore.name_url_in_error(e, got.path, got.url)
-                raise
+    if objectstore.is_s3_url(path):
+        cfg = config_mod.resolve(config)
+
+        def remote() -> Any:  # fetched into memory by ranged GETs, then read from there
+            with objectstore.fetch(path, config=cfg) as got:
+                try:
+                    return load_state_dict(target, got.path, strict=strict, key=key, cast=cast, config=cfg)
+                except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
+                    objectstore.name_url_in_error(e, got.path, got.url)
+                    raise
+
+        return s3tier.read_best(path, cfg, lambda local: load_state_dict(target, local, strict=strict, key=key,
+                                                                         cast=cast, config=cfg), remote)
     cfg = config_mod.resolve(config)
     fspath = os.fsdecode(os.fspath(path))
     if not isinstance(target, (torch.nn.Module, torch.optim.Optimizer, Mapping)):

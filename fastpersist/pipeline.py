@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 
-from fastpersist import _compat, handles, objectstore, pending
+from fastpersist import _compat, handles, objectstore, pending, s3tier
 from fastpersist import config as config_mod
 from fastpersist._inputs import check_input, is_path, special_file_error
 from fastpersist.commit import atomic_write, fsync_path, resolve_target
@@ -68,6 +68,11 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
     """:func:`fastpersist.save` in this process alone (see its docstring)."""
     if objectstore.is_s3_url(path):
         pending.before_blocking_save(os.fspath(path))  # an async save to the same URL first
+        cfg = config_mod.resolve(config)
+        if s3tier.enabled(cfg):  # the local copy as any local save, then the drain queued
+            s3tier.save_through(path, cfg, lambda local: save(obj, local, config=cfg, format=format,
+                                                              metadata=metadata))
+            return None
         return objectstore.save(obj, path, config=config, format=format, metadata=metadata)
     if not is_path(path):
         raise TypeError(
@@ -96,6 +101,10 @@ def save_file(tensors: dict, filename: PathLike, metadata: Optional[dict] = None
         raise TypeError(f"argument 'filename': expected str or os.PathLike object, not {type(filename).__name__}")
     if objectstore.is_s3_url(filename):
         pending.before_blocking_save(os.fspath(filename))
+        cfg = config_mod.resolve(config)
+        if s3tier.enabled(cfg):
+            s3tier.save_through(filename, cfg, lambda local: save_file(tensors, local, metadata, config=cfg))
+            return None
         return objectstore.save_file(tensors, filename, metadata, config=config)
     cfg = config_mod.resolve(config)
     final = resolve_target(filename)
@@ -135,7 +144,9 @@ def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu",
         raise SafetensorsValueError(f"device {device} is invalid ({e})") from None
     if objectstore.is_s3_url(filename):
         pending.wait_before_reading(os.fspath(filename))
-        return objectstore.load_file(filename, target, config=config)
+        cfg = config_mod.resolve(config)
+        return s3tier.read_best(filename, cfg, lambda local: load_file(local, target, backend=backend, config=cfg),
+                                lambda: objectstore.load_file(filename, target, config=cfg))
     fspath = os.fsdecode(os.fspath(filename))
     cfg = config_mod.resolve(config)
     return registry.load_safetensors_file(fspath, target, cfg, None)
@@ -147,7 +158,11 @@ def load(path: Any, map_location: Any = None, pickle_module: Any = None, *, weig
     pending.wait_before_reading(path)
     req = registry.LoadRequest(path, map_location, pickle_module, weights_only, mmap, dict(pickle_load_args))
     if objectstore.is_s3_url(path):
-        return objectstore.load(path, req, config=config)
+        cfg = config_mod.resolve(config)
+        return s3tier.read_best(
+            path, cfg, lambda local: load(local, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
+                                          config=cfg, **pickle_load_args),
+            lambda: objectstore.load(path, req, config=cfg))
     if not is_path(path):
         return req.torch_load()
     fspath = os.fsdecode(os.fspath(path))
@@ -175,7 +190,8 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     """:func:`fastpersist.verify` (see its docstring)."""
     if objectstore.is_s3_url(path):
         pending.wait_before_reading(os.fspath(path))
-        return objectstore.verify(path, config=config)
+        cfg = config_mod.resolve(config)
+        return _verify_tiered(path, cfg) if s3tier.enabled(cfg) else objectstore.verify(path, config=cfg)
     fspath = os.fsdecode(os.fspath(path))
     pending.wait_before_reading(fspath, tree=True)
     st = check_input(fspath, "verify", directory_ok=True)  # a FIFO, device, link loop: an OSError at once
@@ -183,3 +199,28 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     if stat.S_ISDIR(st.st_mode):  # a torch.distributed.checkpoint directory
         return registry.DCP.verify(fspath, handle)
     return registry.format_for(fspath).verify(fspath, handle)
+
+
+def _verify_tiered(url: Any, cfg: Any) -> VerifyResult:
+    """:func:`verify` of an ``s3://`` URL: its tiered mode's local copy when there is one
+    (the result names the URL; a note names the copy), the object when there is none, or
+    when the copy is damaged and the store holds the same checkpoint."""
+    copy = s3tier.local_copy(url, cfg)
+    if copy is not None:
+        try:
+            result = verify(copy.path, config=cfg)
+        except OSError as e:
+            if not copy.durable:
+                raise
+            log.warning("tiered mode: the local copy %s of %s cannot be read (%s); verifying the object", copy.path,
+                        url, e)
+        else:
+            if result.ok or not copy.durable:
+                name = os.fspath(url)
+                result.problems = [p.replace(copy.path, name) for p in result.problems]
+                result.notes.append(f"checked the local copy {copy.path} of the tiered mode (s3_local_dir)")
+                result.path = name
+                return result
+            log.warning("tiered mode: the local copy %s of %s is %s (%s); verifying the object", copy.path, url,
+                        result.status, "; ".join(result.problems))
+    return objectstore.verify(url, config=cfg)

@@ -25,6 +25,7 @@ import base64
 import ctypes
 import hashlib
 import logging
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -160,6 +161,8 @@ class MultipartUpload:
         self.threads = max(1, threads)
         self.upload_id: Optional[str] = None
         self.etags: dict[int, str] = {}
+        #: The object's ETag as ``CompleteMultipartUpload`` answered it.
+        self.etag = ""
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fastpersist-s3-put")
         self._futures: list[Future] = []
@@ -215,8 +218,9 @@ class MultipartUpload:
 
     def complete(self) -> None:
         parts = [{"PartNumber": n, "ETag": self.etags[n]} for n in sorted(self.etags)]
-        self._call("CompleteMultipartUpload", self.client.complete_multipart_upload, Bucket=self.url.bucket,
-                   Key=self.url.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts})
+        r = self._call("CompleteMultipartUpload", self.client.complete_multipart_upload, Bucket=self.url.bucket,
+                       Key=self.url.key, UploadId=self.upload_id, MultipartUpload={"Parts": parts})
+        self.etag = str(r.get("ETag", ""))
         self._pool.shutdown(wait=True)
 
     def stop(self) -> None:
@@ -273,10 +277,10 @@ def upload_plan(plan: WritePlan, url: S3Url, client: Any, handle: Any, *, thread
     return [stager.crc.get(slot, (0, 0))[0] for slot in range(plan.nslots)]
 
 
-def _upload(client: Any, url: S3Url, threads: int, send: Callable[["MultipartUpload"], None]) -> None:
+def _upload(client: Any, url: S3Url, threads: int, send: Callable[["MultipartUpload"], None]) -> MultipartUpload:
     """One multipart upload: create it, ``send(up)`` its parts, wait for them and complete
     it; on any error abort it and raise. Afterwards the key's uploads left by killed saves
-    (listed before this one began) are aborted."""
+    (listed before this one began) are aborted. Returns the completed upload."""
     up = MultipartUpload(client, url, threads)
     stale = stale_uploads(client, url)
     try:
@@ -288,6 +292,7 @@ def _upload(client: Any, url: S3Url, threads: int, send: Callable[["MultipartUpl
         up.abort()
         raise
     abort_uploads(client, url, stale)
+    return up
 
 
 def stage_all(plan: WritePlan, handle: Any, preferred_part: int = DEFAULT_PART) -> list[StagedPart]:
@@ -309,6 +314,43 @@ def upload_parts(parts: list[StagedPart], url: S3Url, client: Any, *, threads: i
             up.submit(part, holds_slot=True)
 
     _upload(client, url, threads, send)
+
+
+def upload_file(fd: int, size: int, url: S3Url, client: Any, *, threads: int = 8, preferred_part: int = DEFAULT_PART,
+                before_complete: Optional[Callable[[], None]] = None) -> MultipartUpload:
+    """Upload ``size`` bytes of the open file ``fd`` (from offset 0) to ``url`` as one
+    multipart upload (the drain of the tiered mode, :mod:`fastpersist.s3tier`): parts
+    read with ``pread`` as upload slots free up (at most ``threads + 2`` parts in
+    memory), each sent with its Content-MD5. ``before_complete`` runs once every part
+    is stored and before the commit; an error it raises aborts the upload. Returns the
+    completed upload (its :attr:`~MultipartUpload.etag`)."""
+    psize = part_size(size, preferred_part)
+    nparts = max(1, -(-size // psize))
+
+    def send(up: MultipartUpload) -> None:
+        for i in range(nparts):
+            lo = i * psize
+            n = min(size, lo + psize) - lo
+            up.take_slot()
+            try:
+                data = bytearray(n)
+                view, got = memoryview(data), 0
+                while got < n:
+                    k = os.preadv(fd, [view[got:]], lo + got)  # GIL released
+                    if k <= 0:
+                        raise OSError(f"short read of the local copy for {url}: {got} of {n} bytes at offset {lo} "
+                                      "(the file shrank during the upload)")
+                    got += k
+                view.release()
+            except BaseException:
+                up.give_slot()
+                raise
+            up.submit(StagedPart(i + 1, lo, data), holds_slot=True)
+        up.wait_parts()
+        if before_complete is not None:
+            before_complete()
+
+    return _upload(client, url, threads, send)
 
 
 def list_uploads(client: Any, url: S3Url) -> list[dict]:

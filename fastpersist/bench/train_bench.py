@@ -94,6 +94,7 @@ from fastpersist.bench.rss import PeakMemory
 from fastpersist.bench.train_peers import (
     DcpAsyncSaver,
     Saver,
+    TieredSaver,
     deepspeed_decoupled_status,
     make_saver,
     process_staging_options,
@@ -103,7 +104,9 @@ from fastpersist.bench.train_peers import (
 )
 
 METHODS = ("none", "torch.save", "fastpersist.save", "async-snapshot", "async-lazy", "dcp.async_save",
-           "dcp.async_save-process", "lightning-async")
+           "dcp.async_save-process", "lightning-async", "async-tiered")
+#: the tiered mode of s3:// URLs (needs ``s3=``): its lost time against async-snapshot's (target <= 1.2x)
+TIERED = "async-tiered"
 #: fastpersist's own asynchronous methods (the target: lost time at most 0.5x the best peer's)
 FASTPERSIST_ASYNC = ("async-snapshot", "async-lazy")
 #: the other asynchronous checkpointers
@@ -149,6 +152,7 @@ class TrainRun:
     checkpoints_verified: int = 0  # checkpoints loaded back and equal to the state at their step
     peak_rss_bytes: int = 0  # peak resident memory (this process + children) above the run's start
     fingerprint_s: float = 0.0  # time of the reference fingerprints (in total, not in step times)
+    durable_wait_s: float = math.nan  # async-tiered: after the drain, the wait until every upload was durable (untimed)
 
     @property
     def median_step_s(self) -> float:
@@ -242,6 +246,7 @@ class TrainBenchResult:
                 "checkpoints_verified": sum(r.checkpoints_verified for r in self.runs_of(m, ok=False)),
                 "checkpoints": sum(len(r.checkpoint_steps) for r in self.runs_of(m, ok=False)) if m != "none" else 0,
                 "median_peak_rss_mib": _median([r.peak_rss_bytes / 2**20 for r in rs]),
+                "median_durable_wait_s": _median([r.durable_wait_s for r in rs if not math.isnan(r.durable_wait_s)]),
             }
         return out
 
@@ -254,7 +259,12 @@ class TrainBenchResult:
         d["ratios_vs_torch_save"] = {m: self.ratio(m) for m in others}
         d["ratios_vs_torch_save_vs_baseline"] = {m: self.ratio_vs_baseline(m) for m in others}
         d["vs_best_async_peer"] = self.vs_best_peer()
+        d["tiered_vs_async_snapshot"] = self.tiered_ratio()
         return d
+
+    def tiered_ratio(self) -> Optional[float]:
+        """Median lost time vs baseline of ``async-tiered`` over ``async-snapshot``'s (target <= 1.2)."""
+        return self._over_torch(self.median_lost_vs_baseline(TIERED), self.median_lost_vs_baseline("async-snapshot"))
 
     def best_peer(self) -> tuple[Optional[str], float]:
         """The asynchronous peer with the least median lost time vs baseline (every checkpoint verified)."""
@@ -302,7 +312,7 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _one_run(method: str, directory: str, *, steps: int, every: int, device: str, dims: dict[str, int],
-             batch: int, bar: Any) -> tuple[TrainRun, int, int]:
+             batch: int, bar: Any, s3: Optional[str] = None) -> tuple[TrainRun, int, int]:
     torch.manual_seed(0)
     model = GPT(**dims).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -315,7 +325,7 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
     saver: Optional[Saver] = None
     memory: Optional[PeakMemory] = None
     try:
-        saver = make_saver(method)
+        saver = make_saver(method, s3, os.path.join(directory, "train-tier"))
         memory = PeakMemory()
         t_start = time.perf_counter()
         for i in range(steps):
@@ -358,6 +368,10 @@ def _one_run(method: str, directory: str, *, steps: int, every: int, device: str
             saver.drain()
         run.drain_s = time.perf_counter() - td
         run.total_s = time.perf_counter() - t_start
+        if isinstance(saver, TieredSaver):
+            tw = time.perf_counter()
+            saver.wait_durable()
+            run.durable_wait_s = time.perf_counter() - tw
         run.peak_rss_bytes = memory.stop()
         memory = None
         run.lost_s = sum(run.step_s) - steps * run.median_step_s + run.drain_s
@@ -450,6 +464,7 @@ def run_train_bench(
     rounds: int = 1,
     train_threads: Optional[int] = None,
     seed: int = 0,
+    s3: Optional[str] = None,
 ) -> TrainBenchResult:
     """Train once per method per round and measure.
 
@@ -458,7 +473,9 @@ def run_train_bench(
     baseline" is its total minus the same round's baseline total. ``train_threads``
     sets torch's intra-op threads (``torch.set_num_threads``) for every method's
     training loop, the baseline included (None: torch's default, left as it is);
-    the previous value is restored on return.
+    the previous value is restored on return. ``s3`` (``s3://bucket/prefix``): where
+    ``async-tiered`` uploads its checkpoints (it saves them first to ``directory``);
+    without it that method is not run. Its objects are deleted after each run.
     """
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -469,7 +486,7 @@ def run_train_bench(
         raise ValueError(f"train_threads must be >= 1, not {train_threads}")
     notes: list[str] = []
     for m in list(methods):
-        why = unavailable(m)
+        why = unavailable(m) or (None if m != TIERED or s3 else "needs --s3 s3://bucket/prefix")
         if why:
             notes.append(f"{m}: not run ({why})")
             methods = [x for x in methods if x != m]
@@ -503,7 +520,7 @@ def run_train_bench(
             for m in order:
                 bar.set_description(f"round {rnd + 1}/{rounds} {m}")
                 r, params, nb = _one_run(m, directory, steps=steps, every=every, device=dev, dims=dims, batch=batch,
-                                         bar=bar)
+                                         bar=bar, s3=s3)
                 r.round = rnd
                 _settle_disk()
                 nbytes = nb or nbytes
@@ -611,6 +628,14 @@ def print_train_report(result: TrainBenchResult, out: Any = None) -> None:
         parts = [f"{m} {v:.2f}x" for m in FASTPERSIST_ASYNC if (v := vs.get(m)) is not None]
         print(f"vs peers  : best async peer {name} lost {lost:+.2f} s; fastpersist's lost time over it: "
               f"{', '.join(parts) if parts else '-'} (target <= 0.50x)", file=out)
+    if result.runs_of(TIERED):
+        ratio = result.tiered_ratio()
+        print(f"Tiered    : async-tiered (save to s3:// through the local directory) lost "
+              f"{result.median_lost_vs_baseline(TIERED):+.2f} s, async-snapshot {result.median_lost_vs_baseline('async-snapshot'):+.2f} s"
+              + (f": {ratio:.2f}x (target <= 1.20x)" if ratio is not None else "")
+              + f"; after training, the uploads needed {result.summary()[TIERED]['median_durable_wait_s']:.2f} s more to "
+              "be durable (untimed); ckpts ok = each object read back from the store byte for byte equal to its "
+              "local copy and to the state", file=out)
     print("Memory    : peak MiB = peak resident memory of this process and its children (DCP's daemon) above "
           "the run's start; ckpts ok = checkpoints read back equal to the state at their step", file=out)
     if not math.isnan(result.dcp_process_warmup_s):

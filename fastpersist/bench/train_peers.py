@@ -4,7 +4,8 @@ Each :class:`Saver` makes the method's checkpoint call, drains it at the end of 
 run (counted as lost time), reads a checkpoint back for verification, and
 releases what it holds. fastpersist's own methods and the peers users would pick:
 ``torch.save``, DCP's ``async_save`` (thread and process modes) and Lightning's
-``AsyncCheckpointIO`` (see :mod:`fastpersist.bench.train_bench`).
+``AsyncCheckpointIO`` (see :mod:`fastpersist.bench.train_bench`); and the tiered mode
+of ``s3://`` URLs (:class:`TieredSaver`) beside ``async-snapshot``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Optional
 import torch
 
 import fastpersist
+from fastpersist import objectstore, s3client, s3journal
+from fastpersist.s3url import parse
 
 
 def str_keys(obj: Any) -> Any:
@@ -161,7 +164,62 @@ def process_staging_options() -> Any:
                           use_non_blocking_copy=cuda)
 
 
-def make_saver(method: str) -> Optional[Saver]:
+class TieredSaver(Saver):
+    """fastpersist's tiered mode: ``save_async`` to ``s3://`` with a local directory
+    (``s3_local_dir``): the save lands on the local disk as ``async-snapshot``'s does and
+    the upload drains in the background. :meth:`drain` waits for the local copies (the
+    training's wait); :meth:`wait_durable` for the uploads (untimed); :meth:`load` reads
+    the object itself, after checking it holds the local file's bytes exactly."""
+
+    def __init__(self, prefix: str, local_dir: str) -> None:
+        self.prefix = prefix.rstrip("/")
+        self.local_dir = local_dir
+        self.cfg = fastpersist.config.get_default().replace(s3_local_dir=local_dir, s3_keep_local=0,
+                                                              s3_keep_remote=0)
+        self.direct = self.cfg.replace(s3_local_dir=None)
+        self.urls: list[str] = []
+
+    def url(self, path: str) -> str:
+        return f"{self.prefix}/{os.path.basename(path)}"
+
+    def save(self, state: Any, path: str) -> None:
+        self.urls.append(self.url(path))
+        fastpersist.save_async(state, self.url(path), config=self.cfg)
+
+    def drain(self) -> None:
+        fastpersist.wait_all()
+
+    def wait_durable(self) -> None:
+        fastpersist.wait_durable()
+
+    def load(self, path: str) -> Any:
+        url = self.url(path)
+        fastpersist.wait_durable(url)
+        local = s3journal.local_path(parse(url), os.path.abspath(self.local_dir))
+        with objectstore.fetch(url, config=self.direct) as got, open(local, "rb") as lf, open(got.path, "rb") as rf:
+            while True:
+                a, b = lf.read(1 << 24), rf.read(1 << 24)
+                if a != b:
+                    raise ValueError(f"{url} does not hold the bytes of its local copy {local}")
+                if not a:
+                    break
+        return fastpersist.load(url, map_location="cpu", weights_only=False, config=self.direct)
+
+    def close(self) -> None:
+        try:
+            fastpersist.wait_all()
+            fastpersist.wait_durable()
+        finally:
+            c = s3client.client()
+            for url in self.urls:
+                u = parse(url)
+                try:
+                    c.delete_object(Bucket=u.bucket, Key=u.key)
+                except Exception:  # noqa: BLE001 - cleanup of the benchmark's objects, best effort
+                    pass
+
+
+def make_saver(method: str, s3_prefix: Optional[str] = None, local_dir: Optional[str] = None) -> Optional[Saver]:
     if method == "none":
         return None
     if method == "torch.save":
@@ -174,6 +232,10 @@ def make_saver(method: str) -> Optional[Saver]:
         return DcpAsyncSaver(process=method.endswith("process"))
     if method == "lightning-async":
         return _LightningAsyncSaver()
+    if method == "async-tiered":
+        if not s3_prefix or not local_dir:
+            raise ValueError("async-tiered needs an s3:// prefix (--s3) and a local directory")
+        return TieredSaver(s3_prefix, local_dir)
     raise ValueError(f"unknown method {method!r}")
 
 
