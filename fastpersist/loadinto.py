@@ -309,9 +309,10 @@ def load_state_dict(
         pickle.UnpicklingError: the pickle holds what ``weights_only`` refuses.
     """
     if objectstore.is_s3_url(path):  # fetched into memory by ranged GETs, then read from there
-        with objectstore.fetch(path, config=config) as got:
+        got, checked_cfg = objectstore.fetch_for_reading(path, config=config)
+        with got:
             try:
-                return load_state_dict(target, got.path, strict=strict, key=key, cast=cast, config=config)
+                return load_state_dict(target, got.path, strict=strict, key=key, cast=cast, config=checked_cfg)
             except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
                 objectstore.name_url_in_error(e, got.path, got.url)
                 raise
