@@ -135,13 +135,19 @@ def _kind(url: S3Url) -> str:
 def fetch_for_reading(target: Any, *, config: Any = None) -> tuple[s3download.Fetched, Any]:
     """``(fetched, config)``: the object in anonymous memory, its CRC-32s checked as the
     bytes arrived, and the configuration its reader should use: ``checksum`` off when
-    every record's CRC-32 already matched (the reader need not pass over the bytes
-    again), else as given (the reader checks, and names what is wrong)."""
+    every record's CRC-32 was already compared (the reader need not pass over the bytes
+    again), else as given (the reader checks, and names what is wrong).
+
+    Raises:
+        ChecksumError: a record's bytes differ from its recorded CRC-32 (naming the URL),
+            found before any reader ran.
+        ObjectStoreError: a GET failed for good, or the object was replaced meanwhile.
+    """
     url = parse(target)
     cfg = config_mod.resolve(config)
     got = fetch(url, config=cfg, crcs=cfg.checksum)
     try:
-        if cfg.checksum and s3check.all_match(_kind(url), got.fd, got.path, got.size, got.crcs):
+        if cfg.checksum and s3check.check(_kind(url), got.fd, str(url), got.size, got.crcs):
             cfg = cfg.replace(checksum=False)
     except BaseException:
         got.close()

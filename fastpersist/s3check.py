@@ -5,26 +5,30 @@ threads computed prove every record sound.
 :func:`spans` gives :func:`fastpersist.s3download.fetch` the byte ranges to checksum:
 for a torch zip file, the data of every record from the central directory (the
 offsets predicted as the fast loader predicts them); for a safetensors file, every
-tensor's bytes from the header. Once the object is in memory, :func:`all_match`
+tensor's bytes from the header. Once the object is in memory, :func:`check`
 re-reads the exact index from the fetched bytes (every local header, or the header
-again) and compares: only when every record's data span is where it was predicted and
-its CRC-32 equals the recorded one (or none was recorded) does it answer True, and
-the loader then skips its own pass over the bytes. In every other case (a mismatch,
-an index that does not parse, an odd layout) it answers False and the loader runs
-with its checks as for a local file, which raises the named error (or, for a file
-torch wrote, applies :mod:`fastpersist.formats.crcpolicy`'s rule).
+again) and compares, before any loader runs (so before ``load_state_dict`` writes
+anything into a model): when every record's data span is where it was predicted,
+the recorded CRC-32s decide, by the loaders' rule
+(:mod:`fastpersist.formats.crcpolicy`): all match, and the loader skips its own pass
+over the bytes; a mismatch raises :class:`~fastpersist.errors.ChecksumError`. Every
+record is compared, also those the pickle does not refer to. Where it cannot decide
+(an index that does not parse, an odd layout) the loader runs with its checks as for
+a local file, and names what is wrong.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from typing import Any, Optional, Sequence
 
 from fastpersist.formats import crcpolicy, safetensors
-from fastpersist.formats.torchload import predict_offsets
-from fastpersist.formats.zipindex import ReadAt, fd_reader, parse_zip_index, read_central_directory
+from fastpersist.formats.torchload import predict_offsets, record_prefix
+from fastpersist.formats.torchverify import crc_mismatch
+from fastpersist.formats.zipindex import ReadAt, ZipEntry, fd_reader, parse_zip_index, read_central_directory
 
-__all__ = ["all_match", "spans"]
+__all__ = ["check", "spans"]
 
 _LEN = struct.Struct("<Q")
 
@@ -55,41 +59,79 @@ def spans(kind: str) -> tuple[Any, bool]:
     return _torch_spans, True
 
 
-def all_match(kind: str, fd: int, path: str, size: int, crcs: Optional[dict[tuple[int, int], int]]) -> bool:
-    """Whether ``crcs`` (by ``(offset, length)``, computed as the bytes of the object in
-    ``fd`` arrived) cover every record and all equal the recorded CRC-32s (see the
-    module docstring). Never raises for a malformed object: it answers False."""
+def check(kind: str, fd: int, name: str, size: int, crcs: Optional[dict[tuple[int, int], int]]) -> bool:
+    """Decide from ``crcs`` (by ``(offset, length)``, computed as the bytes of the object
+    in ``fd`` arrived) whether the object is sound, before any loader looks at it:
+
+    * True: every record's CRC-32 was compared and all match (or, in a torch file torch
+      wrote, only storage records differ: logged as the loaders log it); the loader need
+      not check again;
+    * :class:`~fastpersist.errors.ChecksumError` (naming ``name``): a record differs
+      where the loaders would raise (see :mod:`fastpersist.formats.crcpolicy`);
+    * False: it cannot tell (no CRCs, an index that does not parse, a layout other than
+      predicted): the loader checks, and names what is wrong.
+    """
     if crcs is None:
         return False
     try:
         if kind == "safetensors":
-            return _safetensors_match(fd, path, crcs)
-        return _torch_match(fd, path, size, crcs)
+            problems = _safetensors_problems(fd, name, crcs)
+        else:
+            problems = _torch_problems(fd, name, size, crcs)
     except Exception:  # noqa: BLE001 - the loader's own checks name what is wrong
         return False
+    if problems is None:
+        return False
+    if problems:
+        problems()
+    return True
 
 
 def _crc(crcs: dict[tuple[int, int], int], offset: int, length: int) -> Optional[int]:
     return 0 if length == 0 else crcs.get((offset, length))
 
 
-def _torch_match(fd: int, path: str, size: int, crcs: dict[tuple[int, int], int]) -> bool:
-    index = parse_zip_index(fd_reader(fd, path), size, path)
+def _torch_problems(fd: int, name: str, size: int, crcs: dict[tuple[int, int], int]) -> Any:
+    """None (undecided), an empty list (all match), or a callable applying the policy."""
+    index = parse_zip_index(fd_reader(fd, name), size, name)
+    if not index.entries:
+        return None
+    bad: list[tuple[ZipEntry, int]] = []
     for e in index.entries:
         got = _crc(crcs, e.data_offset, e.compressed_size)
         if e.method != 0 or got is None:
-            return False
+            return None
         if got != e.crc32 and not crcpolicy.no_crc(e.crc32):
-            return False
-    return bool(index.entries)
+            bad.append((e, got))
+    if not bad:
+        return []
+
+    def ours() -> bool:
+        sid = index.find(crcpolicy.SERIALIZATION_ID)
+        raw = os.pread(fd, sid.compressed_size, sid.data_offset) if sid is not None else None
+        return crcpolicy.written_by_fastpersist(index.entries, raw)
+
+    def apply() -> None:
+        prefix = record_prefix(name, index.entries)  # type: ignore[arg-type]  # needs .name and .cd_offset only
+        storages = all(e.name[len(prefix):].startswith("data/") for e, _c in bad)
+        crcpolicy.mismatch(name, [crc_mismatch(e, c) for e, c in bad], ours, storages)
+
+    return apply
 
 
-def _safetensors_match(fd: int, path: str, crcs: dict[tuple[int, int], int]) -> bool:
-    header = safetensors.read_header_fd(fd, path)
+def _safetensors_problems(fd: int, name: str, crcs: dict[tuple[int, int], int]) -> Any:
+    header = safetensors.read_header_fd(fd, name)
     if header.crcs is None:
-        return True  # nothing recorded: the loader would check nothing either
+        return []  # nothing recorded: the loader would check nothing either
     _extents, slots = safetensors.data_extents(header, lambda _off: 0)
     got: Sequence[Optional[int]] = [_crc(crcs, header.data_start + e.begin, e.nbytes) for e in slots]
     if any(c is None for c in got):
-        return False
-    return not safetensors.crc_problems(header, slots, [int(c) for c in got if c is not None])
+        return None
+    problems = safetensors.crc_problems(header, slots, [int(c) for c in got if c is not None])
+    if not problems:
+        return []
+
+    def apply() -> None:
+        raise safetensors.checksum_error(name, problems)
+
+    return apply
