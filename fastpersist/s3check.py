@@ -28,27 +28,30 @@ from fastpersist.formats.torchload import predict_offsets, record_prefix
 from fastpersist.formats.torchverify import crc_mismatch
 from fastpersist.formats.zipindex import ReadAt, ZipEntry, fd_reader, parse_zip_index, read_central_directory
 
-__all__ = ["check", "spans"]
+__all__ = ["KnownCrcs", "NotKnown", "check", "spans"]
 
 _LEN = struct.Struct("<Q")
 
 
-def _torch_spans(read_at: ReadAt, size: int) -> Optional[list[tuple[int, int]]]:
+def _torch_spans(read_at: ReadAt, size: int) -> Optional[list[tuple[int, int, bool]]]:
     cd_off, entries = read_central_directory(read_at, size, "<object>")
     offsets = predict_offsets(entries, cd_off)
     if offsets is None:
         return None
-    return [(offsets[id(e)], e.compressed_size) for e in entries]
+    prefix = record_prefix("<object>", entries)
+    # droppable: the stored storage records (a verify reads the others' bytes: the pickle, ...)
+    return [(offsets[id(e)], e.compressed_size, e.method == 0 and e.name[len(prefix):].startswith("data/"))
+            for e in entries]
 
 
-def _safetensors_spans(read_at: ReadAt, size: int) -> Optional[list[tuple[int, int]]]:
+def _safetensors_spans(read_at: ReadAt, size: int) -> Optional[list[tuple[int, int, bool]]]:
     if size < _LEN.size:
         return None
     (length,) = _LEN.unpack(read_at(0, _LEN.size))
     if length > safetensors.MAX_HEADER_SIZE or _LEN.size + length > size:
         return None
     header = safetensors.parse_header("<object>", read_at(_LEN.size, length), size)
-    return [(header.data_start + e.begin, e.nbytes) for e in header.tensors]
+    return [(header.data_start + e.begin, e.nbytes, True) for e in header.tensors]
 
 
 def spans(kind: str) -> tuple[Any, bool]:
@@ -135,3 +138,29 @@ def _safetensors_problems(fd: int, name: str, crcs: dict[tuple[int, int], int]) 
         raise safetensors.checksum_error(name, problems)
 
     return apply
+
+
+class NotKnown(Exception):
+    """A verifier asked for a CRC-32 the download did not compute."""
+
+
+class KnownCrcs:
+    """The verifiers' reader (``read(target, extents, nslots)`` over read-and-discard
+    extents, one per CRC slot) answered from the CRC-32s computed during the download,
+    whose payload pages may be gone (:func:`fastpersist.s3download.fetch` with
+    ``discard``); raises :class:`NotKnown` for anything else (then the caller fetches
+    the object whole and verifies it as a file)."""
+
+    def __init__(self, crcs: dict[tuple[int, int], int]) -> None:
+        self.crcs = crcs
+
+    def read(self, _target: Any, extents: Sequence[tuple[int, int, int, int]], nslots: int = 0) -> list[int]:
+        out: list[Optional[int]] = [None] * nslots
+        for off, ptr, n, slot in extents:
+            c = _crc(self.crcs, off, n)
+            if ptr != 0 or not 0 <= slot < nslots or out[slot] is not None or c is None:
+                raise NotKnown(f"bytes [{off}, {off + n}) in slot {slot}")
+            out[slot] = c
+        if any(c is None for c in out):
+            raise NotKnown("a slot without an extent")
+        return [int(c) for c in out if c is not None]

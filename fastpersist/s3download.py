@@ -56,8 +56,10 @@ _PREFAULT_MIN = 16 * MiB
 
 #: ``read_at(offset, length) -> bytes`` of the object (fetched on demand).
 ReadAt = Callable[[int, int], bytes]
-#: ``spans_of(read_at, size)``: the ``(offset, length)`` byte ranges to checksum, or None.
-SpansOf = Callable[[ReadAt, int], Optional[Sequence[tuple[int, int]]]]
+#: ``spans_of(read_at, size)``: the byte ranges to checksum, ``(offset, length, droppable)``
+#: (droppable: a payload whose bytes nothing but its CRC needs, for ``discard`` fetches), or None.
+SpansOf = Callable[[ReadAt, int], Optional[Sequence[tuple[int, int, bool]]]]
+_PAGE = mmap.PAGESIZE
 
 
 @dataclass
@@ -73,6 +75,8 @@ class Fetched:
     size: int
     etag: str
     crcs: Optional[dict[tuple[int, int], int]] = None
+    #: whether the droppable spans' pages were given back after their CRCs (``discard``)
+    discarded: bool = False
 
     @property
     def path(self) -> str:
@@ -105,12 +109,18 @@ class _Crcs:
 
     base: int  #: address of the mapping
     spans: list[tuple[int, int]]  #: sorted, non-overlapping (offset, length)
+    #: per span: whether its pages may be dropped once checksummed (``discard`` fetches)
+    drop: list[bool] = field(default_factory=list)
+    #: ``punch(lo, hi)``: give back the pages of ``[lo, hi)`` (page-aligned)
+    punch: Optional[Callable[[int, int], None]] = None
     starts: list[int] = field(default_factory=list)
     pieces: list[list[tuple[int, int, int]]] = field(default_factory=list)  #: per span: (offset, crc, length)
 
     def __post_init__(self) -> None:
         self.starts = [s for s, _n in self.spans]
         self.pieces = [[] for _ in self.spans]
+        if not self.drop:
+            self.drop = [False] * len(self.spans)
 
     def add(self, lo: int, hi: int) -> None:
         """Checksum the bytes ``[lo, hi)``, which just arrived, span by span."""
@@ -122,6 +132,10 @@ class _Crcs:
             a, b = max(s, lo), min(s + n, hi)
             if a < b:
                 self.pieces[i].append((a, _native.crc32(self.base + a, b - a), b - a))  # GIL released
+                if self.punch is not None and self.drop[i]:
+                    pa, pb = -(-a // _PAGE) * _PAGE, b // _PAGE * _PAGE  # whole pages of this span only
+                    if pa < pb:
+                        self.punch(pa, pb)
             i += 1
 
     def result(self) -> dict[tuple[int, int], int]:
@@ -272,27 +286,33 @@ class _Windows:
 
 
 def fetch(url: S3Url, client: Any, *, threads: int = 8, range_size: int = DEFAULT_RANGE,
-          spans_of: Optional[SpansOf] = None, index_at_end: bool = True) -> Fetched:
+          spans_of: Optional[SpansOf] = None, index_at_end: bool = True, discard: bool = False) -> Fetched:
     """The whole object ``url`` in a memfd (see the module docstring). With
     ``spans_of``, the index window (the last :data:`INDEX_WINDOW` bytes, or the first
     ones without ``index_at_end``) is fetched first and ``spans_of(read_at, size)``
     names the byte ranges whose CRC-32s are computed as they arrive
     (:attr:`Fetched.crcs`); an exception other than the store's in ``spans_of`` only
-    turns that off (the loader then finds what is wrong)."""
+    turns that off (the loader then finds what is wrong). With ``discard`` (for verifies),
+    the pages of the droppable spans are given back as soon as their CRC-32s are
+    computed (``MADV_REMOVE``), so that the memfd holds the index and the small records,
+    not the payloads: :attr:`Fetched.discarded` says whether that happened (only when
+    ``spans_of`` named the spans)."""
     name = str(url)
     size, etag = s3client.head(client, url.bucket, url.key, name)
     fd = os.memfd_create("fastpersist-s3", os.MFD_CLOEXEC)
     crc_map: Optional[dict[tuple[int, int], int]] = None
+    discarded = False
     try:
         os.ftruncate(fd, size)
         if size:
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 base = _mapping_address(mm)
                 view = memoryview(mm)
-                prefault = Prefaulter([_Region(base, size)]) if size >= _PREFAULT_MIN else None
+                prefault = Prefaulter([_Region(base, size)]) if size >= _PREFAULT_MIN and not discard else None
+                punch = (lambda lo, hi: mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)) if discard else None
                 try:
-                    crc_map = _fill(client, url, name, etag, view, base, size, threads, range_size, spans_of,
-                                    index_at_end)
+                    crc_map, discarded = _fill(client, url, name, etag, view, base, size, threads, range_size,
+                                               spans_of, index_at_end, punch)
                 finally:
                     if prefault is not None:
                         prefault.close()
@@ -300,14 +320,15 @@ def fetch(url: S3Url, client: Any, *, threads: int = 8, range_size: int = DEFAUL
     except BaseException:
         os.close(fd)
         raise
-    return Fetched(name, fd, size, etag, crc_map)
+    return Fetched(name, fd, size, etag, crc_map, discarded)
 
 
 def _fill(client: Any, url: S3Url, name: str, etag: str, view: memoryview, base: int, size: int, threads: int,
-          range_size: int, spans_of: Optional[SpansOf], index_at_end: bool) -> Optional[dict[tuple[int, int], int]]:
+          range_size: int, spans_of: Optional[SpansOf], index_at_end: bool,
+          punch: Optional[Callable[[int, int], None]]) -> tuple[Optional[dict[tuple[int, int], int]], bool]:
     windows = _Windows(client, url, name, etag, view, size)
     crcs: Optional[_Crcs] = None
-    spans: Optional[Sequence[tuple[int, int]]] = None
+    spans: Optional[Sequence[tuple[int, int, bool]]] = None
     if spans_of is not None:
         if index_at_end:
             windows.fetch(size - INDEX_WINDOW, size)
@@ -320,12 +341,13 @@ def _fill(client: Any, url: S3Url, name: str, etag: str, view: memoryview, base:
         except Exception:  # noqa: BLE001 - a malformed index: the loader names it
             spans = None
         if spans is not None:
-            ordered = sorted((int(s), int(n)) for s, n in spans if n > 0)
-            if all(a + n <= b for (a, n), (b, _m) in zip(ordered, ordered[1:])) and \
-                    all(0 <= s and s + n <= size for s, n in ordered):
-                crcs = _Crcs(base, ordered)
-                for a, b in windows.have:  # what arrived already
+            ordered = sorted((int(s), int(n), bool(d)) for s, n, d in spans if n > 0)
+            if all(a + n <= b for (a, n, _d), (b, _m, _e) in zip(ordered, ordered[1:])) and \
+                    all(0 <= s and s + n <= size for s, n, _d in ordered):
+                crcs = _Crcs(base, [(s, n) for s, n, _d in ordered], [d for _s, _n, d in ordered])
+                for a, b in windows.have:  # what arrived already (kept: the index is read again)
                     crcs.add(a, b)
+                crcs.punch = punch
     ranges = [(lo, min(hi, lo + range_size)) for a, hi in windows.gaps() for lo in range(a, hi, range_size)]
     if ranges:
         attempts = s3client.max_attempts()
@@ -345,5 +367,5 @@ def _fill(client: Any, url: S3Url, name: str, etag: str, view: memoryview, base:
                 raise
     spans_crcs = None if crcs is None else crcs.result()
     if spans_crcs is not None:
-        spans_crcs.update({(int(s), 0): 0 for s, n in (spans or ()) if n == 0})
-    return spans_crcs
+        spans_crcs.update({(int(s), 0): 0 for s, n, _d in (spans or ()) if n == 0})
+    return spans_crcs, crcs is not None and crcs.punch is not None

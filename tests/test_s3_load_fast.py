@@ -247,3 +247,32 @@ def test_load_state_dict_bit_exact_and_untouched_on_error(boto, bucket, monkeypa
     with pytest.raises(ObjectStoreError, match="replaced"):
         fastpersist.load_state_dict(fresh, url, key="model")
     untouched()
+
+
+@pytest.mark.parametrize("key", ["v.pt", "v.safetensors"])
+def test_verify_streams_without_holding_the_payloads(boto, bucket, key):  # noqa: ANN001
+    url = f"s3://{bucket}/{key}"
+    tensors = {"a": torch.randn(3 * MiB), "b": torch.arange(10)}
+    if key.endswith(".pt"):
+        fastpersist.save(tensors, url)
+    else:
+        fastpersist.save_file(tensors, url)
+    with objectstore.fetch(url, crcs=True, discard=True) as got:
+        assert got.discarded and got.crcs
+        import os
+
+        assert os.fstat(got.fd).st_blocks * 512 < got.size // 4  # the payload pages were given back
+    result = fastpersist.verify(url)
+    assert result.ok and result.status == "ok" and result.path == url
+    blob = _object(boto, bucket, key)
+    boto.put_object(Bucket=bucket, Key=key, Body=_flip(blob, len(blob) // 2))
+    bad = fastpersist.verify(url)
+    assert not bad.ok and bad.status == "corrupt" and bad.problems and all("/proc/" not in p for p in bad.problems)
+    with fastpersist.config.override(checksum=True):  # the file-based verify of the same bytes agrees
+        with objectstore.fetch(url) as whole:
+            from fastpersist import handles
+            from fastpersist.formats import registry
+
+            ref = registry.format_for(key).verify(whole.path, handles.handle_for(fastpersist.config.get_default(),
+                                                                                read=True))
+            assert [p.replace(whole.path, url) for p in ref.problems] == bad.problems
