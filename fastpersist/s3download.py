@@ -10,12 +10,15 @@ file: with ``mmap`` their tensors are views of these same pages (no further copy
 
 What makes it fast:
 
-* **No intermediate copies.** Each GET's body is read by the HTTP connection's own
-  ``readinto`` straight into the mapped pages (botocore's ``read(amt)`` would make a
-  ``bytes`` object per chunk and copy it).
-* **Fresh pages faulted in ahead.** A second thread populates the memfd's pages
-  (``MADV_POPULATE_WRITE``, :mod:`fastpersist.prefault`) while the first GETs are in
-  flight, so the reads do not stop to fault each page in.
+* **One copy, without the GIL.** Each GET's body is read by the HTTP connection's own
+  ``readinto`` into a 1 MiB buffer of the thread's, which stays in the cache, then
+  copied into the mapped pages with ``memmove`` (GIL released). botocore's
+  ``read(amt)`` makes a new ``bytes`` object per chunk, and the copy into the mapping
+  held the GIL. Reading the socket straight into the memfd's fresh pages was slower
+  still: each page is then faulted in inside the socket's receive path. Faulting the
+  pages in ahead (:mod:`fastpersist.prefault`, on a second thread or on the GET
+  thread) did not pay on the reference VM either: measured, not adopted
+  (``tools/s3_load_profile.py``).
 * **CRC-32s as the bytes arrive.** With ``spans_of`` (the caller's parser of the
   format's index), the index is fetched first (a small window at the end of a zip
   file, at the start of a safetensors file), then every record's bytes are
@@ -41,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from fastpersist import _native, s3client
-from fastpersist.prefault import Prefaulter
 from fastpersist.s3url import S3Url
 
 MiB = 1 << 20
@@ -51,8 +53,6 @@ DEFAULT_RANGE = 16 * MiB
 _CHUNK = 1 * MiB
 #: Bytes fetched first to find the index (zip: at the end; safetensors: at the start).
 INDEX_WINDOW = 1 * MiB
-#: Objects at least this large get a pre-fault thread.
-_PREFAULT_MIN = 16 * MiB
 
 #: ``read_at(offset, length) -> bytes`` of the object (fetched on demand).
 ReadAt = Callable[[int, int], bytes]
@@ -93,14 +93,6 @@ class Fetched:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Region:
-    """The prefaulter's view of the mapping (``ptr``, ``nbytes``)."""
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.ptr = ptr
-        self.nbytes = nbytes
 
 
 @dataclass
@@ -168,15 +160,21 @@ def _fast_reader(body: Any) -> Optional[tuple[Callable[[memoryview], int], Any]]
     return fp.readinto, raw
 
 
-def _read_body(body: Any, view: memoryview, pos: int, hi: int, crcs: Optional[_Crcs]) -> int:
-    """Read the GET's body into ``view[pos:hi]``; returns where it stopped."""
+def _read_body(body: Any, view: memoryview, pos: int, hi: int, crcs: Optional[_Crcs], base: int) -> int:
+    """Read the GET's body into ``view[pos:hi]`` (the mapping at address ``base``);
+    returns where it stopped."""
     fast = _fast_reader(body)
+    bounce = (ctypes.c_char * _CHUNK)() if fast is not None else None
     done = False
     try:
         while pos < hi:
             end = min(hi, pos + _CHUNK)
-            if fast is not None:
-                n = fast[0](view[pos:end])
+            if bounce is not None:
+                assert fast is not None
+                with memoryview(bounce).cast("B") as bv:
+                    n = fast[0](bv[:end - pos])
+                if n:
+                    ctypes.memmove(base + pos, bounce, n)  # GIL released
             else:
                 chunk = body.read(end - pos)
                 n = len(chunk)
@@ -195,9 +193,10 @@ def _read_body(body: Any, view: memoryview, pos: int, hi: int, crcs: Optional[_C
     return pos
 
 
-def _get_range(client: Any, url: S3Url, name: str, etag: str, view: memoryview, lo: int, hi: int,
+def _get_range(client: Any, url: S3Url, name: str, etag: str, view: memoryview, base: int, lo: int, hi: int,
                crcs: Optional[_Crcs] = None, attempts: int = 0) -> None:
-    """``[lo, hi)`` of the object into ``view``, resumed where a body broke off."""
+    """``[lo, hi)`` of the object into ``view`` (the mapping at address ``base``),
+    resumed where a body broke off."""
     attempts = attempts or s3client.max_attempts()
     pos, tries, last = lo, 0, None
     while pos < hi:
@@ -221,7 +220,7 @@ def _get_range(client: Any, url: S3Url, name: str, etag: str, view: memoryview, 
                 name, "GetObject", "ShortRead")
         start = pos
         try:
-            pos = _read_body(r["Body"], view, pos, hi, crcs)
+            pos = _read_body(r["Body"], view, pos, hi, crcs, base)
         except (OSError, ValueError) as e:  # reset, timeout, closed connection: resumed below
             last = e
         except Exception as e:  # noqa: BLE001 - botocore's/urllib3's wrappers of the same
@@ -251,14 +250,15 @@ class _Windows:
     """The index's bytes, fetched on demand into the mapping (``read_at``), and which
     byte ranges are there already."""
 
-    def __init__(self, client: Any, url: S3Url, name: str, etag: str, view: memoryview, size: int) -> None:
+    def __init__(self, client: Any, url: S3Url, name: str, etag: str, view: memoryview, base: int, size: int) -> None:
         self.client, self.url, self.name, self.etag, self.view, self.size = client, url, name, etag, view, size
+        self.base = base
         self.have: list[tuple[int, int]] = []
 
     def fetch(self, lo: int, hi: int) -> None:
         lo, hi = max(0, lo), min(self.size, hi)
         for a, b in self._missing(lo, hi):
-            _get_range(self.client, self.url, self.name, self.etag, self.view, a, b)
+            _get_range(self.client, self.url, self.name, self.etag, self.view, self.base, a, b)
             self.have.append((a, b))
             self.have.sort()
 
@@ -308,14 +308,11 @@ def fetch(url: S3Url, client: Any, *, threads: int = 8, range_size: int = DEFAUL
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 base = _mapping_address(mm)
                 view = memoryview(mm)
-                prefault = Prefaulter([_Region(base, size)]) if size >= _PREFAULT_MIN and not discard else None
                 punch = (lambda lo, hi: mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)) if discard else None
                 try:
                     crc_map, discarded = _fill(client, url, name, etag, view, base, size, threads, range_size,
                                                spans_of, index_at_end, punch)
                 finally:
-                    if prefault is not None:
-                        prefault.close()
                     view.release()
     except BaseException:
         os.close(fd)
@@ -326,7 +323,7 @@ def fetch(url: S3Url, client: Any, *, threads: int = 8, range_size: int = DEFAUL
 def _fill(client: Any, url: S3Url, name: str, etag: str, view: memoryview, base: int, size: int, threads: int,
           range_size: int, spans_of: Optional[SpansOf], index_at_end: bool,
           punch: Optional[Callable[[int, int], None]]) -> tuple[Optional[dict[tuple[int, int], int]], bool]:
-    windows = _Windows(client, url, name, etag, view, size)
+    windows = _Windows(client, url, name, etag, view, base, size)
     crcs: Optional[_Crcs] = None
     spans: Optional[Sequence[tuple[int, int, bool]]] = None
     if spans_of is not None:
@@ -355,7 +352,7 @@ def _fill(client: Any, url: S3Url, name: str, etag: str, view: memoryview, base:
 
         def job(lo: int, hi: int) -> None:
             if not stop.is_set():
-                _get_range(client, url, name, etag, view, lo, hi, crcs, attempts)
+                _get_range(client, url, name, etag, view, base, lo, hi, crcs, attempts)
 
         with ThreadPoolExecutor(max(1, min(threads, len(ranges))), thread_name_prefix="fastpersist-s3-get") as pool:
             futures = [pool.submit(job, lo, hi) for lo, hi in ranges]

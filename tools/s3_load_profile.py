@@ -10,8 +10,8 @@ runs, one after the other:
 - ``fetch, read(amt)``: the object into a memfd the way fastpersist did before
   (botocore's ``read(1 MiB)`` into bytes, copied into the mapping; no pre-fault; no CRC);
 - ``fetch + CRC``: :func:`fastpersist.objectstore.fetch_for_reading` (bodies read
-  straight into the memfd, pages pre-faulted, every record's CRC-32 computed as it
-  arrives, then compared);
+  into a per-thread buffer and copied into the memfd without the GIL, every record's
+  CRC-32 computed as it arrives, then compared);
 - ``loader, checked``: the format's loader over that memfd with its own CRC pass
   (what followed the fetch before); ``loader, no 2nd pass``: the same loader with the
   CRC pass skipped, as fetch_for_reading decides;
