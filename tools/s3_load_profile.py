@@ -97,7 +97,8 @@ _ceiling_get(c, url, size, part, threads)  # warm-up
 rows: dict[str, list[float]] = {k: [] for k in ("ceiling GET", "fetch, read(amt)", "loader, checked", "fetch + CRC",
                                                  "loader, no 2nd pass", "fastpersist.load", "s3torchconnector")}
 for r in range(args.rounds):
-    t = time.perf_counter(); _ceiling_get(c, url, size, part, threads); rows["ceiling GET"].append(time.perf_counter() - t)
+    t = time.perf_counter(); _ceiling_get(c, url, size, part, threads)
+    rows["ceiling GET"].append(time.perf_counter() - t)
     t = time.perf_counter(); fd = fetch_read_amt(); t1 = time.perf_counter()
     out = loader(f"/proc/self/fd/{fd}", config.get_default()); t2 = time.perf_counter()
     os.close(fd); del out
@@ -107,7 +108,8 @@ for r in range(args.rounds):
     out = loader(got.path, cfg); t2 = time.perf_counter()
     got.close(); del out
     rows["fetch + CRC"].append(t1 - t); rows["loader, no 2nd pass"].append(t2 - t1)
-    t = time.perf_counter(); out = fastpersist.load("s3://prof/x.pt"); rows["fastpersist.load"].append(time.perf_counter() - t)
+    t = time.perf_counter(); out = fastpersist.load("s3://prof/x.pt")
+    rows["fastpersist.load"].append(time.perf_counter() - t)
     del out
     if s3tc is not None:
         t = time.perf_counter()
