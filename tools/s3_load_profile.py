@@ -38,6 +38,7 @@ import torch  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--mib", type=int, default=256)
 p.add_argument("--rounds", type=int, default=5)
+p.add_argument("--gpt", action="store_true", help="the bench's GPT-style training state (501 tensors) instead")
 args = p.parse_args()
 srv = s3server.start(pathlib.Path(tempfile.mkdtemp()))
 os.environ.update(srv.env())
@@ -50,7 +51,12 @@ from fastpersist.s3url import S3Url  # noqa: E402
 threads, part = config.get_default().s3_threads, config.get_default().s3_part_size
 c = s3client.client(threads + 2)
 c.create_bucket(Bucket="prof")
-state = {"w%d" % i: torch.randn((args.mib << 20) // 32 // 4) for i in range(32)}
+if args.gpt:
+    from fastpersist.bench.save_bench import build_workload
+
+    state = build_workload(args.mib << 20, None, seed=0)[0]
+else:
+    state = {"w%d" % i: torch.randn((args.mib << 20) // 32 // 4) for i in range(32)}
 fastpersist.save(state, "s3://prof/x.pt")
 url = S3Url("prof", "x.pt")
 size = c.head_object(Bucket="prof", Key="x.pt")["ContentLength"]
