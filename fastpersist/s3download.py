@@ -165,7 +165,6 @@ def _read_body(body: Any, view: memoryview, pos: int, hi: int, crcs: Optional[_C
     returns where it stopped."""
     fast = _fast_reader(body)
     bounce = (ctypes.c_char * _CHUNK)() if fast is not None else None
-    done = False
     try:
         while pos < hi:
             end = min(hi, pos + _CHUNK)
@@ -184,12 +183,10 @@ def _read_body(body: Any, view: memoryview, pos: int, hi: int, crcs: Optional[_C
             if crcs is not None:
                 crcs.add(pos, pos + n)
             pos += n
-        done = pos == hi
     finally:
-        if fast is not None and done and fast[1]._fp.isclosed():  # noqa: SLF001 - the whole body was read
-            fast[1].release_conn()  # the connection goes back to the pool
-        else:
-            body.close()
+        # Closed, as botocore's own readers leave it: handing the connection back to the
+        # pool after a read behind urllib3's back measured no faster (docs/objectstore.md).
+        body.close()
     return pos
 
 
