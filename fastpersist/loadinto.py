@@ -312,9 +312,11 @@ def load_state_dict(
         cfg = config_mod.resolve(config)
 
         def remote() -> Any:  # fetched into memory by ranged GETs, then read from there
-            with objectstore.fetch(path, config=cfg) as got:
+            got, checked_cfg = objectstore.fetch_for_reading(path, config=cfg)
+            with got:
                 try:
-                    return load_state_dict(target, got.path, strict=strict, key=key, cast=cast, config=cfg)
+                    return load_state_dict(target, got.path, strict=strict, key=key, cast=cast,
+                                           config=checked_cfg)
                 except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
                     objectstore.name_url_in_error(e, got.path, got.url)
                     raise

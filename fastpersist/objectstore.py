@@ -5,7 +5,9 @@ file exactly as for a local save (same bytes, same 4096-byte alignment of the
 payloads), :mod:`fastpersist.s3upload` streams it into one multipart upload and
 completes it (the commit). Loads and verifies fetch the object with parallel ranged
 GETs into anonymous memory (:mod:`fastpersist.s3download`) and hand it to the same
-loaders and verifiers as a local file, with the CRC-32s checked as for one.
+loaders and verifiers as a local file. Loads check the CRC-32s as the bytes arrive
+(:mod:`fastpersist.s3check`); where every one matched, the loader does not read the
+object again to check it; otherwise it checks as for a local file and names the error.
 
 Needs the ``s3`` extra (boto3); see docs/objectstore.md for configuration.
 """
@@ -19,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from fastpersist import _compat, handles, s3client, s3download, s3upload
+from fastpersist import _compat, handles, s3check, s3client, s3download, s3upload
 from fastpersist import config as config_mod
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats import registry, safetensors
@@ -29,8 +31,8 @@ from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
 
 log = logging.getLogger("fastpersist.s3")
 
-__all__ = ["ALIGNMENT", "describe", "fetch", "is_s3_url", "load", "load_file", "load_with_etag", "name_url_in_error",
-           "plan_for", "save", "save_file", "stage", "upload_staged", "verify"]
+__all__ = ["ALIGNMENT", "describe", "fetch", "fetch_for_reading", "is_s3_url", "load", "load_file", "load_with_etag",
+           "name_url_in_error", "plan_for", "save", "save_file", "stage", "upload_staged", "verify"]
 
 #: Payload alignment of objects: what a local save uses on an ordinary filesystem, so
 #: that the object's bytes equal those of a local save.
@@ -88,8 +90,8 @@ def load_file(target: Any, device: Any, *, config: Any = None) -> dict:
     """:func:`fastpersist.load_file` of an ``s3://`` URL: every tensor on ``device`` (on
     the CPU, views of the fetched memory)."""
     url = parse(target)
-    cfg = config_mod.resolve(config)
-    with fetch(url, config=cfg) as got:
+    got, cfg = fetch_for_reading(url, config=config)
+    with got:
         try:
             return registry.load_safetensors_file(got.path, device, cfg, _cpu_target(device))
         except Exception as e:  # noqa: BLE001 - re-raised, naming the URL
@@ -114,12 +116,44 @@ def upload_staged(url: S3Url, parts: list[s3upload.StagedPart], *, config: Any =
     s3upload.upload_parts(parts, url, s3client.client(n + 2, cfg.s3_timeout), threads=n)
 
 
-def fetch(target: Any, *, config: Any = None) -> s3download.Fetched:
-    """The object at ``target`` in anonymous memory (see :mod:`fastpersist.s3download`)."""
+def fetch(target: Any, *, config: Any = None, crcs: bool = False, discard: bool = False) -> s3download.Fetched:
+    """The object at ``target`` in anonymous memory (see :mod:`fastpersist.s3download`);
+    with ``crcs``, every record's CRC-32 computed as its bytes arrive
+    (:attr:`~fastpersist.s3download.Fetched.crcs`); with ``discard`` too, the payloads'
+    pages given back once checksummed (for verifies)."""
     url = parse(target)
     cfg = config_mod.resolve(config)
     n = cfg.s3_threads
-    return s3download.fetch(url, s3client.client(n + 2, cfg.s3_timeout), threads=n, range_size=cfg.s3_part_size)
+    spans_of, at_end = s3check.spans(_kind(url)) if crcs else (None, True)
+    return s3download.fetch(url, s3client.client(n + 2, cfg.s3_timeout), threads=n, range_size=cfg.s3_part_size,
+                            spans_of=spans_of, index_at_end=at_end, discard=discard and crcs)
+
+
+def _kind(url: S3Url) -> str:
+    return "safetensors" if registry.format_for(url.key) is registry.SAFETENSORS else "torch"
+
+
+def fetch_for_reading(target: Any, *, config: Any = None) -> tuple[s3download.Fetched, Any]:
+    """``(fetched, config)``: the object in anonymous memory, its CRC-32s checked as the
+    bytes arrived, and the configuration its reader should use: ``checksum`` off when
+    every record's CRC-32 was already compared (the reader need not pass over the bytes
+    again), else as given (the reader checks, and names what is wrong).
+
+    Raises:
+        ChecksumError: a record's bytes differ from its recorded CRC-32 (naming the URL),
+            found before any reader ran.
+        ObjectStoreError: a GET failed for good, or the object was replaced meanwhile.
+    """
+    url = parse(target)
+    cfg = config_mod.resolve(config)
+    got = fetch(url, config=cfg, crcs=cfg.checksum)
+    try:
+        if cfg.checksum and s3check.check(_kind(url), got.fd, str(url), got.size, got.crcs):
+            cfg = cfg.replace(checksum=False)
+    except BaseException:
+        got.close()
+        raise
+    return got, cfg
 
 
 def _cpu_target(map_location: Any) -> bool:
@@ -144,10 +178,10 @@ def load_with_etag(target: Any, req: registry.LoadRequest, *, config: Any = None
     """:func:`load`, and the ETag of the object version it read (every ranged GET was
     pinned to it): a collective load compares the ranks' ETags."""
     url = parse(target)
-    cfg = config_mod.resolve(config)
     fmt = registry.format_for(url.key)
     assert fmt.load is not None
-    with fetch(url, config=cfg) as got:
+    got, cfg = fetch_for_reading(url, config=config)
+    with got:
         mmap = req.mmap
         if mmap is None and _cpu_target(req.map_location):
             mmap = True
@@ -174,16 +208,33 @@ def name_url_in_error(e: BaseException, local: str, url: str) -> None:
 
 
 def verify(target: Any, *, config: Any = None) -> VerifyResult:
-    """:func:`fastpersist.verify` of an object: fetched into memory (no file on disk),
-    then every record's CRC-32 checked."""
+    """:func:`fastpersist.verify` of an object, with no file on disk: the object is
+    fetched with every record's CRC-32 computed as its bytes arrive, and each payload's
+    pages are given back once checksummed, so memory holds the index and the small
+    records, not the payloads; the format's verifier then checks the structure and
+    compares those CRC-32s. Where the download could not compute them all (an index
+    that does not parse, an odd layout), the object is fetched whole into memory and
+    verified as a file."""
     url = parse(target)
     cfg = config_mod.resolve(config)
+    fmt = registry.format_for(url.key)
+    with fetch(url, config=cfg, crcs=True, discard=True) as got:
+        result = None
+        if got.discarded and got.crcs is not None:
+            try:
+                result = fmt.verify(got.path, s3check.KnownCrcs(got.crcs))
+            except s3check.NotKnown as e:
+                log.debug("%s: verify needs bytes the streamed check dropped (%s); fetching it whole", url, e)
+        if result is not None:
+            return _named(result, got.path, str(url))
     with fetch(url, config=cfg) as got:
-        result = registry.format_for(url.key).verify(got.path, handles.handle_for(cfg, read=True))
-    name = str(url)
+        return _named(fmt.verify(got.path, handles.handle_for(cfg, read=True)), got.path, str(url))
+
+
+def _named(result: VerifyResult, local: str, name: str) -> VerifyResult:
     result.path = name
-    result.problems = [p.replace(got.path, name) for p in result.problems]
-    result.notes = [p.replace(got.path, name) for p in result.notes]
+    result.problems = [p.replace(local, name) for p in result.problems]
+    result.notes = [p.replace(local, name) for p in result.notes]
     return result
 
 

@@ -10,7 +10,10 @@ answered by the proxy itself:
 - ``"reset"``: the connection is reset (RST) once the request was read, before any
   answer: to the client, a network failure in the middle of a part's request;
 - ``"stall"``: the request is read and never answered (the connection stays open for
-  :attr:`FaultProxy.stall_s` seconds, then closes), as a store that hangs.
+  :attr:`FaultProxy.stall_s` seconds, then closes), as a store that hangs;
+- ``"cut"``: the request is forwarded, and the answer relayed for its first
+  :attr:`FaultProxy.cut_bytes` bytes (status line and headers included); then the
+  connection closes: to the client, a body shorter than its ``Content-Length``.
 
 A rule fires on its ``nth`` matching request (1-based) and the ``count - 1`` after it.
 """
@@ -74,6 +77,8 @@ class FaultProxy:
     headers: list[dict[str, str]] = field(default_factory=list)
     #: How long a ``"stall"`` holds the connection without answering.
     stall_s: float = 30.0
+    #: How many bytes of the answer a ``"cut"`` relays.
+    cut_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -126,6 +131,9 @@ class FaultProxy:
                 if fault.action == "stall":
                     time.sleep(self.stall_s)
                     return
+                if fault.action == "cut":
+                    _forward(conn, self.upstream, head, body, limit=self.cut_bytes)
+                    return
                 if fault.action == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     return
@@ -167,11 +175,16 @@ def _read_request(conn: socket.socket) -> Optional[tuple[bytes, bytes, str, str,
     return new_head, bytes(body), method, target, headers
 
 
-def _forward(conn: socket.socket, upstream: tuple[str, int], head: bytes, body: bytes) -> None:
+def _forward(conn: socket.socket, upstream: tuple[str, int], head: bytes, body: bytes,
+             limit: Optional[int] = None) -> None:
+    sent = 0
     with socket.create_connection(upstream) as up:
         up.sendall(head + body)
-        while True:
+        while limit is None or sent < limit:
             chunk = up.recv(1 << 20)
             if not chunk:
                 return
+            if limit is not None:
+                chunk = chunk[:limit - sent]
             conn.sendall(chunk)
+            sent += len(chunk)

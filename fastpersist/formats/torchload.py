@@ -103,7 +103,7 @@ def bad(path: str, offset: Optional[int], what: str) -> ZipFormatError:
     return ZipFormatError(f"{path}: not a loadable torch checkpoint: {what}", path, offset)
 
 
-def _predict(entries: list[CentralEntry], cd_off: int) -> Optional[dict[int, int]]:
+def predict_offsets(entries: list[CentralEntry], cd_off: int) -> Optional[dict[int, int]]:
     """Data offset of every record (by ``id(entry)``) from the central directory alone:
     records lie back to back, so one ends where the next local header starts, less its
     data descriptor. None when the directory does not fit that (odd writers): then
@@ -289,7 +289,7 @@ class LoadState:
             # returns heap memory for one that does not
             check_deflated(fd_reader(self.fd, self.path), self.path, full.entries)
             raise UnsupportedLayoutError(unsupported)
-        offsets = None if exact else _predict(entries, cd_off)
+        offsets = None if exact else predict_offsets(entries, cd_off)
         if offsets is None:
             cd_off, offsets, entries = _exact(self.fd, self.path, self.size)
             self.headers_checked = True
