@@ -24,6 +24,7 @@ The readers a plan asks for are kept in a small pool per setting (:func:`borrow_
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import os
@@ -284,6 +285,9 @@ def _forget_pool_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)
+# The idle readers' threads are joined at exit while the interpreter still runs, not left to
+# module teardown in whatever order it destroys things.
+atexit.register(lambda: forget_readers())
 
 
 def _reader_key(handle: Any, plan: ReadPlan) -> tuple:
@@ -309,6 +313,7 @@ def give_back_reader(reader: Any) -> None:
     pending; staged readers are not kept, so their ring does not stay resident)."""
     if reader.stage_reads or reader.pending():
         return
+    reader.trim_buffers()  # an idle reader keeps its threads, not the bounce buffers of its last load
     key = (reader.engine, reader.chunk_size, reader.queue_depth, reader.threads, reader.direct, False)
     with _pool_lock:
         idle = _pool.setdefault(key, [])

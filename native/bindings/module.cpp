@@ -474,6 +474,7 @@ NB_MODULE(_native, m) {
           },
           nb::arg("ranges"), nb::arg("crc") = false)
       .def("pending", &Handle::pending)
+      .def("trim_buffers", &Handle::trim_buffers)
       .def(
           "crc32_ranges",
           [](Handle& h, nb::handle ranges) {

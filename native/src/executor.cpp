@@ -139,6 +139,12 @@ char* BufferCache::acquire() {
   return alloc_staging(size_);
 }
 
+void BufferCache::trim() {
+  std::lock_guard<std::mutex> lk(mu_);
+  for (char* p : free_) free_staging(p, size_);
+  free_.clear();
+}
+
 void BufferCache::release(char* p) {
   if (!p) return;
   std::lock_guard<std::mutex> lk(mu_);

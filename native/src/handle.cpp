@@ -359,6 +359,8 @@ size_t Handle::pending() {
   return s.ops.size() + s.orphaned;
 }
 
+void Handle::trim_buffers() { state().cache.trim(); }
+
 std::string Handle::last_engine() {
   State& s = state();
   std::lock_guard<std::mutex> lk(s.mu);
