@@ -313,7 +313,10 @@ def give_back_reader(reader: Any) -> None:
     pending; staged readers are not kept, so their ring does not stay resident)."""
     if reader.stage_reads or reader.pending():
         return
-    reader.trim_buffers()  # an idle reader keeps its threads, not the bounce buffers of its last load
+    # an idle reader keeps its threads and one bounce buffer (chunk_size: the unaligned head and tail
+    # of the next load's pieces), not every buffer its last load used (a kept 64 MiB slice had 85 MiB
+    # resident with all of them; a new buffer costs its first touch at every load)
+    reader.trim_buffers(1)
     key = (reader.engine, reader.chunk_size, reader.queue_depth, reader.threads, reader.direct, False)
     with _pool_lock:
         idle = _pool.setdefault(key, [])

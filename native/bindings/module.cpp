@@ -474,7 +474,7 @@ NB_MODULE(_native, m) {
           },
           nb::arg("ranges"), nb::arg("crc") = false)
       .def("pending", &Handle::pending)
-      .def("trim_buffers", &Handle::trim_buffers)
+      .def("trim_buffers", &Handle::trim_buffers, nb::arg("keep") = 0)
       .def(
           "crc32_ranges",
           [](Handle& h, nb::handle ranges) {

@@ -139,10 +139,12 @@ char* BufferCache::acquire() {
   return alloc_staging(size_);
 }
 
-void BufferCache::trim() {
+void BufferCache::trim(size_t keep) {
   std::lock_guard<std::mutex> lk(mu_);
-  for (char* p : free_) free_staging(p, size_);
-  free_.clear();
+  while (free_.size() > keep) {
+    free_staging(free_.back(), size_);
+    free_.pop_back();
+  }
 }
 
 void BufferCache::release(char* p) {

@@ -359,7 +359,7 @@ size_t Handle::pending() {
   return s.ops.size() + s.orphaned;
 }
 
-void Handle::trim_buffers() { state().cache.trim(); }
+void Handle::trim_buffers(size_t keep) { state().cache.trim(keep); }
 
 std::string Handle::last_engine() {
   State& s = state();

@@ -60,8 +60,8 @@ class BufferCache {
   BufferCache& operator=(const BufferCache&) = delete;
   char* acquire();
   void release(char* p);
-  // Frees every idle buffer (those in use stay theirs and come back to the cache later).
-  void trim();
+  // Frees the idle buffers beyond the first ``keep`` (those in use come back to the cache later).
+  void trim(size_t keep);
   size_t size() const { return size_; }
 
  private:

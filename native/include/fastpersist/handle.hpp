@@ -95,9 +95,9 @@ class Handle {
   std::vector<uint32_t> wait_op(uint64_t id, double timeout_s);
   bool done(uint64_t id);  // ArgError if the id is not pending
   size_t pending();
-  // Frees the idle staging buffers the reads and writes keep for their next operation
-  // (a handle kept idle in a pool then holds no memory of a past load).
-  void trim_buffers();
+  // Frees the idle staging buffers the reads and writes keep for their next operation,
+  // all but ``keep`` of them (a handle kept idle in a pool then holds little of a past load).
+  void trim_buffers(size_t keep);
   // Copy each (dst, src, len) host range and return the CRC-32 of each when
   // want_crc (else zeros), spread over the worker pool.
   std::vector<uint32_t> copy_ranges(const std::vector<std::array<uint64_t, 3>>& ranges, bool want_crc);
