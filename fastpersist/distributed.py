@@ -175,7 +175,7 @@ def _drop_side_groups() -> None:
     still runs, so that they are freed (their threads joined) then and not during interpreter
     finalization, where a freed gloo group can abort the process with "terminate called
     without an active exception" even after the user's ``destroy_process_group()`` (README's
-    multi-rank example did, once, in a CI run of session 14)."""
+    multi-rank example did, once, in CI)."""
     _side_groups.clear()
 
 
