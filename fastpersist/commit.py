@@ -486,6 +486,21 @@ def atomic_write(path: PathLike, write: Callable[[str], T], *, fsync: bool = Tru
     return result
 
 
+def write_small_file(path: PathLike, data: bytes) -> None:
+    """Replace the file at ``path`` with ``data``, atomically and durably (:func:`atomic_write`:
+    a temporary file written and fsynced, renamed over ``path``, the directory fsynced). For
+    small files that name a checkpoint (DeepSpeed's ``latest``): a crash leaves the old bytes
+    or the new ones, never a mix."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_write(path, write)
+
+
 def fsync_dir_after_rename(final: str) -> None:
     """fsync the directory of ``final`` after a new file was renamed there; a failure raises
     :class:`~fastpersist.errors.DirectorySyncError`, which says that the new file is in place

@@ -43,7 +43,8 @@ def group_save_available() -> bool:
 
 def save_replicated(obj: Any, path: "os.PathLike[str] | str", *, group: Any, writer: bool,
                     format: Optional[str] = None, config: Any = None,
-                    save: Optional[Callable[..., None]] = None) -> bool:
+                    save: Optional[Callable[..., None]] = None,
+                    on_differ: Optional[Callable[[ReplicasDifferError], None]] = None) -> bool:
     """Write ``path`` from ``obj``, a replica every rank of ``group`` holds; every rank calls it.
 
     With more than one rank the ranks write ``path`` together (``save(obj, path,
@@ -76,8 +77,11 @@ def save_replicated(obj: Any, path: "os.PathLike[str] | str", *, group: Any, wri
             do_save(obj, path, group=group, format=format, config=config)
             return True
         except ReplicasDifferError as e:
-            log.info("fastpersist: replicas of %s differ across ranks (%s); the designated rank writes it alone",
-                     path, e.difference)
+            if on_differ is not None:
+                on_differ(e)
+            else:
+                log.info("fastpersist: replicas of %s differ across ranks (%s); the designated rank writes it alone",
+                         path, e.difference)
     if writer:
         do_save(obj, path, format=format, config=config)
     return False

@@ -32,46 +32,19 @@ and Accelerate's own functions otherwise; nothing else (not ``torch.save``, not
 Rank selection is Accelerate's: the main process writes shared files (the local
 main process with ``save_on_each_node``), every process its RNG file.
 
-Durability and retention: each file is durable when written (fastpersist's
-temporary file, fsync, rename, directory fsync), and the checkpoint *directory*
-appears in one step. ``save_state`` writes into a hidden staging directory,
-``.fastpersist-staging-NAME-TOKEN``, and after every rank finished the main process
-fsyncs every file and directory in it and makes it visible: a new directory
-(``checkpoint_N`` with automatic naming, or an ``output_dir`` that does not exist
-yet) by ``rename``; an existing ``output_dir`` by swapping the two directories with
-``renameat2(RENAME_EXCHANGE)`` (Linux >= 3.15; called through ctypes, Python's
-``os`` has no renameat2), then removing the previous one; then the parent is
-fsynced. So a save that raises *or is killed* (SIGKILL, power loss) leaves the
-previous checkpoint exactly as it was: ``load_state()`` without a path resumes from
-the last complete ``checkpoint_N``, the next ``save_state`` can write
-``checkpoint_N``, and a fixed ``output_dir`` holds one whole step, never a mix. The
-new directory holds what this save wrote: files of the previous checkpoint that it
-does not write again (a ``custom_checkpoint_1.pkl`` of an object no longer
-registered, Accelerate's or fastpersist's names only) are gone with it, while other
-entries (a user's ``config.json``, logs) are carried into the new directory as hard
-links, as stock Accelerate leaves them in place. Where the filesystem refuses
-RENAME_EXCHANGE (EINVAL/ENOSYS/ENOTSUP: some network and FUSE filesystems, kernels
-before 3.15) the previous directory is renamed to ``.fastpersist-old-NAME-TOKEN``
-and the new one renamed in: a process killed between these two renames leaves no
-``output_dir``, its previous copy under that name, which the next enabled
-``save_state`` into that ``output_dir`` renames back (or rename it back by hand).
-
-Where the staging directory lives: beside the final directory, in the same parent
-(same filesystem, so the commit is a rename), except for automatic naming (and an
-``output_dir`` directly in the project's ``checkpoints/``), where it is the project
-directory: Accelerate parses every entry of ``checkpoints/`` as a checkpoint number
-(``load_state()`` takes the largest, retention deletes the smallest, an entry
-without a number makes both raise), so nothing of ours may appear there. All ranks
-write the same staging directory: the main process draws TOKEN (16 hex digits) and
-broadcasts it (``accelerate.utils.broadcast_object_list``). Staging directories of
-killed saves are removed by the next enabled ``save_state`` on the main process
-(of the same NAME; with automatic naming, of any ``checkpoint_N``), before it
-writes. Without staging (old behaviour: files replaced in place, each whole, a
-failure part-way leaves a mix; logged as a warning): where the staging parent and
-the final directory are on different filesystems (``checkpoints`` or ``output_dir``
-a mount point) or the working directory is inside ``output_dir`` (swapping it would
-leave the process in a deleted directory); a raised exception there still removes
-an incomplete ``checkpoint_N``.
+Durability: each file is durable when written, and the checkpoint *directory* appears
+in one step: every process writes into one hidden staging directory and the main
+process swaps it in (:mod:`fastpersist.collectivedir`: a new directory by ``rename``,
+an existing ``output_dir`` by ``renameat2(RENAME_EXCHANGE)``, or two renames where the
+filesystem refuses it; killed saves' leftovers cleaned by the next ``save_state``). A
+save that raises *or is killed* leaves the previous checkpoint exactly as it was. Files
+of the previous checkpoint this save does not write again (Accelerate's names) go with
+it; other entries (a user's ``config.json``) are carried over, as stock Accelerate
+leaves them in place. The staging directory lives beside the final one, except for
+``checkpoints/`` (automatic naming), whose every entry Accelerate parses as a checkpoint
+number: then one level up, in the project directory. Not staged (files replaced in
+place, each atomic; a warning): the staging parent on another filesystem, or the
+working directory inside ``output_dir``.
 
 What differs from stock ``save_state`` for the caller: nothing in the return value
 (the final directory, as ``pathlib.Path``), ``save_iteration`` (counted only when
@@ -121,7 +94,6 @@ import logging
 import os
 import pathlib
 import re
-import secrets
 import shutil
 import tempfile
 import types
@@ -132,6 +104,7 @@ import torch
 
 import fastpersist
 from fastpersist import dircommit, s3folder
+from fastpersist.collectivedir import CollectiveDir
 from fastpersist.commit import fsync_dir
 from fastpersist.envflags import adapter_enabled
 from fastpersist.errors import CheckpointFormatError, ChecksumError
@@ -346,16 +319,6 @@ class _Layout(dircommit.StagedDir):
         super().clean_leftovers(operation="save_state", logger=log, fsync_after_restore=True,
                                 restore_other=restore_other)
 
-    def commit(self, token: str, done: list) -> None:  # type: ignore[override]
-        """Make the staging directory visible as ``target`` in one step; ``done`` gets True
-        once it is. Entries of the previous directory that are no part of an Accelerate
-        checkpoint (a user's config.json, logs) are carried over, as stock save_state leaves
-        them in place; stale checkpoint files the new save did not write go with the
-        previous copy."""
-        super().commit(token, _CHECKPOINT_ENTRY_RE.fullmatch, what="an Accelerate checkpoint",
-                       operation="save_state", logger=log, on_visible=lambda: done.append(True),
-                       sync_tree=dircommit.fsync_tree_and_parent)
-
 
 def _final_location(location: Any, staging: str, final: str) -> Any:
     """What stock save_state returns (``save_accelerator_state``'s ``Path(output_dir)``),
@@ -418,11 +381,22 @@ def _save_in_place(self: Any, original: Callable[..., Any], s: _Settings, output
     return location
 
 
-def _raise_everywhere(error: Optional[BaseException], message: Optional[str]) -> None:
-    if error is not None:
-        raise error
-    if message is not None:
-        raise RuntimeError(f"fastpersist: save_state failed on another process: {message}")
+def _failed_elsewhere(_ranks: list[int], message: str) -> RuntimeError:
+    return RuntimeError(f"fastpersist: save_state failed on another process: {message}")
+
+
+class _AccelerateExchange:
+    """:class:`fastpersist.collectivedir.Exchange` over Accelerate's own object collectives."""
+
+    def broadcast(self, value: Any) -> Any:
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value])[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        from accelerate.utils import gather_object
+
+        return gather_object([value])
 
 
 def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Optional[_Settings]]) -> Callable[..., Any]:
@@ -432,8 +406,6 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         if s is None:
             return original(self, output_dir, safe_serialization, **kwargs)
         install()
-        from accelerate.utils import broadcast_object_list, gather_object
-
         pc = self.project_configuration
         auto = bool(pc.automatic_checkpoint_naming)
         if auto and is_s3_url(self.project_dir):
@@ -459,22 +431,16 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         # The committer holds the directory's files: the main process, or with save_on_each_node
         # the main process of each node (whose disk may be its own).
         committer = self.is_local_main_process if pc.save_on_each_node else self.is_main_process
-        token = None
         if committer:
             layout.clean_leftovers()
-        if self.is_main_process:
-            why = layout.why_not_staged()
-            if why is None:
-                token = secrets.token_hex(8)
-            else:
-                log.warning("fastpersist: cannot stage this save_state beside %s (%s): writing its files in place, "
-                            "each atomic, the directory not", final, why)
-        token = broadcast_object_list([token])[0]  # every rank writes into the same staging directory
-        self.wait_for_everyone()
+        exchange = _AccelerateExchange()
+        token = CollectiveDir.plan(layout, rank=self.process_index, committer=committer, exchange=exchange,
+                                   check=self.is_main_process, operation="save_state", logger=log)
         if token is None:
             return _save_in_place(self, original, s, output_dir, safe_serialization, kwargs)
-
-        staging = layout.staging(token)
+        stage = CollectiveDir(layout, token, committer=committer, rank=self.process_index, exchange=exchange,
+                              is_checkpoint_entry=_CHECKPOINT_ENTRY_RE.fullmatch, what="an Accelerate checkpoint",
+                              operation="save_state", logger=log, sync_tree=dircommit.fsync_tree_and_parent)
         iteration = pc.iteration
         limit = pc.total_limit if auto else None
         # Stock save_state, told to write the staging directory: no automatic naming (we did its
@@ -484,54 +450,28 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
             pc.total_limit = None
         try:
             with _routing(s):
-                location = original(self, staging, safe_serialization, **kwargs)
+                location = original(self, stage.staging, safe_serialization, **kwargs)
         except BaseException:
             pc.iteration = iteration
-            if committer and os.path.isdir(staging):
+            if committer and os.path.isdir(stage.staging):
                 log.error("fastpersist: save_state failed; removing its staging directory %s (%s is untouched)",
-                          staging, final)
-                shutil.rmtree(staging, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    fsync_dir(layout.stage_parent)
+                          stage.staging, final)
+                stage.discard()
             raise
         finally:
             pc.automatic_checkpoint_naming = auto
             if auto:
                 pc.total_limit = limit
         self.wait_for_everyone()  # every rank's files are in the staging directory
-
-        def commit_here() -> tuple[Optional[BaseException], bool]:
-            # -> (the error, whether the new checkpoint is visible under its final name)
-            done: list = []
-            try:
-                layout.commit(token, done)
-            except BaseException as e:  # noqa: BLE001 - reported to every rank below
-                if not done:  # nothing visible changed: the previous checkpoint stays, as does iteration
-                    log.error("fastpersist: committing %s failed (%s); removing its staging directory", final, e)
-                    shutil.rmtree(staging, ignore_errors=True)
-                return e, bool(done)
-            return None, True
-
-        def describe(e: Optional[BaseException]) -> Optional[str]:
-            return None if e is None else f"{type(e).__name__}: {e}"
-
-        error, visible = commit_here() if self.is_main_process else (None, False)
-        outcome = broadcast_object_list([describe(error), visible])  # the main process's outcome, everywhere
-        if not outcome[1]:
-            pc.iteration = iteration
-        _raise_everywhere(error, outcome[0])
-        if pc.save_on_each_node and self.num_processes > 1:
-            # Other nodes' main processes commit their own copy (on a shared filesystem the
-            # main process's commit took the staging directory away: nothing left to do).
-            error = None
-            if committer and not self.is_main_process and os.path.isdir(staging):
-                error = commit_here()[0]
-            messages = gather_object([describe(error)])
-            _raise_everywhere(error, next((m for m in messages if m is not None), None))
+        try:
+            stage.commit(_failed_elsewhere, per_node=pc.save_on_each_node and self.num_processes > 1)
+        finally:
+            if not stage.visible:  # the previous checkpoint stays, as does iteration
+                pc.iteration = iteration
         if self.is_main_process:
             _retain(self, limit, layout.target)
         self.wait_for_everyone()
-        return _final_location(location, staging, final)
+        return _final_location(location, stage.staging, final)
 
     setattr(save_state, _MARK, original)
     return save_state

@@ -25,52 +25,29 @@ engine itself into ``save_dir``, beside the tag directories), NVMe-offload swap 
 
 The ``CheckpointEngine`` contract, as DeepSpeed's ``save_checkpoint`` drives it:
 ``create(info)`` at the start, ``save(state_dict, path)`` per file on the ranks that
-own it, ``commit(info)`` on every rank, then rank 0 writes ``latest``.
-:class:`FastPersistCheckpointEngine` makes each file durable as it is written
-(temporary file, fsync, rename, directory fsync) and ``commit`` is where the
-checkpoint as a whole becomes durable: every rank finishes its pending writes,
-fsyncs the tag directory, and the ranks exchange their outcome; if any rank
-failed, every rank raises and ``latest`` is not touched. A failed ``save`` is
-reported there too, not at the ``save`` call (so no rank is left waiting in the
-exchange for a rank that raised). Rank 0 then writes ``latest`` itself, atomically
-and durably, before DeepSpeed rewrites it in place with the same tag (stock
-DeepSpeed writes ``latest`` right after rank 0's own commit, while other ranks may
-still be writing their partitions). So ``latest`` never names a checkpoint that is
-not complete on every rank.
+own it, ``commit(info)`` on every rank, then rank 0 writes ``latest``. Each file is
+durable as it is written; ``commit`` makes the checkpoint durable as a whole: every
+rank settles its pending writes (:func:`fastpersist.settle.settle`), fsyncs the tag
+directory, and the ranks exchange their outcome; if any rank failed (a failed
+``save`` is reported here, so that no rank waits for one that raised), every rank
+raises and ``latest`` is not touched. Rank 0 then writes ``latest`` atomically and
+durably (:func:`fastpersist.commit.write_small_file`) before DeepSpeed rewrites it in
+place with the same tag, so ``latest`` never names a checkpoint that is not complete on
+every rank.
 
 Saving again under a tag whose directory exists (a fixed ``tag="last"``; Lightning's
-``DeepSpeedStrategy``, whose tag is always ``checkpoint``, so ``last.ckpt/checkpoint``
-is rewritten by every save) replaces the directory in one step, since ``latest``
-already names it: ``create`` (every rank) sees the directory, and the save's files
-go to the same relative paths in a hidden sibling, ``.fastpersist-staging-TAG-TOKEN``
-(TOKEN: 16 hex digits drawn by rank 0 and gathered by every rank; DeepSpeed reads
-only the tag ``latest`` or the caller names). After every rank reported success,
-``commit`` swaps it in: files of the previous directory that are no part of a
-DeepSpeed checkpoint (not ``*model_states.pt``/``*optim_states.pt``/
-``offloaded_tensors``) are carried over as hard links, everything is fsynced, the
-two directories are exchanged with ``renameat2(RENAME_EXCHANGE)``
-(:func:`fastpersist.commit.exchange_paths`), the parent fsynced and the previous copy
-removed. So a save that raises on any rank, or a process killed part-way (SIGKILL,
-power loss), leaves the previous checkpoint exactly as it was, and
-``load_checkpoint`` resumes from it; stale files of the previous save (another
-world size's partitions) are gone after a successful one. Where the filesystem
-refuses RENAME_EXCHANGE (EINVAL/ENOSYS/EOPNOTSUPP: some network and FUSE
-filesystems, kernels before 3.15) the previous directory is renamed to
-``.fastpersist-old-TAG-TOKEN`` and the new one renamed in: a process killed between
-the two leaves no tag directory (``load_checkpoint`` finds nothing to resume until
-then), its previous copy under that name, which the next save into that tag renames
-back (or rename it back by hand). Staging directories of killed saves are removed
-by the next save into the same tag, before it writes (names of that pattern only).
-A tag directory that does not exist yet is written directly, as before (a killed
-save leaves a partial directory that ``latest`` does not name, and that the next
-save into that tag replaces as above). Not staged (files replaced in place, each
-atomic, the directory not; logged as a warning): a tag directory that is a mount
-point or contains the working directory, and ZeRO NVMe optimizer offload, whose
-swap files DeepSpeed copies into ``TAG/offloaded_tensors`` itself, past the checkpoint
-engine. ``save_16bit_model`` writes outside any tag directory: never staged. With
-``checkpoint.use_node_local_storage`` each node's local rank 0 stages and swaps its
-node's copy (global rank 0 first; on a shared filesystem the others find the staging
-directory gone); this case is not tested here (one machine).
+``DeepSpeedStrategy``, whose tag is always ``checkpoint``) replaces the directory in
+one step, since ``latest`` already names it (:mod:`fastpersist.collectivedir`): the
+save's files go to the same relative paths in a hidden sibling, swapped in after every
+rank succeeded; files that are no part of a DeepSpeed checkpoint (not
+``*model_states.pt``/``*optim_states.pt``/``offloaded_tensors``) are carried over,
+stale ones (another world size's partitions) go. A save that raises on any rank, or is
+killed part-way, leaves the previous checkpoint as it was. A new tag directory is
+written directly (``latest`` is its commit). Not staged (a warning): a tag directory
+that is a mount point or holds the working directory, and ZeRO NVMe optimizer offload
+(DeepSpeed copies its swap files into the tag directory itself). With
+``checkpoint.use_node_local_storage`` each node's local rank 0 swaps its node's copy
+(not tested here: one machine).
 
 With ``decoupled=True`` (and a fastpersist with ``save_async``) the engine is a
 decoupled one in DeepSpeed's sense: ``save`` snapshots the state and returns, the
@@ -105,17 +82,18 @@ import functools
 import logging
 import os
 import re
-import secrets
 import shutil
 import tempfile
 from typing import Any, Optional
 
 import fastpersist
 from fastpersist import dircommit, s3folder
-from fastpersist.commit import atomic_write, fsync_dir
+from fastpersist.collectivedir import CollectiveDir, agree
+from fastpersist.commit import fsync_dir, fsync_path, write_small_file
 from fastpersist.envflags import adapter_enabled
 from fastpersist.ranks import all_gather, global_rank, world_size
 from fastpersist.replicated import save_replicated
+from fastpersist.settle import PendingSaves, settle
 from fastpersist.s3url import is_s3_url
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
@@ -167,7 +145,7 @@ def _make_engine_class() -> type:
             self.config = config
             self.decoupled = bool(decoupled) and hasattr(fastpersist, "save_async")
             self.replica_group = replica_group
-            self._pending: list[Any] = []
+            self._pending = PendingSaves()
             self._dirs: set[str] = set()
             self._commit_info: Any = None
             self._stage: Optional[_Stage] = None  # this save's staging directory, if it is staged
@@ -200,22 +178,14 @@ def _make_engine_class() -> type:
         def _plan_stage(self, info: Any) -> Optional[_Stage]:
             """Every rank: whether this save is staged (the tag directory exists on some rank,
             and no rank sees a reason not to), and the staging directory's token (rank 0's)."""
-            stage = _Stage(info, "0" * 16, self._committer())
-            if stage.committer:
-                stage.clean_leftovers()
-            exists = os.path.lexists(stage.target)
-            veto = stage.why_not_staged(self.nvme_offload) if exists else None
-            token = secrets.token_hex(8) if global_rank() == 0 else None
-            votes = all_gather((exists, veto, token))
-            if not any(v[0] for v in votes):
-                return None  # a new tag directory: files go straight into it; 'latest' is the commit
-            why = next((v[1] for v in votes if v[1] is not None), None)
-            if why is not None:
-                if stage.committer:
-                    log.warning("fastpersist: cannot stage checkpoint %r beside %s (%s): replacing its files in "
-                                "place, each atomic, the directory not", info.tag, stage.target, why)
-                return None
-            return _Stage(info, votes[0][2], stage.committer)
+            staged = dircommit.StagedDir(_tag_dir(info))
+            committer = self._committer()
+            if committer:
+                staged.clean_leftovers(operation="save_checkpoint", logger=log, fsync_after_restore=False)
+            veto = "DeepSpeed copies the NVMe-offload files into the tag directory itself" if self.nvme_offload else None
+            token = CollectiveDir.plan(staged, rank=global_rank(), committer=committer, veto=veto, existing_only=True,
+                                       operation=f"checkpoint {info.tag!r}", logger=log)
+            return None if token is None else _Stage(info, token, committer)
 
         def makedirs(self, path: str, exist_ok: bool = False) -> None:
             staged = self._stage.redirect(path) if self._stage is not None else None
@@ -254,7 +224,7 @@ def _make_engine_class() -> type:
                 save_replicated(state_dict, path, group=self.replica_group, writer=writer, format="torch",
                                 config=self.config, save=fastpersist.save)
             elif self.decoupled:
-                self._pending.append(fastpersist.save_async(state_dict, path, config=self.config, format="torch"))
+                self._pending.add(fastpersist.save_async(state_dict, path, config=self.config, format="torch"))
             else:
                 fastpersist.save(state_dict, path, config=self.config, format="torch")
 
@@ -265,70 +235,35 @@ def _make_engine_class() -> type:
             error: Optional[BaseException] = None
             stage = self._stage if self._stage is not None and self._stage.matches(info) else None
             try:
-                pending, self._pending = self._pending, []
                 # Every pending save settles before commit returns (none may still rename files
                 # of this tag afterwards); the first error is raised, the others are logged.
-                errors = [] if self._save_error is None else [self._save_error]
+                first = [] if self._save_error is None else [self._save_error]
                 self._save_error = None
-                for fut in pending:
-                    try:
-                        fut.wait()
-                    except Exception as e:  # noqa: BLE001 - collected, the first one raised
-                        errors.append(e)
-                for e in errors[1:]:
-                    log.error("fastpersist DeepSpeed engine: another save of checkpoint %r failed too: %s",
-                              info.tag, e)
-                if errors:
-                    raise errors[0]
-                tag_dir = os.path.abspath(os.path.join(info.save_dir, str(info.tag)))
+                settle(self._pending.take(), errors=first, what=f"checkpoint {info.tag!r}", logger=log)
+                tag_dir = _tag_dir(info)
                 for d in sorted(self._dirs | ({tag_dir} if os.path.isdir(tag_dir) else set())):
                     if os.path.isdir(d):
                         fsync_dir(d)
                 fsync_dir(os.path.abspath(info.save_dir))
             except BaseException as e:  # reported to every rank below
                 error = e
-            outcomes = all_gather((None if error is None else repr(error), stage is not None and stage.used))
-            failed = [r for r, (o, _) in enumerate(outcomes) if o is not None]
             self._commit_info = None
             self._stage = None
-            if failed:
-                if stage is not None and stage.committer:
-                    stage.discard()  # the tag directory was never touched
-                if error is not None:
-                    raise error
-                raise RuntimeError(f"checkpoint {info.tag!r} in {info.save_dir!r} failed on rank(s) {failed}; "
-                                   "'latest' was not updated")
-            if stage is not None:
-                if any(used for _, used in outcomes):
-                    self._commit_staged(stage, info)
-                elif stage.committer:
-                    stage.discard()  # nothing of this save went into the tag directory (save_16bit_model)
-            if getattr(info, "save_latest", False) and global_rank() == 0:
-                _write_latest(info.save_dir, str(info.tag))
-            return True
 
-        def _commit_staged(self, stage: _Stage, info: Any) -> None:
-            """Swap the staging directory in for the tag directory: global rank 0 first, then
-            (node-local storage) every other node's local rank 0, each phase's outcome reaching
-            every rank. On a shared filesystem the first swap takes the staging directory
-            away and the others find nothing to do."""
-            rank = global_rank()
-            phases = (True, False) if self.node_local and world_size() > 1 else (True,)
-            for first in phases:
-                error: Optional[BaseException] = None
-                if stage.committer and (rank == 0) == first:
-                    try:
-                        stage.swap_in()
-                    except BaseException as e:  # noqa: BLE001 - reported to every rank below
-                        error = e
-                failed = [r for r, o in enumerate(all_gather(None if error is None else repr(error))) if o is not None]
-                if failed:
-                    if stage.committer and error is None:
-                        stage.discard()
-                    if error is not None:
-                        raise error
-                    raise RuntimeError(f"checkpoint {info.tag!r} in {info.save_dir!r}: replacing the tag directory "
-                                       f"failed on rank(s) {failed}; 'latest' was not updated")
+            def elsewhere(failed: list[int], _message: str, what: str = "") -> RuntimeError:
+                return RuntimeError(f"checkpoint {info.tag!r} in {info.save_dir!r}{what} failed on rank(s) {failed}; "
+                                    "'latest' was not updated")
+
+            if stage is None:
+                agree(error, elsewhere)
+            elif stage.agree(error, elsewhere):
+                stage.commit(lambda f, m: elsewhere(f, m, ": replacing the tag directory"),
+                             per_node=self.node_local and world_size() > 1, missing_ok=True)
+            elif stage.committer:
+                stage.discard()  # nothing of this save went into the tag directory (save_16bit_model)
+            if getattr(info, "save_latest", False) and global_rank() == 0:
+                write_small_file(os.path.join(info.save_dir, "latest"), str(info.tag).encode())
+            return True
 
         def _abandon(self, error: BaseException) -> None:
             """``save_checkpoint`` raised (before or in commit): this checkpoint is never committed.
@@ -357,88 +292,27 @@ def _make_engine_class() -> type:
     return FastPersistCheckpointEngine
 
 
-class _Stage:
-    """One save into an existing tag directory, staged beside it (the mechanics:
-    :class:`fastpersist.dircommit.StagedDir`).
+def _tag_dir(info: Any) -> str:
+    return os.path.abspath(os.path.join(os.fspath(info.save_dir), str(info.tag)))
 
-    ``tag_dir``: the tag directory as DeepSpeed spells it (``save_dir/tag``, absolute): every
-    path DeepSpeed hands to ``save``/``makedirs`` under it is redirected to the same relative
-    path under ``staging``. ``target``: the tag directory with symbolic links resolved (what
-    is swapped; a symlinked tag keeps its link); the staging directory is its sibling
-    ``.fastpersist-staging-TAG-TOKEN`` (same filesystem, so the commit is a rename).
-    """
+
+class _Stage(CollectiveDir):
+    """One save into an existing tag directory, staged beside it (:mod:`fastpersist.collectivedir`):
+    every path DeepSpeed hands to ``save``/``makedirs`` under ``save_dir/tag`` goes to the same
+    relative path in the staging directory. Entries of the previous tag directory that are no
+    part of a DeepSpeed checkpoint (a user's notes) are carried over; DeepSpeed's files the new
+    save did not write again (another world size's partitions) go with the previous copy."""
 
     def __init__(self, info: Any, token: str, committer: bool) -> None:
         self.save_dir = os.fspath(info.save_dir)
         self.tag = str(info.tag)
-        self.tag_dir = os.path.abspath(os.path.join(self.save_dir, self.tag))
         # long tags are shortened in the staging names (NAME_MAX), with a digest of the whole tag
-        self.dir = dircommit.StagedDir(self.tag_dir)
-        self.target = self.dir.target
-        self.token = token
-        self.staging = self.dir.staging(token)
-        self.old = self.dir.old(token)
-        self.committer = committer
-        self.used = False  #: whether this rank redirected a path (the checkpoint's files are staged)
+        super().__init__(dircommit.StagedDir(_tag_dir(info)), token, committer=committer, rank=global_rank(),
+                         is_checkpoint_entry=_DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
+                         operation="save_checkpoint", logger=log)
 
     def matches(self, info: Any) -> bool:
         return os.fspath(info.save_dir) == self.save_dir and str(info.tag) == self.tag
-
-    def redirect(self, path: Any) -> Optional[str]:
-        """The staging path for a path in the tag directory; None for any other path."""
-        staged = dircommit.rebase(path, self.tag_dir, self.staging)
-        if staged is not None:
-            self.used = True
-        return staged
-
-    def why_not_staged(self, nvme_offload: bool) -> Optional[str]:
-        """None where this save can be staged and swapped in; else the reason."""
-        if nvme_offload:
-            return "DeepSpeed copies the NVMe-offload files into the tag directory itself"
-        return self.dir.why_not_staged()
-
-    def clean_leftovers(self) -> None:
-        """Remove the staging directories of killed saves into this tag; give back a previous
-        tag directory that a killed fallback commit had moved aside and not replaced."""
-        self.dir.clean_leftovers(operation="save_checkpoint", logger=log, fsync_after_restore=False)
-
-    def discard(self) -> None:
-        """Remove the staging directory (a failed or empty save); the tag directory is untouched."""
-        if os.path.isdir(self.staging) and not os.path.islink(self.staging):
-            log.info("fastpersist: removing the staging directory %s (%s is untouched)", self.staging, self.target)
-            self.dir.discard(self.token)
-
-    def swap_in(self) -> None:
-        """Make the staging directory the tag directory in one step (RENAME_EXCHANGE, then the
-        previous copy is removed; two renames where the exchange is refused). Raises with the
-        tag directory untouched (and the staging directory removed), or after the swap. Files
-        of the previous directory that are no part of a DeepSpeed checkpoint (a user's notes),
-        which stock DeepSpeed leaves in place, are carried over; DeepSpeed's files the new save
-        did not write again (another world size's partitions) go with the previous copy."""
-        if not os.path.isdir(self.staging):
-            return  # another node's commit took it (node-local storage on a shared filesystem)
-        done: list[bool] = []
-        try:
-            # the tag directory may have been removed since create(): then a plain rename
-            self.dir.commit(self.token, _DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
-                            operation="save_checkpoint", logger=log, on_visible=lambda: done.append(True))
-        except BaseException:
-            if not done:
-                self.discard()
-            raise
-
-
-def _write_latest(save_dir: str, tag: str) -> None:
-    """``latest`` = ``tag``, atomically and durably (DeepSpeed then rewrites the same bytes)."""
-    final = os.path.join(save_dir, "latest")
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as fd:
-            fd.write(tag)
-            fd.flush()
-            os.fsync(fd.fileno())
-
-    atomic_write(final, write)
 
 
 _engine_class: Optional[type] = None
@@ -508,11 +382,7 @@ def _with_durable_latest(engine: Any, original: Any) -> Any:
             raise
         latest = os.path.join(save_dir, "latest")
         if engine.global_rank == 0 and os.path.isfile(latest) and not engine.checkpoint_engine.is_decoupled():
-            fd = os.open(latest, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(latest)
         return result
 
     setattr(save_checkpoint, _MARK, original)

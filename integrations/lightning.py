@@ -84,7 +84,8 @@ from fastpersist import s3folder
 from fastpersist.localpath import is_local, local_path
 from fastpersist.s3url import is_s3_url
 from fastpersist.ranks import world_group
-from fastpersist.replicated import group_save_available, rank0_if_different
+from fastpersist.replicated import group_save_available, rank0_if_different, save_replicated
+from fastpersist.settle import PendingSaves
 
 from . import _startup
 
@@ -358,8 +359,7 @@ def _define(package: str) -> types.SimpleNamespace:
             self.async_save = HAS_ASYNC if async_save is None else bool(async_save)
             self.mode = mode
             self.config = config
-            self._pending: list[Any] = []
-            self._lock = threading.Lock()
+            self._pending = PendingSaves()
             self._fallback = TorchCheckpointIO()
             #: saves/loads done by fastpersist in this process (sync, async, collective, load)
             self.counts = {"save": 0, "save_async": 0, "save_group": 0, "load": 0, "load_group": 0, "torch": 0}
@@ -386,30 +386,17 @@ def _define(package: str) -> types.SimpleNamespace:
                 _forget_listings(target)
                 return
             self._collect(block=False)
-            future = fastpersist.save_async(checkpoint, target, mode=self.mode, config=self.config)
-            with self._lock:
-                self._pending.append(future)
+            self.track(fastpersist.save_async(checkpoint, target, mode=self.mode, config=self.config))
             self.counts["save_async"] += 1
+
+        def track(self, future: Any) -> None:
+            """Finish ``future`` (a background save of a checkpoint file) with this plugin's own."""
+            self._pending.add(future)
 
         def _collect(self, block: bool) -> None:
             """Drop finished futures, raising the first error; with ``block`` wait for all."""
-            with self._lock:
-                pending, self._pending = self._pending, []
-            error: Optional[BaseException] = None
-            keep = []
-            for future in pending:
-                if not block and not future.done():
-                    keep.append(future)
-                    continue
-                try:
-                    future.wait()
-                except BaseException as e:  # report the first, still wait for the rest
-                    error = error or e
-                _forget_listings(str(getattr(future, "path", "")))
-            with self._lock:
-                self._pending[:0] = keep
-            if error is not None:
-                raise error
+            self._pending.collect(block=block, what="a checkpoint", logger=log,
+                                  on_settled=lambda f: _forget_listings(str(getattr(f, "path", ""))))
 
         def finalize(self) -> None:
             """Wait until every checkpoint this plugin started is durable under its name."""
@@ -419,20 +406,18 @@ def _define(package: str) -> types.SimpleNamespace:
             # A pickled copy (ddp_spawn's launcher pickles the Trainer) starts with no
             # pending saves: those stay with, and are finished by, this process.
             state = self.__dict__.copy()
-            state["_pending"] = []
-            state.pop("_lock", None)
+            del state["_pending"]
             return state
 
         def __setstate__(self, state: dict[str, Any]) -> None:
             self.__dict__.update(state)
-            self._lock = threading.Lock()
+            self._pending = PendingSaves()
             _instances.add(self)
 
         @property
         def pending(self) -> int:
             """How many background saves have not finished."""
-            with self._lock:
-                return sum(1 for f in self._pending if not f.done())
+            return self._pending.running()
 
         # -- loads and removals
         def load_checkpoint(
@@ -527,25 +512,34 @@ def _define(package: str) -> types.SimpleNamespace:
             os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
             # (an earlier background save's uncollected error fails this save on every rank, at its
             # plan step: fastpersist.distributed)
-            try:
-                agreed = self._rank0_small_parts(checkpoint, group)
-                if io.async_save:
-                    future = fastpersist.save_async(agreed, target, mode=io.mode, config=io.config, group=group)
-                    with io._lock:
-                        io._pending.append(future)
+
+            def save(obj: Any, path: str, group: Any = None, format: Any = None, config: Any = None) -> None:
+                if group is None:  # the replicas differ: rank 0 writes its own checkpoint alone
+                    io.save_checkpoint(checkpoint, path)
+                elif io.async_save:
+                    io.track(fastpersist.save_async(obj, path, mode=io.mode, config=io.config, group=group))
                     io.counts["save_group_async"] = io.counts.get("save_group_async", 0) + 1
                 else:
-                    fastpersist.save(agreed, target, config=io.config, group=group)
+                    fastpersist.save(obj, path, config=io.config, group=group)
+
+            def differ(e: ReplicasDifferError) -> None:
+                if self.is_global_zero:
+                    warnings.warn(
+                        f"ddp_fastpersist: the ranks' checkpoints for {target} differ beyond their small parts "
+                        f"({e.difference or e}); rank 0 writes its own checkpoint alone (not split across ranks). "
+                        "Make the replicas equal (e.g. DDP's broadcast_buffers) to get split saves",
+                        RuntimeWarning, stacklevel=3)
+
+            try:
+                agreed = self._rank0_small_parts(checkpoint, group)
+            except ReplicasDifferError as e:  # small parts that do not pickle on some rank
+                differ(e)
+                agreed = None
+            if agreed is None:
+                if self.is_global_zero:
+                    io.save_checkpoint(checkpoint, target)
+            elif save_replicated(agreed, target, group=group, writer=self.is_global_zero, save=save, on_differ=differ):
                 io.counts["save_group"] += 1
-                return
-            except ReplicasDifferError as e:
-                why = e.difference or str(e)
-            if self.is_global_zero:
-                warnings.warn(
-                    f"ddp_fastpersist: the ranks' checkpoints for {target} differ beyond their small parts ({why}); "
-                    "rank 0 writes its own checkpoint alone (not split across ranks). Make the replicas equal "
-                    "(e.g. DDP's broadcast_buffers) to get split saves", RuntimeWarning, stacklevel=2)
-                io.save_checkpoint(checkpoint, target)
 
         def _rank0_small_parts(self, checkpoint: dict[str, Any], group: Any) -> dict[str, Any]:
             """``checkpoint`` with its small parts (every top-level key but :attr:`_BULK_KEYS`)
