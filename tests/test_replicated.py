@@ -40,6 +40,11 @@ def _body(rank: int, world: int, d: str) -> dict:
     out["differ"] = replicated.save_replicated(_state(rank, True), os.path.join(d, "differ.pt"), group=group,
                                                writer=rank == 0, format="torch", save=counting_save)
     out["calls"] = calls
+    differences: list = []  # on_differ: told on every rank, before the writer writes alone
+    out["on_differ"] = replicated.save_replicated(_state(rank, True), os.path.join(d, "differ2.pt"), group=group,
+                                                  writer=rank == 0, format="torch",
+                                                  on_differ=lambda e: differences.append(e.difference))
+    out["differences"] = differences
     dist.barrier()
     return out
 
@@ -63,6 +68,9 @@ def test_two_ranks_write_together_or_the_writer_alone(tmp_path):
     got = torch.load(tmp_path / "differ.pt", weights_only=True)
     want = _state(0, True)
     assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"]) and got["step"] == 7
+    for r in results:
+        assert r["on_differ"] is False and len(r["differences"]) == 1 and r["differences"][0]
+    assert (tmp_path / "differ2.pt").read_bytes() == (tmp_path / "differ.pt").read_bytes()
 
 
 def test_one_rank_writes_only_as_the_writer(tmp_path):
