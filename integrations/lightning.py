@@ -86,6 +86,7 @@ from fastpersist.s3url import is_s3_url
 from fastpersist.ranks import world_group
 from fastpersist.replicated import group_save_available, rank0_if_different, save_replicated
 from fastpersist.settle import PendingSaves
+from fastpersist.wrappers import Wrappers
 
 from . import _startup
 
@@ -138,19 +139,15 @@ def _install_link_guard(callbacks_module: Any) -> None:
     not complete yet. Installed once per Lightning package; a no-op for other
     CheckpointIOs (nothing pending)."""
     cls = getattr(callbacks_module, "ModelCheckpoint", None)
-    original = getattr(cls, "_link_checkpoint", None) if cls is not None else None
-    if original is None or getattr(original, "_fastpersist_guard", False):
-        return
 
-    def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
-        finish_pending()
-        return original(trainer, filepath, linkpath)
+    def link(original: Any) -> Any:
+        def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+            finish_pending()
+            return original(trainer, filepath, linkpath)
+        return _link_checkpoint
 
-    _link_checkpoint._fastpersist_guard = True  # type: ignore[attr-defined]
-    _link_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
-    raw = cls.__dict__.get("_link_checkpoint")
-    cls._link_checkpoint = staticmethod(_link_checkpoint)
-    _guards.append((cls, "_link_checkpoint", raw))
+    if cls is not None:
+        _guards.wrap(cls, "_link_checkpoint", link)
 
 
 # ---- Lightning's own checks of checkpoint paths see pending async saves -------------------
@@ -162,8 +159,8 @@ def _install_link_guard(callbacks_module: Any) -> None:
 # or of that directory (wait_for_dir) and then run Lightning's code unchanged. When nothing
 # is pending they cost one check of an empty list. remove_lightning_guards() undoes them.
 
-#: (owner, attribute, original value) of every guard installed, for remove_lightning_guards()
-_guards: list[tuple[Any, str, Any]] = []
+#: every guard installed, for remove_lightning_guards()
+_guards = Wrappers()
 
 
 def _wait_path(path: Any) -> None:
@@ -213,21 +210,6 @@ def _find_last_on_s3(callback: Any, folder: str) -> set[str]:
     return found
 
 
-def _guard(owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
-    """Replace ``owner.attr`` by ``make(original)`` once (marked ``_fastpersist_guard``)."""
-    raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
-    if raw is None:
-        return
-    func = raw.__func__ if isinstance(raw, staticmethod) else raw
-    if getattr(func, "_fastpersist_guard", False):
-        return
-    wrapped = make(func)
-    wrapped._fastpersist_guard = True  # type: ignore[attr-defined]
-    wrapped.__wrapped__ = func  # type: ignore[attr-defined]
-    setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
-    _guards.append((owner, attr, raw))
-
-
 def _install_path_guards(package: str, fabric: str) -> None:
     """Make Lightning's checks of checkpoint paths wait for pending async saves (see above)."""
     mc = importlib.import_module(f"{package}.callbacks.model_checkpoint").ModelCheckpoint
@@ -275,31 +257,21 @@ def _install_path_guards(package: str, fabric: str) -> None:
             return original(path_or_url, *args, **kwargs)
         return wrapper
 
-    _guard(mc, "file_exists", file_exists)
-    _guard(mc, "_find_last_checkpoints", find_last)
-    _guard(connector, "_CheckpointConnector__max_ckpt_version_in_folder", max_version)
-    _guard(torch_io, "load_checkpoint", io_method)
-    _guard(torch_io, "remove_checkpoint", io_method)
+    _guards.wrap(mc, "file_exists", file_exists)
+    _guards.wrap(mc, "_find_last_checkpoints", find_last)
+    _guards.wrap(connector, "_CheckpointConnector__max_ckpt_version_in_folder", max_version)
+    _guards.wrap(torch_io, "load_checkpoint", io_method)
+    _guards.wrap(torch_io, "remove_checkpoint", io_method)
     original_load = cloud_io._load
-    _guard(cloud_io, "_load", load)
-    guarded_load = cloud_io._load
-    if guarded_load is not original_load:  # the modules that did "from cloud_io import _load as pl_load"
-        for name, module in list(sys.modules.items()):
-            if module is None or not name.startswith((package, fabric)) or module is cloud_io:
-                continue
-            for attr, value in list(vars(module).items()):
-                if value is original_load:
-                    setattr(module, attr, guarded_load)
-                    _guards.append((module, attr, original_load))
+    if _guards.wrap(cloud_io, "_load", load):  # and the modules that did "from cloud_io import _load as pl_load"
+        _guards.rebind(original_load, cloud_io._load, (package, fabric), skip=cloud_io)
 
 
 def remove_lightning_guards() -> None:
     """Restore every Lightning function the adapter wrapped (the path guards and the
     ``save_last="link"`` guard), for both packages. The adapter classes keep working;
     Lightning's own checks then no longer wait for pending async saves."""
-    while _guards:
-        owner, attr, original = _guards.pop()
-        setattr(owner, attr, original)
+    _guards.undo()
     _installed.clear()
 
 

@@ -1,0 +1,69 @@
+"""Reversible wrappers around another library's functions: the adapters' hook points.
+
+An adapter that must run code before a framework's own function (wait for pending saves
+before Lightning lists a folder) replaces the function by a wrapper, once, and must be
+able to put every original back. :class:`Wrappers` does the bookkeeping: each wrapper
+is marked (``MARK``) so that a second install is a no-op, static methods stay static,
+aliases of a module-level function that other modules imported by name are rebound too
+(``from cloud_io import _load as pl_load``), and :meth:`Wrappers.undo` restores every
+original in reverse order.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+__all__ = ["MARK", "Wrappers"]
+
+#: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
+MARK = "_fastpersist_guard"
+
+
+def is_wrapper(func: Any) -> bool:
+    """Whether ``func`` is a wrapper installed by :class:`Wrappers`."""
+    return bool(getattr(func, MARK, False))
+
+
+class Wrappers:
+    """The wrappers one adapter installed, to undo them all."""
+
+    def __init__(self) -> None:
+        #: (owner, attribute, original value) of every replacement, in order
+        self._done: list[tuple[Any, str, Any]] = []
+
+    def wrap(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> bool:
+        """Replace ``owner.attr`` (a class's own attribute, or a module's) by ``make(original)``,
+        unless it is missing or a wrapper already. A static method stays one. Returns whether
+        it replaced it."""
+        raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+        if raw is None:
+            return False
+        func = raw.__func__ if isinstance(raw, staticmethod) else raw
+        if is_wrapper(func):
+            return False
+        wrapped = make(func)
+        setattr(wrapped, MARK, True)
+        wrapped.__wrapped__ = func
+        setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+        self._done.append((owner, attr, raw))
+        return True
+
+    def rebind(self, original: Any, replacement: Any, prefixes: tuple[str, ...], skip: Any = None) -> None:
+        """Every module-level name bound to ``original`` in the loaded modules whose names
+        start with one of ``prefixes`` (except the module ``skip``) now names ``replacement``."""
+        if replacement is original:
+            return
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith(prefixes) or module is skip:
+                continue
+            for attr, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, attr, replacement)
+                    self._done.append((module, attr, original))
+
+    def undo(self) -> None:
+        """Put every original back (the last replacement first)."""
+        while self._done:
+            owner, attr, original = self._done.pop()
+            setattr(owner, attr, original)

@@ -1,0 +1,51 @@
+"""fastpersist.wrappers: the adapters' reversible wrappers of a framework's functions."""
+
+from __future__ import annotations
+
+
+class _Owner:
+    @staticmethod
+    def static(x):
+        return ("static", x)
+
+    def method(self, x):
+        return ("method", x)
+
+
+def test_wrappers_wrap_once_rebind_aliases_and_undo():
+    import sys
+    import types
+
+    from fastpersist.wrappers import Wrappers, is_wrapper
+
+    module = types.ModuleType("fp_wrappers_test_lib")
+    module.load = lambda x: ("load", x)
+    alias = types.ModuleType("fp_wrappers_test_lib.user")
+    alias.pl_load = module.load  # "from lib import load as pl_load"
+    sys.modules.update({module.__name__: module, alias.__name__: alias})
+    calls = []
+
+    def make(original):
+        def wrapper(*args):
+            calls.append(args[-1])
+            return original(*args)
+        return wrapper
+
+    w = Wrappers()
+    try:
+        original_load, original_static = module.load, _Owner.static
+        assert w.wrap(_Owner, "static", make) and w.wrap(_Owner, "method", make)
+        assert not w.wrap(_Owner, "static", make)  # a second install is a no-op
+        assert not w.wrap(_Owner, "missing", make)
+        assert isinstance(_Owner.__dict__["static"], staticmethod) and is_wrapper(_Owner.static)
+        assert _Owner.static(1) == ("static", 1) and _Owner().method(2) == ("method", 2) and calls == [1, 2]
+        assert w.wrap(module, "load", make)
+        w.rebind(original_load, module.load, ("fp_wrappers_test_lib",), skip=module)
+        assert alias.pl_load is module.load and alias.pl_load(3) == ("load", 3) and calls[-1] == 3
+        w.undo()
+        assert _Owner.static is original_static and not is_wrapper(_Owner.method)
+        assert module.load is original_load and alias.pl_load is original_load
+    finally:
+        w.undo()
+        for name in (module.__name__, alias.__name__):
+            sys.modules.pop(name, None)
