@@ -157,7 +157,8 @@ def test_windows_of_cuts_and_merges():
 
 def test_safetensors_ring_load_on_cpu(tmp_path):
     """The CUDA safetensors load path (every tensor through the ring), with CPU destinations."""
-    from fastpersist.formats.safetensors import _load_via_ring, read_header
+    from fastpersist.formats.safetensors.header import read_header
+    from fastpersist.formats.safetensors.load import _load_via_ring
 
     g = torch.Generator().manual_seed(1)
     sd = {"a": torch.randn(300, 700, generator=g), "b": torch.arange(11, dtype=torch.int8),
