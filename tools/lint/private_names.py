@@ -51,6 +51,11 @@ def _package_files(package: str) -> Iterator[tuple[str, str]]:
                     yield name, os.path.join(dirpath, f)
 
 
+def module_names(packages: list[str]) -> list[str]:
+    """Every module of ``packages`` (one per ``.py`` file; a package by its ``__init__``), sorted."""
+    return sorted(name for p in packages for name, _ in _package_files(p))
+
+
 class _Index:
     """The modules of the packages, and how to resolve an import statement to them."""
 
