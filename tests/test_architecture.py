@@ -209,6 +209,25 @@ def test_module_level_imports_allows_import_error_guards(tmp_path, monkeypatch) 
     assert function_level_imports(["guarded"], set()) == []
 
 
+def test_module_level_imports_guards_only_for_optional_modules(tmp_path, monkeypatch) -> None:
+    """With a list of optional modules, a guard around any other module's import is reported."""
+    root = _package(tmp_path, {
+        "guarded2/__init__.py": "",
+        "guarded2/a.py": "x = 1\n",
+        "guarded2/b.py": """
+            def f():
+                try:
+                    from guarded2 import a
+                except ImportError:
+                    return None
+                return a.x
+        """,
+    })
+    monkeypatch.syspath_prepend(root)
+    assert function_level_imports(["guarded2"], set(), set()) == ["guarded2.b:4: from guarded2 import a"]
+    assert function_level_imports(["guarded2"], set(), {"guarded2.a"}) == []
+
+
 def test_root_imports_contract(toy) -> None:
     found = root_imports(["toypkg"], set())
     assert found == ["toypkg.lower:2: import toypkg"], found
