@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -103,6 +104,7 @@ def main() -> int:
         print(Path(out).read_text(), end="")
     finally:
         srv.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
