@@ -17,8 +17,8 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path

@@ -26,8 +26,8 @@ import mmap
 import os
 import pathlib
 import statistics
-import sys
 import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
