@@ -285,6 +285,6 @@ def read_items(fd: int, path: str, reader: Any, items: list[RingItem], *, cuda: 
             ring_read(fd, reader, items, checksum=checksum)
     else:
         if way is not None:
-            log.debug("%s: CUDA storages read through the pinned ring (%s)", path, way.load_reason)
+            log.debug("%s: CUDA records read through the pinned ring (%s)", path, way.load_reason)
         ring_read(fd, reader, items, checksum=checksum)
     return items
