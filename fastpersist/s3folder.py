@@ -406,8 +406,9 @@ def download(target: Any, local_dir: Any, *, only: Optional[Callable[[str], bool
         try:
             got = s3download.fetch(obj, c, threads=cfg.s3_threads, range_size=cfg.s3_part_size)
         except s3client.ObjectNotFoundError as e:
-            raise UncommittedFolderError(f"{url} is damaged: {rel}, listed in its commit object, is missing "
-                                         f"({obj})", str(url), "GetObject", "NoSuchKey") from e
+            raise UncommittedFolderError(f"{url}: {rel}, listed in its commit object, is missing ({obj}): a newer "
+                                         "save into the folder committed and replaced it (load again), or the "
+                                         "object was deleted", str(url), "GetObject", "NoSuchKey") from e
         with got:
             if got.size != entry["size"] or got.etag != entry["etag"]:
                 raise UncommittedFolderError(
