@@ -666,7 +666,8 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         bad = sorted(set(peers) - set(S3_PEERS))
         if bad:
             raise UsageError(f"--peers: unknown s3 peer(s) {', '.join(bad)} (use {', '.join(S3_PEERS)} or none)")
-        return run_s3_bench(args.dir, size=args.size or parse_size("256MiB"), repeat=args.repeat, peers=peers)
+        return run_s3_bench(args.dir, size=args.size or parse_size("256MiB"), repeat=args.repeat, peers=peers,
+                            out=sys.stderr if _json_to_stdout(args) else sys.stdout, json_path=args.json)
     _check_dir(args.dir)
     bad = sorted(set(args.peers) - set(PEERS))
     if bad:
