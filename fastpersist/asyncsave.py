@@ -119,7 +119,6 @@ from fastpersist._inputs import is_path
 from fastpersist.asyncstage import (
     BackgroundCrc,
     LazyFeed,
-    StagingPool,
     copy_private,
     optimizer_ranges,
     owner_of,
