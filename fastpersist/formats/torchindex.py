@@ -294,7 +294,7 @@ class CheckpointFile:
             for r in recs:
                 if r.name in hpos:
                     p = hpos[r.name]
-                    self._load._check_header(r.native, view[p : p + r.offset - r.header_offset])
+                    self._load.check_header(r.native, view[p : p + r.offset - r.header_offset])
         problems = [
             f"{r.name}: CRC-32 mismatch (computed {crc:08x}, recorded {r.crc:08x}) in bytes "
             f"[{r.offset}, {r.offset + r.size})"

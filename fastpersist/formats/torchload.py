@@ -43,9 +43,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fastpersist import _compat, _native, cudaload
+from fastpersist import _compat, _native
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
-from fastpersist.formats import crcpolicy, fastunpickle
+from fastpersist.formats import crcpolicy, fastunpickle, torchdevice
 from fastpersist.formats.picklescan import data_free, scan_pickle
 from fastpersist.formats.zipindex import (
     CentralEntry,
@@ -91,7 +91,7 @@ class _Record:
     buffer_offset: int = 0  #: where the data starts in ``buffer``
     slot: int = -1  #: CRC slot in the bulk read
     header_pos: int = -1  #: where the bulk read put the local header in the arena
-    device: Any = None  #: uint8 device tensor holding the data (the GPU path, fastpersist.cudaload)
+    device: Any = None  #: uint8 device tensor holding the data (the GPU path, fastpersist.formats.torchdevice)
     used: bool = False  #: the unpickler asked for this record's storage
 
     @property
@@ -318,7 +318,7 @@ class LoadState:
         h = r.entry.header_offset
         raw = bytearray(r.data_end - h)
         _pread_into(self.fd, self.path, memoryview(raw), h)
-        self._check_header(r, memoryview(raw)[: r.data_offset - h])
+        self.check_header(r, memoryview(raw)[: r.data_offset - h])
         body = bytes(raw[r.data_offset - h :])
         if self.checksum and not crcpolicy.no_crc(r.entry.crc32) and zlib.crc32(body) != r.entry.crc32:
             self.crc_mismatch([f"{r.entry.name}: CRC-32 mismatch (computed {zlib.crc32(body):08x}, recorded "
@@ -334,7 +334,7 @@ class LoadState:
             return memoryview(r.buffer)
         return memoryview(r.buffer).cast("B")[r.buffer_offset : r.buffer_offset + r.size]
 
-    def _check_header(self, r: _Record, header: memoryview) -> None:
+    def check_header(self, r: _Record, header: memoryview) -> None:
         """The local header must name the same record and put its data where we read it."""
         e = r.entry
         if len(header) < _LOCAL_HEADER or bytes(header[:4]) != b"PK\x03\x04":
@@ -370,7 +370,7 @@ class LoadState:
             h = r.entry.header_offset
             raw = bytearray(r.data_offset - h)
             _pread_into(self.fd, self.path, memoryview(raw), h)
-            self._check_header(r, memoryview(raw))
+            self.check_header(r, memoryview(raw))
 
     # -- the bulk read ---------------------------------------------------------
 
@@ -410,7 +410,7 @@ class LoadState:
         never looks at them)."""
         arena = memoryview(self.arena.buffer).cast("B")
         for r in bulk:  # every header read (they are in memory): the index must agree with itself
-            self._check_header(r, arena[r.header_pos : r.header_pos + r.data_offset - r.entry.header_offset])
+            self.check_header(r, arena[r.header_pos : r.header_pos + r.data_offset - r.entry.header_offset])
         if only is not None:
             kept = [(r, c) for r, c in zip(bulk, crcs) if only(r)]
             bulk, crcs = [r for r, _c in kept], [c for _r, c in kept]
@@ -461,7 +461,7 @@ class LoadState:
             view = memoryview(r.buffer).cast("B")[r.buffer_offset : r.buffer_offset + r.size]
             hdr = bytearray(r.data_offset - r.entry.header_offset)
             _pread_into(self.fd, self.path, memoryview(hdr), r.entry.header_offset)
-            self._check_header(r, memoryview(hdr))
+            self.check_header(r, memoryview(hdr))
             _pread_into(self.fd, self.path, view, r.data_offset)
             if self.checksum and not crcpolicy.no_crc(r.entry.crc32) and zlib.crc32(view) != r.entry.crc32:
                 self.crc_mismatch([f"{r.entry.name}: CRC-32 mismatch (recorded {r.entry.crc32:08x}) "
@@ -630,18 +630,18 @@ def _load_records(
     wanted = scan.keys
     overlap = _overlap_allowed(scan, native_order, map_location)
     # The GPU path: storages that torch would put on a CUDA device are read through a
-    # page-locked ring straight into device memory (fastpersist.cudaload), not into
+    # page-locked ring straight into device memory (formats.torchdevice over cudaload), not into
     # host buffers; only in native byte order (no byte swap of device storages).
     to_device: dict[str, Any] = {}
     if wanted is not None and native_order:
-        to_device = cudaload.destinations(map_location, scan.pids)
+        to_device = torchdevice.destinations(map_location, scan.pids)
         if to_device:
             wanted = wanted - set(to_device)
 
     reader, finish = _start_bulk(load, handle, wanted)
     if to_device:
         try:
-            cudaload.read_to_device(load, reader, fd, to_device)
+            torchdevice.read_to_device(load, reader, fd, to_device)
         except BaseException:
             _drain(reader)
             raise
