@@ -37,10 +37,11 @@ read: ranks never return different versions of an object replaced meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -254,6 +255,16 @@ class GroupUpload:
         if self.leader or 0 in missing:
             self.up.abort()
 
+    @contextlib.contextmanager
+    def aborted_on_error(self) -> Iterator[None]:
+        """Around steps of this upload: an error in them fails the upload (:meth:`fail`:
+        this rank's parts stopped, the upload aborted) before it propagates."""
+        try:
+            yield
+        except BaseException as e:
+            self.fail(e)
+            raise
+
     def run(self, job: Any) -> None:
         """The background half of ``save_async(group=)``: send the staged parts, then
         exchange through the store (``bg``) and commit."""
@@ -261,11 +272,9 @@ class GroupUpload:
         assert co is not None
         loc = D.Local()
         try:
-            loc.run(self.send_staged)
-            self.finish(co, loc)
-        except BaseException as e:
-            self.fail(e)
-            raise
+            with self.aborted_on_error():
+                loc.run(self.send_staged)
+                self.finish(co, loc)
         finally:
             co.finish()
 
@@ -294,13 +303,10 @@ def save(obj: Any, target: Any, *, group: Any, config: Any = None, format: Optio
             _save_alone(co, obj, agreed.url, cfg, format, loc)
             return
         gu = GroupUpload(co, agreed, cfg)
-        try:
+        with gu.aborted_on_error():
             gu.create(loc)
             loc.run(gu.send)
             gu.finish(co, loc)
-        except BaseException as e:
-            gu.fail(e)
-            raise
     finally:
         co.finish()
 
@@ -340,13 +346,13 @@ def start_async(obj: Any, target: Any, *, group: Any, config: Any = None, format
         gu = GroupUpload(co, agreed, cfg)
         gu.bg = bg
         try:
-            gu.create(loc)
-            loc.run(gu.stage)
-            staged = co.gather("stage", loc.status)
-            co.check("stage", staged, local=loc.exc,
-                     after="The multipart upload was aborted; the previous object under the key is untouched")
-        except BaseException as e:
-            gu.fail(e)
+            with gu.aborted_on_error():
+                gu.create(loc)
+                loc.run(gu.stage)
+                staged = co.gather("stage", loc.status)
+                co.check("stage", staged, local=loc.exc,
+                         after="The multipart upload was aborted; the previous object under the key is untouched")
+        except BaseException:
             bg.finish()
             raise
         return gu

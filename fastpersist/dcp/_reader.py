@@ -18,7 +18,7 @@ from torch.futures import Future
 
 from fastpersist import _compat, _native
 from fastpersist.config import get_default
-from fastpersist.dcp._s3 import S3Checkpoint
+from fastpersist.dcp._s3 import S3Checkpoint, reset_target
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.dcpmetadata import (ADVICE, inside, item_name, load_metadata, load_metadata_bytes,
                                              table_problems)
@@ -143,14 +143,7 @@ class FastPersistReader(FileSystemReader):
             self.path = self._s3.url
 
     def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
-        if checkpoint_id and is_s3_url(checkpoint_id):
-            super().reset(None)
-            self._s3 = S3Checkpoint(os.fspath(checkpoint_id), self.config)
-            self.path = self._s3.url
-            return
-        if checkpoint_id:
-            self._s3 = None
-        super().reset(checkpoint_id)
+        reset_target(self, checkpoint_id, super().reset)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
