@@ -3,11 +3,19 @@
 ``fastpersist.load(path, group=g)`` is called by every rank of the process group ``g``
 and every rank gets the whole object.
 
-A collective load reads the file once in total: each rank reads a disjoint
-aligned slice (O_DIRECT) into an anonymous memory file, the slices are broadcast
-over the group (gloo: CPU tensors; NCCL: through CUDA tensors), and every rank
-then loads the assembled bytes with the ordinary loader, with all its checks
-(``Config.dist_load="slices"``). With ``dist_load="whole"`` every rank reads the
+A collective load reads the file once in total (``Config.dist_load="slices"``): each
+rank reads a disjoint aligned slice (O_DIRECT) into an anonymous memory file, in pieces
+of :data:`EXCHANGE_PIECE` bytes, and broadcasts each piece over the group (gloo: CPU
+tensors; NCCL: through CUDA tensors) while it reads the next. Every rank then holds the
+whole file in memory and loads it there: a torch zip file's tensors are built over
+those bytes (a private mapping of the memory file: no second copy, and a write to a
+tensor stays in its process), every record's local header and CRC-32 checked in place
+before the result is returned, with the checks of an ordinary load. Each tensor has a
+storage of its own, as with ``torch.load``, but together they keep the file's memory
+alive, as a ``torch.load(mmap=True)`` result keeps its mapping. A corrupt byte in any
+rank's slice reaches every rank, so every rank raises. Safetensors files, legacy torch
+files and what the fast reader hands to ``torch.load`` are loaded from the memory file
+by the ordinary loader (a second pass over the bytes). With ``dist_load="whole"`` every rank reads the
 whole file itself; ranks that share a host then read it through the page cache
 when ``read_mode`` is ``"auto"``, so the host's storage serves the bytes once. The default, ``"auto"``, takes slices for NCCL groups (an
 exchange over NVLink/InfiniBand is far faster than storage) and whole for gloo
@@ -24,18 +32,19 @@ import logging
 import mmap as _mmap
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from fastpersist import handles, pipeline
+from fastpersist import handles, pending, pipeline
 from fastpersist import config as config_mod
 from fastpersist._inputs import is_path
 from fastpersist._sys import pread_full
 from fastpersist.coordinator import Coordinator, Local, check_group
-from fastpersist.errors import DistributedCheckpointError
+from fastpersist.errors import DistributedCheckpointError, UnsupportedLayoutError
 from fastpersist.formats import registry, split
 from fastpersist.formats.safetensors import load_safetensors
 
@@ -80,7 +89,8 @@ def load(
             mode = "slices" if _bulk_device(group) is not None else "whole"
         slices = mode == "slices" and not mmap and hasattr(os, "memfd_create")
         if slices:
-            return _load_slices(co, fspath, cfg, map_location, local_load)
+            req = registry.LoadRequest(path, map_location, pickle_module, weights_only, mmap, dict(pickle_load_args))
+            return _load_slices(co, fspath, cfg, req, local_load)
         # Every rank reads the whole file. Ranks on one host then read the same bytes: through
         # the page cache the host's disk serves them once (O_DIRECT would read them once per rank),
         # so read_mode "auto" reads buffered there; an explicit read_mode is honoured.
@@ -103,10 +113,12 @@ _last_load_phases: list[tuple[str, float, float]] = []
 
 def last_load_phases() -> list[tuple[str, float, float]]:
     """Where this rank's last collective load (``load(..., group=...)``) spent its time, as
-    :func:`last_save_phases` says it for saves: ``open`` (the file's fingerprint), ``read``
-    (this rank's slice, or with ``dist_load="whole"`` nothing), ``exchange`` (the slices'
-    broadcasts: local time 0, all of it in the exchange), ``load`` (the ordinary loader on
-    the assembled bytes, or on the whole file), then ``end``. For benchmarks."""
+    :func:`last_save_phases` says it for saves: ``open`` (the file's fingerprint), then with
+    ``dist_load="slices"`` ``exchange`` (this rank's reads of its slice overlapped with
+    the pieces' broadcasts: local time 0, all of it in the exchange) and ``read`` (the
+    ranks' read status), or with ``dist_load="whole"`` ``hosts``; ``load`` (the tensors
+    built over the assembled bytes, or the ordinary loader on the whole file), then
+    ``end``. For benchmarks."""
     return list(_last_load_phases)
 
 
@@ -128,9 +140,16 @@ def _bulk_device(group: Any) -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _load_slices(co: Coordinator, fspath: str, cfg: Any, map_location: Any, local_load: Callable[[Any], Any]) -> Any:
+#: Bytes per piece of a slices load: each rank reads its slice in pieces of this size and
+#: broadcasts each piece while it reads the next (a multiple of the page size).
+EXCHANGE_PIECE = 32 << 20
+
+
+def _load_slices(co: Coordinator, fspath: str, cfg: Any, req: registry.LoadRequest,
+                 local_load: Callable[[Any], Any]) -> Any:
 
     loc = Local()
+    loc.run(lambda: pending.wait_before_reading(fspath))  # this process's own saves of the file first
     fp = loc.run(lambda: _fingerprint(fspath))
     info = co.gather("open", (loc.status, fp))
     co.check("open", [v[0] for v in info], local=loc.exc)
@@ -144,47 +163,106 @@ def _load_slices(co: Coordinator, fspath: str, cfg: Any, map_location: Any, loca
     fd = os.memfd_create("fastpersist-load", getattr(os, "MFD_CLOEXEC", 1))
     try:
         os.ftruncate(fd, size)
-        mm = _mmap.mmap(fd, size) if size else None
-        try:
-            buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
-            lo, hi = bounds[co.rank]
-            if hi > lo:
-                handle = handles.handle_for(cfg, read=True)
-                loc.run(lambda: handle.read(fspath, [(lo, buf.data_ptr() + lo, hi - lo, -1)], 0))
-            co.check("read", co.gather("read", loc.status), local=loc.exc)
-            _exchange(co, buf, bounds)
-            del buf
-        finally:
-            if mm is not None:
+        if size:
+            # the pages are allocated here at once (fewer faults than one per page during the reads)
+            mm = _mmap.mmap(fd, size, flags=_mmap.MAP_SHARED | getattr(_mmap, "MAP_POPULATE", 0))
+            try:
+                buf = torch.frombuffer(mm, dtype=torch.uint8)
+                _read_and_exchange(co, loc, fspath, cfg, buf, bounds)
+                del buf
+            finally:
                 try:
                     mm.close()
                 except BufferError:  # pragma: no cover - a view is still alive; freed with it
                     pass
-        result = loc.run(lambda: _load_memfd(fd, fspath, cfg, map_location, local_load))
+        co.check("read", co.gather("read", loc.status), local=loc.exc)
+        result = loc.run(lambda: _load_assembled(fd, size, fspath, cfg, req, local_load))
     finally:
         os.close(fd)
     co.check("load", co.gather("load", loc.status), local=loc.exc)
     return result
 
 
-def _exchange(co: Coordinator, buf: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
-    """Broadcast every rank's slice of ``buf`` to all ranks."""
+def _pieces(lo: int, hi: int) -> list[tuple[int, int]]:
+    return [(a, min(hi, a + EXCHANGE_PIECE)) for a in range(lo, hi, EXCHANGE_PIECE)]
+
+
+def _read_and_exchange(co: Coordinator, loc: Local, fspath: str, cfg: Any, buf: torch.Tensor,
+                       bounds: list[tuple[int, int]]) -> None:
+    """Read this rank's slice of the file into ``buf`` piece by piece (O_DIRECT, on a thread
+    of its own) while broadcasting the pieces already read: every rank's slice ends up in
+    every rank's ``buf``. A failed read is kept in ``loc`` (the ranks learn of it at the
+    ``read`` step); the rank still takes part in every broadcast, so the others neither
+    hang nor get ahead."""
+    pieces = [_pieces(lo, hi) for lo, hi in bounds]
+    mine = pieces[co.rank]
+    ready = [threading.Event() for _ in mine]
+    stop = threading.Event()
+    failed: list[BaseException] = []
+    base = buf.data_ptr()
+
+    def read() -> None:
+        try:
+            handle = handles.handle_for(cfg, read=True)
+            for k, (a, b) in enumerate(mine):
+                if stop.is_set():
+                    break
+                handle.read(fspath, [(a, base + a, b - a, -1)], 0)
+                ready[k].set()
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank at the read step
+            failed.append(exc)
+        finally:
+            for e in ready:  # the broadcasts go on (with whatever bytes are there); the read step fails
+                e.set()
+
+    reader = threading.Thread(target=read, name="fastpersist-slice-read", daemon=True)
+    reader.start()
     device = _bulk_device(co.group)
 
     def broadcasts() -> None:
-        for r, (lo, hi) in enumerate(bounds):
-            if hi <= lo:
-                continue
-            src = co.global_ranks[r]
-            if device is None:
-                dist.broadcast(buf[lo:hi], src=src, group=co.side)
-            else:
-                t = buf[lo:hi].to(device) if r == co.rank else torch.empty(hi - lo, dtype=torch.uint8, device=device)
-                dist.broadcast(t, src=src, group=co.group)
-                if r != co.rank:
-                    buf[lo:hi].copy_(t)
+        for k in range(max(len(p) for p in pieces)):
+            for r in range(co.size):
+                if k >= len(pieces[r]):
+                    continue
+                a, b = pieces[r][k]
+                if r == co.rank:
+                    ready[k].wait()
+                src = co.global_ranks[r]
+                if device is None:
+                    dist.broadcast(buf[a:b], src=src, group=co.side)
+                else:
+                    t = buf[a:b].to(device) if r == co.rank else torch.empty(b - a, dtype=torch.uint8, device=device)
+                    dist.broadcast(t, src=src, group=co.group)
+                    if r != co.rank:
+                        buf[a:b].copy_(t)
 
-    co.exchange("exchange", broadcasts)
+    try:
+        co.exchange("exchange", broadcasts)
+    finally:
+        stop.set()
+        reader.join()  # it writes into buf: never return while it runs
+    if failed and loc.exc is None:
+        loc.exc = failed[0]
+
+
+def _load_assembled(fd: int, size: int, fspath: str, cfg: Any, req: registry.LoadRequest,
+                    local_load: Callable[[Any], Any]) -> Any:
+    """Load the file whose bytes every rank now holds in the memory file ``fd``.
+
+    A torch zip file is loaded in place: its tensors are views of a private mapping of the
+    memory file (no second copy; a write to a tensor stays in this process, as with
+    ``torch.load``), every record's CRC-32 checked there. Every other case (safetensors, a
+    legacy torch file, what the fast reader hands to ``torch.load``) loads the memory file
+    by its ``/proc`` path with the ordinary loader."""
+    if size and registry.format_for(fspath) is registry.TORCH:
+        mem = _mmap.mmap(fd, size, flags=_mmap.MAP_PRIVATE | getattr(_mmap, "MAP_POPULATE", 0),
+                         prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+        try:
+            return registry.load_torch_in_memory(fspath, fd, mem, cfg, req)
+        except UnsupportedLayoutError as e:
+            log.debug("%s: in-place load not possible (%s); loading the assembled bytes again", fspath, e)
+        del mem
+    return _load_memfd(fd, fspath, cfg, req.map_location, local_load)
 
 
 def _load_memfd(fd: int, fspath: str, cfg: Any, map_location: Any, local_load: Callable[[Any], Any]) -> Any:

@@ -91,7 +91,7 @@ def sc_load(rank: int, world: int, d: str) -> Any:
         assert_same_object(got, state())
         # where the load's time went, step by step (bench dist reports these)
         steps = [step for step, local, wait in last_load_phases() if local >= 0 and wait >= 0]
-        assert steps == (["open", "read", "exchange", "load", "end"] if mode == "slices" else ["hosts", "load", "end"]), steps
+        assert steps == (["open", "exchange", "read", "load", "end"] if mode == "slices" else ["hosts", "load", "end"]), steps
         got = fastpersist.load(os.path.join(d, "ref.safetensors"), group=wg, config=c)
         assert_same_object(by_name(got), by_name(tensors()))
     # whole-file loads by ranks of one host go through the page cache (read once by the host)
