@@ -164,8 +164,9 @@ def _load_slices(co: Coordinator, fspath: str, cfg: Any, req: registry.LoadReque
     try:
         os.ftruncate(fd, size)
         if size:
-            # the pages are allocated here at once (fewer faults than one per page during the reads)
-            mm = _mmap.mmap(fd, size, flags=_mmap.MAP_SHARED | getattr(_mmap, "MAP_POPULATE", 0))
+            # not populated here: the pages are faulted in by the reads and the broadcasts, which
+            # overlap (a populate up front costs more and overlaps nothing)
+            mm = _mmap.mmap(fd, size, flags=_mmap.MAP_SHARED)
             try:
                 buf = torch.frombuffer(mm, dtype=torch.uint8)
                 _read_and_exchange(co, loc, fspath, cfg, buf, bounds)
@@ -255,8 +256,9 @@ def _load_assembled(fd: int, size: int, fspath: str, cfg: Any, req: registry.Loa
     legacy torch file, what the fast reader hands to ``torch.load``) loads the memory file
     by its ``/proc`` path with the ordinary loader."""
     if size and registry.format_for(fspath) is registry.TORCH:
-        mem = _mmap.mmap(fd, size, flags=_mmap.MAP_PRIVATE | getattr(_mmap, "MAP_POPULATE", 0),
-                         prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+        # not populated: the CRC pass maps the pages, many per fault (a populate of a private
+        # mapping costs about twice as much here)
+        mem = _mmap.mmap(fd, size, flags=_mmap.MAP_PRIVATE, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
         try:
             return registry.load_torch_in_memory(fspath, fd, mem, cfg, req)
         except UnsupportedLayoutError as e:
