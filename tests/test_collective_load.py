@@ -146,17 +146,17 @@ def sc_private(rank: int, world: int, d: str) -> Any:
     return True
 
 
-def _corrupt_case(rank: int, world: int, d: str, name: str) -> Any:
+def _group_load(rank: int, world: int, d: str, name: str) -> Any:
     return fastpersist.load(os.path.join(d, name), group=torch.distributed.group.WORLD, config=cfg(),
                             weights_only=True)
 
 
 def sc_corrupt_slice0(rank: int, world: int, d: str) -> Any:
-    return _corrupt_case(rank, world, d, "bad0.pt")
+    return _group_load(rank, world, d, "bad0.pt")
 
 
 def sc_corrupt_slice_last(rank: int, world: int, d: str) -> Any:
-    return _corrupt_case(rank, world, d, "badlast.pt")
+    return _group_load(rank, world, d, "badlast.pt")
 
 
 class _FlippingHandle:
@@ -190,7 +190,7 @@ def sc_bad_read_one_rank(rank: int, world: int, d: str) -> Any:
         flipping = _FlippingHandle(real(cfg(), read=True))
         collectiveload.handles = _HandlesWith(lambda c, read=False: flipping)
     try:
-        return _corrupt_case(rank, world, d, "fp.pt")
+        return _group_load(rank, world, d, "fp.pt")
     finally:
         collectiveload.handles = handles
 
@@ -225,7 +225,7 @@ def sc_read_error(rank: int, world: int, d: str) -> Any:
     if rank == 1:
         collectiveload.handles = _HandlesWith(lambda c, read=False: Failing(real(c, read=read)))
     try:
-        return _corrupt_case(rank, world, d, "fp.pt")
+        return _group_load(rank, world, d, "fp.pt")
     finally:
         collectiveload.handles = handles
 
@@ -252,7 +252,7 @@ def sc_dies_in_read(rank: int, world: int, d: str) -> Any:
     if rank == world - 1:
         dying = Dying(real(cfg(), read=True))
         collectiveload.handles = _HandlesWith(lambda c, read=False: dying)
-    return _corrupt_case(rank, world, d, "fp.pt")
+    return _group_load(rank, world, d, "fp.pt")
 
 
 SCENARIOS: dict[str, Callable[..., Any]] = {
