@@ -111,7 +111,7 @@ pickle naming anything else is not overlapped with the read, the safe side).
 ``patch.py`` uses no private name (``inspect.signature(torch.serialization.save)``
 is public). ``config.py``, ``formats/base.py`` and ``bench/`` use none.
 
-Collective saves and loads (``fastpersist.distributed``, ``group=``):
+Collective saves and loads (``group=``; their exchanges in ``fastpersist.coordinator``):
 
 ``default_store`` -- ``torch.distributed.distributed_c10d._get_default_store()``:
     the default process group's rendezvous store (``set``, ``get``, ``check``,

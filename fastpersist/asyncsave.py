@@ -113,7 +113,7 @@ import torch
 
 from fastpersist import _sys, asyncstage, bgjobs, cudastage, handles, objectstore, pending, s3collective, s3tier
 from fastpersist import config as config_mod
-from fastpersist import distributed as D
+from fastpersist import collectivecommit, collectiveplan, coordinator
 from fastpersist import io as fpio
 from fastpersist._inputs import is_path
 from fastpersist.asyncstage import (
@@ -555,7 +555,7 @@ def save_async(
         if group is not None:
             import torch.distributed as dist
 
-            D.check_group(group)
+            coordinator.check_group(group)
             if dist.get_world_size(group) > 1:  # collective saves to object storage go direct
                 return _save_async_s3_group(obj, path, mode, cfg, format, group)
         if s3tier.enabled(cfg):
@@ -564,7 +564,7 @@ def save_async(
     if group is not None:
         import torch.distributed as dist
 
-        D.check_group(group)
+        coordinator.check_group(group)
         if dist.get_world_size(group) > 1:
             return _save_async_group(obj, path, mode, cfg, format, group)
     _saves.raise_uncollected()
@@ -628,13 +628,13 @@ def save_async(
 class _GroupCommit:
     """The background part of one ``save_async(group=...)`` on one rank (finisher thread).
 
-    Exchanges go through the rendezvous store only (``distributed.StoreCoordinator``):
+    Exchanges go through the rendezvous store only (``coordinator.StoreCoordinator``):
     the finisher thread must not run collectives on a process group the caller's thread
     may be using at the same moment (their order would differ between ranks and the
     collectives would pair up wrongly or hang). Steps, each ending with every rank's
     status: ``crc`` (the capture's outcome and the slice's partial CRC-32s), ``write``
     (the slice is on disk with its CRC fields, fsynced), then the commit of
-    ``distributed.commit_agreed``. Any rank's failure raises the same
+    ``collectivecommit.commit_agreed``. Any rank's failure raises the same
     :class:`~fastpersist.distributed.DistributedCheckpointError` on every rank.
     """
 
@@ -651,7 +651,7 @@ class _GroupCommit:
     def run(self, job: _Job) -> None:
         co, agreed = self.co, self.agreed
         plan = agreed.layout.plan
-        loc = D.Local()
+        loc = coordinator.Local()
         loc.exc = self.local
         try:
             info = co.gather("crc", (loc.status, self.partial))
@@ -672,12 +672,12 @@ class _GroupCommit:
             wrote = co.gather("write", loc.status)
             co.check("write", wrote, local=loc.exc,
                      after="The temporary files were removed; the previous file at the path is untouched")
-            D.commit_agreed(co, agreed, self.tmp, self.cfg, loc)
+            collectivecommit.commit_agreed(co, agreed, self.tmp, self.cfg, loc)
         except BaseException:
             for f in job.writes:  # nothing may read the sources or the staging windows any more
                 f.wait()
             for t in self.temps:
-                D.remove_temp(t)
+                collectiveplan.remove_temp(t)
             raise
         finally:
             co.finish()
@@ -689,9 +689,9 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
 
     size = dist.get_world_size(group)
     what = f"fastpersist.save_async({os.fsdecode(os.fspath(path))!r}, mode={mode!r}) over {size} ranks"
-    co = D.Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
-    bg = D.StoreCoordinator(group, cfg.dist_timeout, what)  # the finisher thread: store exchanges only
-    loc = D.Local()
+    co = coordinator.Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
+    bg = coordinator.StoreCoordinator(group, cfg.dist_timeout, what)  # the finisher thread: store exchanges only
+    loc = coordinator.Local()
     try:
         _saves.raise_uncollected()  # reported at the plan step, so that every rank stops there
     except BaseException as e:  # noqa: BLE001
@@ -702,22 +702,22 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
         loc.run(lambda: _lazy_split(WritePlan([], [], 0, 0), cfg.async_staging_limit, os.fspath(path)))
     try:
         with asyncstage.capture_lock():
-            agreed = D.agree(co, obj, path, cfg, format, loc)  # raises on every rank; nothing written
+            agreed = collectiveplan.agree(co, obj, path, cfg, format, loc)  # raises on every rank; nothing written
             fut = SaveFuture(agreed.final, mode)
             leader = agreed.leader == co.rank
             if agreed.fallback:  # torch's writer: the group leaders save at call time
                 log.debug("%s: the object needs torch's writer; saved at call time", what)
-                D.save_fallback(co, obj, agreed.final, cfg, agreed.fmt, leader, loc)
+                collectivecommit.save_fallback(co, obj, agreed.final, cfg, agreed.fmt, leader, loc)
                 fut._event.set()
                 return fut
             plan = agreed.layout.plan
             lo, hi = agreed.bounds(co.rank)
             extents = split.clip(plan.extents, lo, hi)
-            tmp = loc.run(lambda: D.create_temp(agreed.final, plan.file_size)) if leader else None
+            tmp = loc.run(lambda: collectivecommit.create_temp(agreed.final, plan.file_size)) if leader else None
             try:
                 created = co.gather("create", (loc.status, tmp))
             except BaseException:  # a rank died: nobody else knows this leader's file
-                D.remove_temp(tmp)
+                collectiveplan.remove_temp(tmp)
                 raise
             temps = [created[g[0]][1] for g in agreed.groups]
             tmp = created[agreed.leader][1]
@@ -725,7 +725,7 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
                 co.check("create", [v[0] for v in created], local=loc.exc, after="Nothing was written")
             except BaseException:
                 for t in temps:
-                    D.remove_temp(t)
+                    collectiveplan.remove_temp(t)
                 raise
             handle = handles.handle_for(cfg)  # copies inside the call: full priority
             writer = _io_handle(cfg)  # background writes
