@@ -280,12 +280,7 @@ ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
   }
 
   std::string used;
-  // A write of at most one chunk's bytes (a small checkpoint: its aligned body and the
-  // buffered tail) runs in the calling thread: starting a worker per piece cost more than
-  // the overlap gave (two thread starts per 1 MiB save, each a scheduling delay on a busy
-  // machine).
-  const size_t engine_chunks = (E - S) <= opt.chunk_size ? 1 : n;
-  std::unique_ptr<Engine> engine = n ? pick_engine(opt, direct, engine_chunks, used) : nullptr;
+  std::unique_ptr<Engine> engine = n ? pick_engine(opt, direct, n, used) : nullptr;
   result.engine = n ? used : "none";
 
   std::mutex mu;
@@ -397,7 +392,7 @@ ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
           c.filled = true;  // nothing to copy or checksum
           continue;
         }
-        if (engine_chunks == 1) {  // one chunk's bytes: nothing to overlap, no handoff to the pool
+        if (n == 1) {  // one chunk: nothing to overlap, no handoff to the pool
           fill(ci);
           continue;
         }
