@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fastpersist import _compat, _native
+from fastpersist.prefault import choose_pages
 from fastpersist.config import get_default
 from fastpersist.dcp._s3 import S3Checkpoint, reset_target
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
@@ -346,7 +347,7 @@ class FastPersistReader(FileSystemReader):
         to the planner; two aligned buffers, reused."""
         handle = self._get_handle()
         size = max(max(b[3] for b in batches), _ALIGN)
-        bufs = [_native.PinnedBuffer(size, _ALIGN, False) for _ in range(min(2, len(batches)))]
+        bufs = [choose_pages(_native.PinnedBuffer(size, _ALIGN, False)) for _ in range(min(2, len(batches)))]
 
         def submit(k: int) -> int:
             path, batch, places, _total = batches[k]

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fastpersist import _compat, handles, io
+from fastpersist import _compat, handles
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats import mmapload, safetensors, torchload, torchzip
 from fastpersist.formats.base import VerifyResult, WritePlan
@@ -87,10 +87,12 @@ def _torch_writer(obj: Any, final: str, alignment: int, cfg: Any, metadata: Opti
         raise TypeError(f"metadata= is for safetensors files; {final!r} is saved in torch's format")
 
     def write_stream(tmp: str) -> None:
-        # A handle of its own: the stream collects its batches with wait().
-        handle = io.native_module().Handle(**cfg.handle_kwargs())
+        # A handle of its own (the stream collects its batches with wait()), lent from the
+        # idle ones so that the save starts no threads; kept again only after a clean save.
+        handle = handles.borrow_writer(cfg)
         torchzip.stream_save_torch(obj, tmp, handle, alignment, fsync=cfg.fsync, batch_bytes=torchzip.STREAM_BATCH,
                                    fast=cfg.fast_pickle)
+        handles.give_back_writer(cfg, handle)
 
     return write_stream
 

@@ -57,7 +57,7 @@ from fastpersist.formats.zipindex import (
     read_central_directory,
 )
 from fastpersist.readpolicy import borrow_reader, give_back_reader, plan_read, staging_auto
-from fastpersist.prefault import Prefaulter
+from fastpersist.prefault import Prefaulter, choose_pages
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,8 @@ class _Arena:
 
     def allocate(self, lock: bool) -> None:
         self.buffer = _native.PinnedBuffer(_round_up(max(self.size, 1), _PAGE), _PAGE, lock)
+        if not lock:
+            choose_pages(self.buffer)
 
 
 def _round_up(n: int, a: int) -> int:
@@ -188,7 +190,8 @@ def _round_up(n: int, a: int) -> int:
 
 def _own_buffer(file_offset: int, length: int, lock: bool) -> tuple[Any, int]:
     lead = file_offset % _PAGE
-    return _native.PinnedBuffer(_round_up(lead + length, _PAGE), _PAGE, lock), lead
+    buf = _native.PinnedBuffer(_round_up(lead + length, _PAGE), _PAGE, lock)
+    return (buf if lock else choose_pages(buf)), lead
 
 
 def _pread_into(fd: int, path: str, view: memoryview, offset: int) -> None:
