@@ -22,6 +22,7 @@ from fastpersist.formats.safetensors.crc import checksum_error, crc_problems, da
 from fastpersist.formats.safetensors.errors import SafetensorsFormatError
 from fastpersist.formats.safetensors.header import SafetensorsHeader
 from fastpersist.io import pinned_empty
+from fastpersist.prefault import choose_pages
 from fastpersist.readpolicy import borrow_reader, give_back_reader, plan_read, staging_auto
 
 __all__ = ["Reader", "load_safetensors", "read_fd"]
@@ -40,7 +41,8 @@ def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     if pinned:
         return pinned_empty(size)
 
-    return torch.frombuffer(_native.PinnedBuffer(size, 4096, lock=False), dtype=torch.uint8)
+    # the page size fresh load buffers get here (fastpersist.prefault.huge_pages), set before the first touch
+    return torch.frombuffer(choose_pages(_native.PinnedBuffer(size, 4096, lock=False)), dtype=torch.uint8)
 
 
 def load_safetensors(
