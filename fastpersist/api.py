@@ -4,7 +4,7 @@
 The facade every surface calls (the package's names, the ``torch.save`` switch, the
 adapters): it checks the arguments the way ``torch.save``/``torch.load``/safetensors do
 and hands each call to the mode that runs it: the collective save or load of
-:mod:`fastpersist.distributed` when a process ``group`` is given, the single-process
+:mod:`fastpersist.collectivesave` / :mod:`fastpersist.collectiveload` when a process ``group`` is given, the single-process
 pipeline of :mod:`fastpersist.pipeline` otherwise.
 
 ``save`` writes a torch zip file (or a ``.safetensors`` file) with aligned
@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from fastpersist import distributed, modelload, pending, pipeline, s3collective
+from fastpersist import collectiveload, collectivesave, modelload, pending, pipeline, s3collective
 from fastpersist.s3url import is_s3_url
 from fastpersist.formats.base import VerifyResult
 from fastpersist.formats.registry import FORMATS as _FORMAT_TABLE
@@ -53,7 +53,7 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
         config: a :class:`fastpersist.Config`; default: ``fastpersist.config.get_default()``.
         format: ``"torch"`` or ``"safetensors"``; default: by extension.
         group: a ``torch.distributed`` process group whose ranks all call ``save`` with the
-            same (replicated) object and write one file together; see :mod:`fastpersist.distributed`
+            same (replicated) object and write one file together; see :mod:`fastpersist.collectivesave`
             (to an ``s3://`` URL: one multipart upload with parts from every rank, see
             :mod:`fastpersist.s3collective`).
         metadata: safetensors only: the file's ``__metadata__`` (str -> str), with
@@ -77,7 +77,7 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
             raise TypeError("fastpersist.save(..., group=...) takes no metadata (group saves write {'format': 'pt'})")
         if is_s3_url(path):  # one multipart upload, its parts from every rank
             return s3collective.save(obj, path, group=group, config=config, format=format)
-        return distributed.save(obj, path, group=group, config=config, format=format)
+        return collectivesave.save(obj, path, group=group, config=config, format=format)
     pipeline.save(obj, path, config=config, format=format, metadata=metadata)
 
 
@@ -224,11 +224,11 @@ def load(
     loads and TorchScript archives go to ``torch.serialization.load`` unchanged.
     """
     pending.wait_before_reading(path)
-    if group is not None:  # every rank of the group calls it; see fastpersist.distributed
+    if group is not None:  # every rank of the group calls it; see fastpersist.collectiveload
         if is_s3_url(path):
             return s3collective.load(path, map_location, pickle_module, group=group, weights_only=weights_only,
                                      mmap=mmap, config=config, **pickle_load_args)
-        return distributed.load(path, map_location, pickle_module, group=group, weights_only=weights_only, mmap=mmap,
+        return collectiveload.load(path, map_location, pickle_module, group=group, weights_only=weights_only, mmap=mmap,
                                 config=config, **pickle_load_args)
     return pipeline.load(path, map_location, pickle_module, weights_only=weights_only, mmap=mmap, config=config,
                          **pickle_load_args)

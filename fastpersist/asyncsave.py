@@ -59,7 +59,7 @@ removes its temporary file and leaves the previous checkpoint intact. Its error 
 raised by ``SaveFuture.wait()``/``exception()``, or else by the next
 ``save_async()`` or ``wait_all()``. At interpreter exit pending saves are finished;
 an error nobody collected is printed on stderr and the process exits with status 1
-(as with an uncaught exception; see :func:`_at_exit`). (``os._exit`` and fatal
+(as with an uncaught exception; :mod:`fastpersist.bgjobs` keeps the saves and their errors). (``os._exit`` and fatal
 signals skip this: the previous checkpoint then stays.) A failed save stops its
 background work (CRC thread, writes in flight) before its error is reported, and no
 thread takes the GIL back from a native call once the interpreter's exit has begun
@@ -102,26 +102,23 @@ from __future__ import annotations
 import atexit
 import io
 import logging
-import multiprocessing
 import os
 import sys
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any, Optional, Union
 
 import torch
 
-from fastpersist import _sys, asyncstage, cudastage, handles, objectstore, pending, s3collective, s3tier
+from fastpersist import _sys, asyncstage, bgjobs, cudastage, handles, objectstore, pending, s3collective, s3tier
 from fastpersist import config as config_mod
-from fastpersist import distributed as D
+from fastpersist import collectivecommit, collectiveplan, coordinator
 from fastpersist import io as fpio
 from fastpersist._inputs import is_path
 from fastpersist.asyncstage import (
     BackgroundCrc,
     LazyFeed,
-    StagingPool,
     copy_private,
     optimizer_ranges,
     owner_of,
@@ -154,21 +151,24 @@ class LazySaveError(RuntimeError):
     """A ``mode="lazy"`` save cannot be made safe (no guarded optimizer, or too much to copy)."""
 
 
-class SaveFuture:
-    """The outcome of one :func:`save_async`."""
+class SaveFuture(bgjobs.JobFuture):
+    """The outcome of one :func:`save_async`: ``wait(timeout)`` blocks until the file is
+    committed (True; False when ``timeout`` seconds passed first) and raises the save's
+    error if it failed; ``exception(timeout)`` returns it (counts as collected)."""
 
     def __init__(self, path: str, mode: str) -> None:
+        super().__init__(_saves)
         self.path = path
         self.mode = mode
-        self._event = threading.Event()
-        self._exc: Optional[BaseException] = None
-        self._reported = False
         #: Tiered mode (``s3_local_dir``): the drain of the local copy to the store.
         self.drain: Optional[s3tier.DrainFuture] = None
 
-    def done(self) -> bool:
-        """Whether the save has finished (committed, or failed)."""
-        return self._event.is_set()
+    @property
+    def label(self) -> str:
+        return self.path
+
+    def describe(self) -> str:
+        return f"asynchronous save of {self.path!r}"
 
     def wait_durable(self, timeout: Optional[float] = None) -> bool:
         """Block until the checkpoint is durable where it was sent: for a tiered save of
@@ -182,33 +182,14 @@ class SaveFuture:
             return self.drain.wait(timeout)
         except BaseException as e:
             if e is self._exc:
-                _mark_reported(self)
+                self._mark_collected()
             raise
 
     def durable(self) -> bool:
         """Whether :meth:`wait_durable` would return True at once."""
         if self.drain is None:
-            return self.done() and self._exc is None
+            return self._succeeded()
         return self.drain.durable()
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until the file is committed; True when done, False when ``timeout``
-        seconds passed first. Raises the save's error if it failed."""
-        if not self._event.wait(timeout):
-            return False
-        if self._exc is not None:
-            _mark_reported(self)
-            raise self._exc
-        return True
-
-    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        """The save's error (None if it succeeded), waiting up to ``timeout`` seconds
-        (``TimeoutError`` if still running). Counts as reported."""
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"async save of {self.path!r} still running")
-        if self._exc is not None:
-            _mark_reported(self)
-        return self._exc
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._exc else "done")
@@ -248,50 +229,31 @@ class _Job:
 
 # ---- process-wide state (reset in a forked child) ---------------------------------
 
-_lock = threading.Lock()  # _jobs, _unreported, _finisher
-_jobs: deque[_Job] = deque()  # not finished, in call order
-_unreported: list[SaveFuture] = []
-_finisher: Optional[threading.Thread] = None
-_finisher_cv = threading.Condition(_lock)
+# The pending saves (_Job, call order) and their errors. _finish is looked up at each
+# job (tests wrap it). _saves.lock also guards _io_handles.
+_saves = bgjobs.JobBoard(lambda job: _finish(job), "fastpersist-async-save", bgjobs.Wording(
+    noun="asynchronous save(s)", collect_by="SaveFuture.wait(), wait_all(), the next save",
+    kept="the previous files at those paths are intact"))
 _guards: "weakref.WeakKeyDictionary[Any, Guard]" = weakref.WeakKeyDictionary()
 
 
 def _reset_in_child() -> None:
-    """A forked child inherits none of the parent's pending saves (their writes run in the parent)."""
+    """A forked child inherits none of the parent's native handles (rebuilt at first use)."""
     _io_handles.clear()
-    global _lock, _jobs, _unreported, _finisher, _finisher_cv, _exit_handled
-    _lock = threading.Lock()
-    _finisher_cv = threading.Condition(_lock)
-    _jobs = deque()
-    _unreported = []
-    _finisher = None
-    _exit_handled = False
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_in_child)
 
 
-def _mark_reported(fut: SaveFuture) -> None:
-    with _lock:
-        fut._reported = True
-        if fut in _unreported:
-            _unreported.remove(fut)
+def _submit(job: _Job) -> None:
+    """Make ``job`` pending (readers and guards see it), then queue its commit."""
+    _saves.add(job)
+    _enqueue(job)
 
 
-def _raise_unreported() -> None:
-    with _lock:
-        if not _unreported:
-            return
-        first = _unreported[0]
-        more = len(_unreported) - 1
-        for f in _unreported:
-            f._reported = True
-        _unreported.clear()
-    if more:
-        log.error("fastpersist: %d more asynchronous save(s) failed; raising the first", more)
-    assert first._exc is not None
-    raise first._exc
+def _enqueue(job: _Job) -> None:
+    _saves.start(job)
 
 
 def before_blocking_save(final: str) -> None:
@@ -305,11 +267,10 @@ def before_blocking_save(final: str) -> None:
        does), so a failure surfaces at the next save instead of only at exit; nothing
        has been written when it raises.
     """
-    with _lock:
-        same = [j.future for j in _jobs if j.future.path == final]
+    same = [j.future for j in _saves.snapshot() if j.future.path == final]
     for f in same:
         f._event.wait()
-    _raise_unreported()
+    _saves.raise_uncollected()
 
 
 # ---- pending paths: what other readers in this process must wait for ----------------
@@ -324,14 +285,11 @@ def pending_paths() -> list[str]:
     """The final paths of this process's async saves that have not finished yet
     (committed or failed), in call order. A path is listed from the moment
     :func:`save_async` is called until its file is in place (or the save failed)."""
-    with _lock:
-        return [j.future.path for j in _jobs if not j.future.done()]
+    return [j.future.path for j in _saves.snapshot() if not j.future.done()]
 
 
 def _pending_futures(match: Any) -> list[SaveFuture]:
-    with _lock:
-        jobs = list(_jobs)
-    return [j.future for j in jobs if not j.future.done() and match(_key(j.future.path))]
+    return [j.future for j in _saves.snapshot() if not j.future.done() and match(_key(j.future.path))]
 
 
 def wait_for_path(path: Any, timeout: Optional[float] = None) -> bool:
@@ -345,7 +303,7 @@ def wait_for_path(path: Any, timeout: Optional[float] = None) -> bool:
     the next save or :func:`wait_all`. Returns at once when nothing is pending for
     ``path``; False if ``timeout`` seconds passed first.
     """
-    if not _jobs:
+    if not _saves.pending:
         return True
     key = _key(path)
     for f in _pending_futures(lambda k: k == key):
@@ -357,7 +315,7 @@ def wait_for_path(path: Any, timeout: Optional[float] = None) -> bool:
 def wait_for_dir(directory: Any, timeout: Optional[float] = None) -> bool:
     """Wait until no async save of this process is pending for a file in ``directory``
     or below it (for code that lists a checkpoint directory). As :func:`wait_for_path`."""
-    if not _jobs:
+    if not _saves.pending:
         return True
     top = _key(directory).rstrip(os.sep) + os.sep
     for f in _pending_futures(lambda k: k.startswith(top)):
@@ -387,7 +345,7 @@ def _io_handle(cfg: Any) -> Any:
     nice = cfg.async_nice
     kwargs = cfg.handle_kwargs(read=False)
     key = (tuple(sorted(kwargs.items())), nice, os.getpid())
-    with _lock:
+    with _saves.lock:
         h = _io_handles.get(key)
     if h is not None:
         return h
@@ -409,21 +367,12 @@ def _io_handle(cfg: Any) -> Any:
     t.join()
     if "e" in box:
         raise box["e"]
-    with _lock:
+    with _saves.lock:
         h = _io_handles.setdefault(key, box["h"])
     return h
 
 
 # ---- background commit ---------------------------------------------------------------
-
-
-def _finish_loop() -> None:
-    while True:
-        with _lock:
-            while not any(not j.future.done() and getattr(j, "queued", False) for j in _jobs):
-                _finisher_cv.wait()
-            job = next(j for j in _jobs if not j.future.done() and getattr(j, "queued", False))
-        _finish(job)
 
 
 def _naming(final: str, tmp: str, e: BaseException) -> BaseException:
@@ -496,28 +445,9 @@ def _stop_background(job: _Job) -> None:
 
 
 def _settle(job: _Job, exc: Optional[BaseException]) -> None:
-    fut = job.future
     job.keepalive = None
     job.collective = None
-    with _lock:
-        fut._exc = exc
-        if exc is not None:
-            _unreported.append(fut)
-        fut._event.set()
-        try:
-            _jobs.remove(job)
-        except ValueError:
-            pass
-
-
-def _enqueue(job: _Job) -> None:
-    global _finisher
-    with _lock:
-        job.queued = True  # type: ignore[attr-defined]
-        if _finisher is None or not _finisher.is_alive():
-            _finisher = threading.Thread(target=_finish_loop, name="fastpersist-async-save", daemon=True)
-            _finisher.start()
-        _finisher_cv.notify_all()
+    _saves.settle(job, exc)
 
 
 # ---- planning ----------------------------------------------------------------------
@@ -620,12 +550,12 @@ def save_async(
     cfg = config_mod.resolve(config)
     if metadata is not None and (group is not None or registry.format_for(os.fspath(path), format).name != "safetensors"):
         raise TypeError("metadata= is for safetensors files saved without group= (as fastpersist.save)")
-    _hook_multiprocessing_exit()
+    _saves.finish_in_multiprocessing_children()  # a fork child of multiprocessing skips atexit
     if objectstore.is_s3_url(path):
         if group is not None:
             import torch.distributed as dist
 
-            D.check_group(group)
+            coordinator.check_group(group)
             if dist.get_world_size(group) > 1:  # collective saves to object storage go direct
                 return _save_async_s3_group(obj, path, mode, cfg, format, group)
         if s3tier.enabled(cfg):
@@ -634,10 +564,10 @@ def save_async(
     if group is not None:
         import torch.distributed as dist
 
-        D.check_group(group)
+        coordinator.check_group(group)
         if dist.get_world_size(group) > 1:
             return _save_async_group(obj, path, mode, cfg, format, group)
-    _raise_unreported()
+    _saves.raise_uncollected()
     final = resolve_target(path)
     fmt = registry.format_for(final, format).name
     if mode == "lazy" and not list(_guards.keys()):
@@ -653,9 +583,7 @@ def save_async(
         plan = _plan(obj, final, fmt, align, cfg, device, metadata)  # GC paused inside, restored on return
         if mode == "lazy":
             keep, owners = _lazy_split(plan, cfg.async_staging_limit, final)
-            with _lock:
-                earlier = list(_jobs)
-            for j in earlier:  # a lazy save queues behind earlier saves (their captures finish first)
+            for j in _saves.snapshot():  # a lazy save queues behind earlier saves (their captures finish first)
                 j.release()
         clean_stale_temps(os.path.dirname(final))
         tmp = temp_path_for(final)
@@ -692,9 +620,7 @@ def save_async(
                 f.wait()
             remove_quietly(tmp)
             raise _naming(final, tmp, e) from e
-        with _lock:
-            _jobs.append(job)
-        _enqueue(job)
+        _submit(job)
     del plan
     return fut
 
@@ -702,13 +628,13 @@ def save_async(
 class _GroupCommit:
     """The background part of one ``save_async(group=...)`` on one rank (finisher thread).
 
-    Exchanges go through the rendezvous store only (``distributed.StoreCoordinator``):
+    Exchanges go through the rendezvous store only (``coordinator.StoreCoordinator``):
     the finisher thread must not run collectives on a process group the caller's thread
     may be using at the same moment (their order would differ between ranks and the
     collectives would pair up wrongly or hang). Steps, each ending with every rank's
     status: ``crc`` (the capture's outcome and the slice's partial CRC-32s), ``write``
     (the slice is on disk with its CRC fields, fsynced), then the commit of
-    ``distributed.commit_agreed``. Any rank's failure raises the same
+    ``collectivecommit.commit_agreed``. Any rank's failure raises the same
     :class:`~fastpersist.distributed.DistributedCheckpointError` on every rank.
     """
 
@@ -725,7 +651,7 @@ class _GroupCommit:
     def run(self, job: _Job) -> None:
         co, agreed = self.co, self.agreed
         plan = agreed.layout.plan
-        loc = D.Local()
+        loc = coordinator.Local()
         loc.exc = self.local
         try:
             info = co.gather("crc", (loc.status, self.partial))
@@ -746,12 +672,12 @@ class _GroupCommit:
             wrote = co.gather("write", loc.status)
             co.check("write", wrote, local=loc.exc,
                      after="The temporary files were removed; the previous file at the path is untouched")
-            D.commit_agreed(co, agreed, self.tmp, self.cfg, loc)
+            collectivecommit.commit_agreed(co, agreed, self.tmp, self.cfg, loc)
         except BaseException:
             for f in job.writes:  # nothing may read the sources or the staging windows any more
                 f.wait()
             for t in self.temps:
-                D.remove_temp(t)
+                collectiveplan.remove_temp(t)
             raise
         finally:
             co.finish()
@@ -763,11 +689,11 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
 
     size = dist.get_world_size(group)
     what = f"fastpersist.save_async({os.fsdecode(os.fspath(path))!r}, mode={mode!r}) over {size} ranks"
-    co = D.Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
-    bg = D.StoreCoordinator(group, cfg.dist_timeout, what)  # the finisher thread: store exchanges only
-    loc = D.Local()
+    co = coordinator.Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
+    bg = coordinator.StoreCoordinator(group, cfg.dist_timeout, what)  # the finisher thread: store exchanges only
+    loc = coordinator.Local()
     try:
-        _raise_unreported()  # reported at the plan step, so that every rank stops there
+        _saves.raise_uncollected()  # reported at the plan step, so that every rank stops there
     except BaseException as e:  # noqa: BLE001
         loc.exc = e
     if bg.store is None:
@@ -776,22 +702,22 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
         loc.run(lambda: _lazy_split(WritePlan([], [], 0, 0), cfg.async_staging_limit, os.fspath(path)))
     try:
         with asyncstage.capture_lock():
-            agreed = D.agree(co, obj, path, cfg, format, loc)  # raises on every rank; nothing written
+            agreed = collectiveplan.agree(co, obj, path, cfg, format, loc)  # raises on every rank; nothing written
             fut = SaveFuture(agreed.final, mode)
             leader = agreed.leader == co.rank
             if agreed.fallback:  # torch's writer: the group leaders save at call time
                 log.debug("%s: the object needs torch's writer; saved at call time", what)
-                D.save_fallback(co, obj, agreed.final, cfg, agreed.fmt, leader, loc)
+                collectivecommit.save_fallback(co, obj, agreed.final, cfg, agreed.fmt, leader, loc)
                 fut._event.set()
                 return fut
             plan = agreed.layout.plan
             lo, hi = agreed.bounds(co.rank)
             extents = split.clip(plan.extents, lo, hi)
-            tmp = loc.run(lambda: D.create_temp(agreed.final, plan.file_size)) if leader else None
+            tmp = loc.run(lambda: collectivecommit.create_temp(agreed.final, plan.file_size)) if leader else None
             try:
                 created = co.gather("create", (loc.status, tmp))
             except BaseException:  # a rank died: nobody else knows this leader's file
-                D.remove_temp(tmp)
+                collectiveplan.remove_temp(tmp)
                 raise
             temps = [created[g[0]][1] for g in agreed.groups]
             tmp = created[agreed.leader][1]
@@ -799,7 +725,7 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
                 co.check("create", [v[0] for v in created], local=loc.exc, after="Nothing was written")
             except BaseException:
                 for t in temps:
-                    D.remove_temp(t)
+                    collectiveplan.remove_temp(t)
                 raise
             handle = handles.handle_for(cfg)  # copies inside the call: full priority
             writer = _io_handle(cfg)  # background writes
@@ -816,9 +742,7 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
                 else:
                     mine = WritePlan(extents, [], 0, plan.file_size)
                     keep, owners = _lazy_split(mine, cfg.async_staging_limit, agreed.final)
-                    with _lock:
-                        earlier = list(_jobs)
-                    for j in earlier:  # a lazy save queues behind earlier saves
+                    for j in _saves.snapshot():  # a lazy save queues behind earlier saves
                         j.consumed()
                     out, private, _n = copy_private(mine, handle, keep)
                     commit.partial = split.partial_crcs(handle, out)  # the bytes the write will read
@@ -830,9 +754,7 @@ def _save_async_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: Opt
             loc.run(capture)  # a failure here reaches every rank's future through the first exchange
             commit.local = loc.exc
             job.collective = commit
-            with _lock:
-                _jobs.append(job)
-            _enqueue(job)
+            _submit(job)
             return fut
     finally:
         co.finish()
@@ -864,16 +786,14 @@ def _save_async_s3(obj: Any, path: PathLike, mode: str, cfg: Any, format: Option
     """An async save to an object store: the whole file staged in memory at the call
     (its bytes are those of this moment, in either mode), uploaded in the background as
     one multipart upload; the object appears when the upload completes."""
-    _raise_unreported()
+    _saves.raise_uncollected()
     name = os.fspath(path)
     fut = SaveFuture(name, mode)
     with asyncstage.capture_lock():
         url, parts = objectstore.stage(obj, path, config=cfg, format=format, metadata=metadata)
     job = _Job(fut, "", cfg.fsync)
     job.collective = _S3Upload(url, parts, cfg)
-    with _lock:
-        _jobs.append(job)
-    _enqueue(job)
+    _submit(job)
     return fut
 
 
@@ -910,27 +830,23 @@ def _save_async_s3_group(obj: Any, path: PathLike, mode: str, cfg: Any, format: 
     (:mod:`fastpersist.s3collective`)."""
     fut = SaveFuture(os.fspath(path), mode)
     with asyncstage.capture_lock():  # an uncollected async error is reported to every rank at the plan step
-        upload = s3collective.start_async(obj, path, group=group, config=cfg, format=format, before=_raise_unreported)
+        upload = s3collective.start_async(obj, path, group=group, config=cfg, format=format, before=_saves.raise_uncollected)
     if upload is None:  # torch's writer: uploaded at the call
         fut._event.set()
         return fut
     job = _Job(fut, "", cfg.fsync)
     job.collective = upload
-    with _lock:
-        _jobs.append(job)
-    _enqueue(job)
+    _submit(job)
     return fut
 
 
 def wait_all(timeout: Optional[float] = None) -> bool:
     """Wait for every pending async save; raise the first error not yet collected.
     Returns False if ``timeout`` seconds passed first."""
-    with _lock:
-        pending = [j.future for j in _jobs]
-    for f in pending:
-        if not f._event.wait(timeout):
+    for j in _saves.snapshot():
+        if not j.future._event.wait(timeout):
             return False
-    _raise_unreported()
+    _saves.raise_uncollected()
     return True
 
 
@@ -959,8 +875,7 @@ class Guard:
 
 
 def _pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    with _lock:
-        jobs = [j for j in _jobs if any(r() is optimizer for r in j.owners)]
+    jobs = [j for j in _saves.snapshot() if any(r() is optimizer for r in j.owners)]
     if not jobs:
         return None
     t0 = time.perf_counter()
@@ -987,90 +902,25 @@ def guard(optimizer: Any) -> Guard:
     return g
 
 
-#: The exit status of a process that ends with an async save's error nobody collected.
-EXIT_STATUS = 1
-_exit_handled = False  # the atexit hook ran (reset in a forked child)
-
-
-def _at_exit(interpreter_exit: bool = False) -> None:
-    """Finish pending saves at exit; report the errors nobody collected.
-
-    Each such error is printed on stderr, and a process that ends through the
-    interpreter's exit then exits with status :data:`EXIT_STATUS` (1, as with an
-    uncaught exception) instead of the status it would have had, once every other exit
-    handler has run (``_native.set_exit_status``). Called by the ``atexit`` hook
-    (``interpreter_exit``) and by multiprocessing's exit handling, whose ``fork``
-    children leave through ``os._exit``: there the error is printed only.
-    """
-    global _exit_handled
-    if _exit_handled:  # multiprocessing's exit handling, after the atexit hook of this process
-        return
-    _exit_handled = interpreter_exit
-    with _lock:
-        pending = [j.future for j in _jobs]
-    try:
-        for f in pending:
-            f._event.wait()
-    except KeyboardInterrupt:
-        left = [f.path for f in pending if not f.done()]
-        print(f"fastpersist: interrupted at exit with {len(left)} asynchronous save(s) unfinished: {left}; "
-              "the previous files at those paths are intact", file=sys.stderr)
-    with _lock:
-        failed = list(_unreported)
-        for f in failed:
-            f._reported = True
-        _unreported.clear()
-    if not failed:
-        return
-    for f in failed:
-        print(f"fastpersist: asynchronous save of {f.path!r} failed: {type(f._exc).__name__}: {f._exc}",
-              file=sys.stderr)
-    # Set whatever the path: a process that leaves through os._exit never runs the hook.
-    status = ""
-    if fpio.native_module().set_exit_status(EXIT_STATUS) and (
-            interpreter_exit or multiprocessing.parent_process() is None):
-        status = f"; exit status {EXIT_STATUS}"
-    print(f"fastpersist: {len(failed)} asynchronous save(s) failed and nobody collected the error "
-          f"(SaveFuture.wait(), wait_all(), the next save){status}", file=sys.stderr, flush=True)
-
-
-atexit.register(_at_exit, True)
+# At exit pending saves are finished and the errors nobody collected printed, with exit
+# status 1 (bgjobs.JobBoard.finish_at_exit). An atexit hook: it runs before the native
+# exit gate closes (registered when the extension was loaded, earlier).
+atexit.register(_saves.finish_at_exit, True)
 
 
 def _finish_uploads_at_shutdown() -> None:
     """Async saves to ``s3://`` URLs upload on ThreadPoolExecutors, which refuse new work
-    once the interpreter's shutdown has begun (concurrent.futures' hook, run before the
-    ``atexit`` hooks): wait for them in that earlier phase (those hooks run newest
-    first, and this one is registered after concurrent.futures')."""
-    with _lock:
-        uploads = [j.future for j in _jobs if j.collective is not None and not isinstance(j.collective, _GroupCommit)]
+    once the interpreter's shutdown has begun: wait for them in that earlier phase."""
+    uploads = [j.future for j in _saves.snapshot()
+               if j.collective is not None and not isinstance(j.collective, _GroupCommit)]
     try:
         for f in uploads:
             f._event.wait()
-    except KeyboardInterrupt:  # _at_exit reports what is left
+    except KeyboardInterrupt:  # the atexit hook reports what is left
         pass
 
 
-_register_shutdown = getattr(threading, "_register_atexit", None)
-if _register_shutdown is not None:
-    _register_shutdown(_finish_uploads_at_shutdown)
-
-_mp_hooked: set[int] = set()
-
-
-def _hook_multiprocessing_exit() -> None:
-    """A ``multiprocessing`` child (``fork`` start method: Lightning's ``ddp_fork``/
-    ``ddp_spawn`` launchers, ``torch.multiprocessing``) leaves through ``os._exit``,
-    which skips ``atexit``: finish its pending saves in multiprocessing's own exit
-    handling too. Registered once per process, at its first async save (a forked
-    child starts with multiprocessing's finalizers cleared)."""
-    pid = os.getpid()
-    if pid in _mp_hooked:
-        return
-    _mp_hooked.add(pid)
-    from multiprocessing import util
-
-    util.Finalize(None, _at_exit, exitpriority=100)
+bgjobs.at_shutdown(_finish_uploads_at_shutdown)
 
 
 # Readers and blocking saves below this layer wait for these saves through fastpersist.pending.

@@ -22,7 +22,7 @@ import traceback
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fastpersist
-from fastpersist import _native, describe, objectstore, readpolicy, s3tier
+from fastpersist import _native, describe, objectstore, prefault, readpolicy, s3tier
 from fastpersist._inputs import check_input
 from fastpersist.commit import clean_stale_temps, scan_temps
 from fastpersist.config import get_default
@@ -368,11 +368,13 @@ def _info_machine(args: argparse.Namespace) -> int:
         pass
     gpu = _gpu_path(args.dir)
     way = _read_way(args.dir)
+    huge = prefault.huge_pages()
     if args.json:
         data = info.to_dict()
         data.update({"engines_compiled": compiled, "native_version": native_version})
         data["gpu_path"] = gpu if isinstance(gpu, str) else dataclasses.asdict(gpu)
         data["read_way"] = {"way": None, "why": way} if isinstance(way, str) else {"way": way.arm, "why": way.reason}
+        data["load_huge_pages"] = {"on": huge[0], "why": huge[1]}
         data["temp_files"] = None if temps is None else [
             {"path": t.path, "size": t.size, "pid": t.pid, "state": t.state, "age_s": round(_age(t), 1),
              "removed_by_next_save": t.removable, "removed": t.path in removed, "reason": t.reason}
@@ -388,6 +390,7 @@ def _info_machine(args: argparse.Namespace) -> int:
     lines += info.summary_lines()
     lines += [f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()
     lines.append(f"Load reads : unknown ({way})" if isinstance(way, str) else f"Load reads : {way.arm} ({way.reason})")
+    lines.append(f"Load memory: {'huge pages' if huge[0] else '4 KiB pages'} ({huge[1]})")
     lines += _temp_lines(temps, temps_error, removed, args.clean)
     for line in lines:
         for piece in describe.wrap(line):  # within 100 columns
@@ -666,7 +669,8 @@ def cmd_bench_save(args: argparse.Namespace) -> int:
         bad = sorted(set(peers) - set(S3_PEERS))
         if bad:
             raise UsageError(f"--peers: unknown s3 peer(s) {', '.join(bad)} (use {', '.join(S3_PEERS)} or none)")
-        return run_s3_bench(args.dir, size=args.size or parse_size("256MiB"), repeat=args.repeat, peers=peers)
+        return run_s3_bench(args.dir, size=args.size or parse_size("256MiB"), repeat=args.repeat, peers=peers,
+                            out=sys.stderr if _json_to_stdout(args) else sys.stdout, json_path=args.json)
     _check_dir(args.dir)
     bad = sorted(set(args.peers) - set(PEERS))
     if bad:

@@ -1,25 +1,21 @@
-"""The GPU path of loads: storage records streamed disk -> page-locked ring -> device.
+"""The GPU path of loads: records streamed disk -> page-locked ring -> device memory.
 
-``fastpersist.load(path, map_location=...)`` of a torch zip file decides, from the
-pickle's persistent ids (:func:`fastpersist.formats.picklescan.scan_pickle` records
-each storage's saved location), where torch's ``map_location`` semantics put each
-storage (:func:`destinations`: a device string or ``torch.device`` maps every
-storage; a dict maps saved locations; ``None`` keeps them). Storages that end up on
-a CUDA device are not read into host buffers: :func:`ring_read` reads their records
-through a few page-locked windows (:data:`RING_WINDOWS` x :data:`RING_WINDOW`
-bytes, whatever the file's size), checks each record's local header and CRC-32 from
-the host window, and copies the payload into a freshly allocated device tensor on a
-side stream (:class:`H2DCopier`); a window is read again only once its copies are
-done, while the next windows are already being read. The unpickler's
-``persistent_load`` then gets those device storages, and torch's
-``restore_location`` leaves them where they are (``storage.to(device)`` is the
-identity on the right device).
+A loader hands :func:`read_items` a list of :class:`RingItem` (a record's local header
+and data ranges in the file, and the tensor its bytes go to). :func:`ring_read` reads
+them through a few page-locked windows (:data:`RING_WINDOWS` x :data:`RING_WINDOW`
+bytes, whatever the file's size), fills in each record's local header bytes and the
+CRC-32 of its data from the host window, and copies the data into its destination on a
+side stream (:class:`H2DCopier`); a window is read again only once its copies are done,
+while the next windows are already being read. :func:`read_items` chooses between that
+ring and GPUDirect (cuFile) from the folder and the settings.
 
-A callable ``map_location`` keeps the host path (torch's unpickler moves
-storages after the callable saw a CPU storage, which it may rely on).
+This layer knows no format: which records go where, and what their headers and CRC-32s
+must be, is the loaders' business (torch zip: :mod:`fastpersist.formats.torchdevice`,
+which applies torch's ``map_location`` rules; safetensors:
+:mod:`fastpersist.formats.safetensors.load`).
 
 :func:`ring_read` works for CPU destinations too (plain copies); the tests use
-that to check the windowing, the header and CRC checks and the error handling on
+that to check the windowing, the header and CRC reads and the error handling on
 machines without a GPU; the CUDA parts are checked by tests/test_gpu_path.py on a GPU
 (docs/gpu.md).
 """
@@ -29,10 +25,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -43,7 +38,7 @@ from fastpersist.io import gpu_path, require_cufile
 
 log = logging.getLogger(__name__)
 
-__all__ = ["H2DCopier", "RING_WINDOW", "RING_WINDOWS", "RingItem", "destinations", "ring_read"]
+__all__ = ["H2DCopier", "RING_WINDOW", "RING_WINDOWS", "RingItem", "read_items", "ring_read"]
 
 #: Page-locked windows of the load ring, and bytes per window.
 RING_WINDOWS = 4
@@ -51,7 +46,6 @@ RING_WINDOW = 16 << 20
 _PAGE = 4096
 #: Records closer than this in the file are read in one run (the gap is read too).
 _MERGE_GAP = 1 << 20
-_CUDA_LOCATION = re.compile(r"^cuda(:[0-9]+)?$")
 
 #: Ring windows of finished loads, kept for the next one: page-locking and
 #: registering 64 MiB with CUDA costs milliseconds per load. Keyed by window size;
@@ -85,63 +79,6 @@ def _forget_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _cuda_device(target: Any) -> Optional[torch.device]:
-    """The CUDA device torch's ``default_restore_location`` would put a storage on for
-    the location ``target``, or None (not CUDA, or not restorable: torch raises then)."""
-    if isinstance(target, bytes):
-        target = target.decode()
-    if isinstance(target, torch.device):
-        target = str(target)
-    if not isinstance(target, str) or not _CUDA_LOCATION.match(target):
-        return None
-    if not torch.cuda.is_available():
-        return None
-    index = int(target[5:]) if ":" in target else torch.cuda.current_device()
-    if index >= torch.cuda.device_count():
-        return None
-    return torch.device("cuda", index)
-
-
-def _is_storage_pid(pid: Any) -> bool:
-    return isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[3], str)
-
-
-def destinations(map_location: Any, pids: list[Any]) -> dict[str, torch.device]:
-    """Storage key -> the CUDA device torch would restore it to, for the storages
-    that go to a CUDA device under ``map_location`` (None, str, bytes, torch.device or
-    dict; a callable gives ``{}``). ``pids``: the pickle's persistent ids
-    (``('storage', type, key, location, numel)``). Costs one check when nothing goes
-    to a CUDA device (a CPU ``map_location``, or no CUDA device here), and never
-    initialises CUDA then (``torch.cuda.is_available()`` does not)."""
-    if isinstance(map_location, (str, bytes, torch.device)):
-        dev = _cuda_device(map_location)
-        if dev is None:
-            return {}
-        return {str(pid[2]): dev for pid in pids if _is_storage_pid(pid)}
-    if map_location is not None and not isinstance(map_location, dict):
-        return {}  # a callable: the host path (it may rely on getting CPU storages)
-    if not torch.cuda.is_available():
-        return {}  # saved CUDA locations cannot be restored here: torch raises its own error
-    where: dict[str, Optional[torch.device]] = {}  # saved location -> device (None: not CUDA)
-    out: dict[str, torch.device] = {}
-    seen: dict[str, Optional[torch.device]] = {}
-    for pid in pids:
-        if not _is_storage_pid(pid):
-            continue
-        key, loc = str(pid[2]), pid[3]
-        if loc not in where:
-            target = map_location.get(loc, loc) if isinstance(map_location, dict) else loc
-            where[loc] = _cuda_device(target)
-        dev = where[loc]
-        if key in seen and seen[key] != dev:  # one key, two places: leave it to torch
-            out.pop(key, None)
-            continue
-        seen[key] = dev
-        if dev is not None:
-            out[key] = dev
-    return out
 
 
 @dataclass
@@ -316,59 +253,38 @@ def _cufile_read(fd: int, path: str, reader: Any, items: list[RingItem]) -> None
     log.debug("%s: %d storages read with cuFile", path, len(items))
 
 
-def records_for_device(load: Any, dest: dict[str, torch.device]) -> list[Any]:
-    """The storage records of a :class:`fastpersist.formats.torchload.LoadState` whose key
-    goes to a CUDA device (non-empty, not read yet), in file order."""
-    out = []
-    for key in dest:
-        r = load.by_short.get(f"data/{key}")
-        if r is not None and r.buffer is None and r.size > 0:
-            out.append(r)
-    out.sort(key=lambda r: r.entry.header_offset)
-    return out
+def read_items(fd: int, path: str, reader: Any, items: list[RingItem], *, cuda: bool, checksum: bool) -> list[RingItem]:
+    """Read ``items`` (sorted by ``header_offset``) into their ``dest`` tensors the way
+    the GPU path chooses for the file's folder (:func:`fastpersist.io.gpu_path`):
+    GPUDirect (cuFile) when it is usable and checksums are off, else the page-locked
+    ring (:func:`ring_read`). ``cuda``: the destinations are CUDA devices (the way is
+    chosen only for them; anything else takes the ring). Returns the items read, with
+    their local headers and (``checksum``) CRC-32s filled in: new ones when cuFile refused
+    the file and engine ``"auto"`` fell back to the ring. Knows no format: the caller
+    checks the headers and CRC-32s against its own records.
 
-
-def read_to_device(load: Any, reader: Any, fd: int, dest: dict[str, torch.device],
-                   allocate: Optional[Callable[[int, torch.device], torch.Tensor]] = None) -> list[Any]:
-    """Read every record of ``dest``'s keys into device memory through the ring; each
-    record's ``device`` attribute is set to its uint8 tensor once its local header and
-    CRC-32 (``load.checksum``) are checked. Returns the records."""
-
-    records = records_for_device(load, dest)
-    if not records:
-        return []
+    Raises:
+        RuntimeError: engine ``"cufile"`` where cuFile cannot load (``require_cufile``).
+        OSError, EOFError: a read failed.
+    """
     engine = getattr(reader, "engine", "auto")
-    directory = os.path.dirname(os.path.abspath(load.path))
-    cuda = any(d.type == "cuda" for d in dest.values())
+    directory = os.path.dirname(os.path.abspath(path))
     if cuda and engine == "cufile":
-        require_cufile(directory, "load", checksum=load.checksum)
-    way = gpu_path(directory, engine=engine, checksum=load.checksum) if cuda else None
-    alloc = allocate or (lambda n, dev: torch.empty(n, dtype=torch.uint8, device=dev))
-    items = [RingItem(r.entry.header_offset, r.data_offset, r.size, alloc(r.size, dest[r.short[5:]]))
-             for r in records]
+        require_cufile(directory, "load", checksum=checksum)
+    way = gpu_path(directory, engine=engine, checksum=checksum) if cuda else None
     if way is not None and way.load == "cufile":
         try:
-            _cufile_read(fd, load.path, reader, items)
+            _cufile_read(fd, path, reader, items)
         except OSError as e:
             # cuFile loaded and its driver opened, but it refuses this file (no nvidia-fs, no
             # compatibility mode): engine "auto" reads through the pinned ring instead
             if engine == "cufile" or e.errno != errno.ENOTSUP:
                 raise
-            log.info("%s: cuFile refused the file (%s); reading through the pinned ring", load.path, e)
+            log.info("%s: cuFile refused the file (%s); reading through the pinned ring", path, e)
             items = [replace(it, header=bytearray(), crc=0) for it in items]  # nothing half-read
-            ring_read(fd, reader, items, checksum=load.checksum)
+            ring_read(fd, reader, items, checksum=checksum)
     else:
         if way is not None:
-            log.debug("%s: CUDA storages read through the pinned ring (%s)", load.path, way.load_reason)
-        ring_read(fd, reader, items, checksum=load.checksum)
-    for r, it in zip(records, items):
-        load._check_header(r, memoryview(it.header))
-    if load.checksum:
-        bad = [f"{r.entry.name}: CRC-32 mismatch (computed {it.crc:08x}, recorded {r.entry.crc32:08x}) "
-               f"in bytes [{r.data_offset}, {r.data_end})" for r, it in zip(records, items)
-               if it.crc != r.entry.crc32 and r.entry.crc32 != 0]  # 0: no CRC (fastpersist.formats.crcpolicy)
-        if bad:
-            load.crc_mismatch(bad)  # raises for files fastpersist wrote
-    for r, it in zip(records, items):
-        r.device = it.dest
-    return records
+            log.debug("%s: CUDA records read through the pinned ring (%s)", path, way.load_reason)
+        ring_read(fd, reader, items, checksum=checksum)
+    return items

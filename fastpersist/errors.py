@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 
 class FastPersistError(Exception):
@@ -84,3 +84,36 @@ class ObjectStoreError(FastPersistError, OSError):
         # (CheckpointException.failures), and OSError's own reduction would call
         # __init__ with the message alone.
         return (type(self), (str(self), self.url, self.operation, self.code), dict(self.__dict__))
+
+
+class DistributedCheckpointError(FastPersistError, RuntimeError):
+    """A collective save or load failed on some rank; raised on every rank.
+
+    ``failures`` maps each failing rank (rank in the group) to its error, in words.
+    On the failing rank itself the original exception is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, failures: Optional[dict[int, str]] = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+class ReplicasDifferError(DistributedCheckpointError):
+    """The ranks of a collective save do not hold the same state (layout, Python values or
+    tensor values); raised on every rank before anything is written under the final name.
+    ``difference`` names the first difference in words (the tensor's key path in the
+    state, or the file record, and the ranks). A framework adapter catching it lets its
+    designated rank write its own state alone (``fastpersist/replicated.py``)."""
+
+    def __init__(self, message: str, difference: str = "") -> None:
+        super().__init__(message)
+        self.difference = difference
+
+
+class DistributedTimeoutError(DistributedCheckpointError, TimeoutError):
+    """Some ranks did not reach a step of a collective save/load in time (died or hung);
+    ``missing`` lists them (ranks in the group)."""
+
+    def __init__(self, message: str, missing: Sequence[int]) -> None:
+        super().__init__(message)
+        self.missing = list(missing)

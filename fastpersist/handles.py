@@ -3,12 +3,15 @@ alignment of a directory's files.
 
 Part of the I/O layer: :func:`handle_for` builds a ``fastpersist._native.Handle`` for a
 :class:`~fastpersist.config.Config`'s engine settings once and reuses it for the life of
-the process (a forked child starts with none and builds its own); :func:`alignment_for`
-says where storages start in a file written to a directory.
+the process (a forked child starts with none and builds its own); :func:`borrow_writer`
+lends a handle to one save alone (idle ones are kept, so that a save does not start a
+handle's threads); :func:`alignment_for` says where storages start in a file written
+to a directory.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from typing import Any
@@ -18,6 +21,9 @@ from fastpersist.config import Config
 
 _handles: dict[tuple, Any] = {}
 _handles_lock = threading.Lock()
+_WRITERS_MAX = 2  #: idle writers kept per setting
+_writers: dict[tuple, list[Any]] = {}
+_writers_lock = threading.Lock()
 
 
 def _forget_handles_in_child() -> None:
@@ -25,9 +31,11 @@ def _forget_handles_in_child() -> None:
     thread may have held the old one at the fork). The native handles are
     fork-safe on their own (``_native.pyi``); dropping them just lets the child
     build its own threads once, when it first saves or loads."""
-    global _handles_lock
+    global _handles_lock, _writers_lock
     _handles_lock = threading.Lock()
     _handles.clear()
+    _writers_lock = threading.Lock()
+    _writers.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -55,6 +63,45 @@ def forget_handles() -> None:
     """Drop the cached handles (their threads end when nothing else holds them)."""
     with _handles_lock:
         _handles.clear()
+
+
+def borrow_writer(config: Config) -> Any:
+    """A native Handle with ``config``'s write settings for one save alone (a save collects
+    its batches with ``wait()``, which takes every op of the handle, so two saves never
+    share one): an idle one kept by :func:`give_back_writer`, or a new one. Reusing it
+    spares each save the handle's thread starts (a new handle per save was a fixed cost
+    of every small save). One not handed back is simply dropped."""
+    kwargs = config.handle_kwargs()
+    key = tuple(sorted(kwargs.items()))
+    with _writers_lock:
+        idle = _writers.get(key)
+        if idle:
+            return idle.pop()
+    return io.native_module().Handle(**kwargs)
+
+
+def give_back_writer(config: Config, handle: Any) -> None:
+    """Keep ``handle`` (from :func:`borrow_writer` with the same ``config``) for the next
+    save, when it has nothing pending; it keeps one staging buffer, not all its last
+    save used."""
+    if handle.pending():
+        return
+    handle.trim_buffers(1)
+    key = tuple(sorted(config.handle_kwargs().items()))
+    with _writers_lock:
+        idle = _writers.setdefault(key, [])
+        if len(idle) < _WRITERS_MAX and all(h is not handle for h in idle):
+            idle.append(handle)
+
+
+def forget_writers() -> None:
+    """Drop the idle writers (their threads end)."""
+    with _writers_lock:
+        _writers.clear()
+
+
+# The idle writers' threads are joined at exit while the interpreter still runs.
+atexit.register(lambda: forget_writers())
 
 
 def alignment_for(directory: str) -> int:

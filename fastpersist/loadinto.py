@@ -34,6 +34,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from fastpersist import _native, handles, objectstore, s3tier
+from fastpersist.prefault import choose_pages
 from fastpersist import config as config_mod
 from fastpersist.errors import CheckpointFormatError, FastPersistError, UnsupportedLayoutError
 from fastpersist.formats.torchindex import (
@@ -224,7 +225,7 @@ class _Plan:
                 buffers[record] = torch.empty(0, dtype=torch.uint8)
                 continue
             lead = r.offset % _PAGE
-            buf = _native.PinnedBuffer(-(-(lead + r.size) // _PAGE) * _PAGE, _PAGE, False)
+            buf = choose_pages(_native.PinnedBuffer(-(-(lead + r.size) // _PAGE) * _PAGE, _PAGE, False))
             buffers[record] = torch.frombuffer(buf, dtype=torch.uint8, count=r.size, offset=lead)
             wants[record] = [Piece(0, r.size, buf.ptr + lead)]
         if wants:

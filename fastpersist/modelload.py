@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from fastpersist import loadinto
-from fastpersist.formats.safetensors import duplicate_names
+from fastpersist.tiedweights import duplicate_names
 
 
 def tied_names_result(model: torch.nn.Module, missing_list: list[str], unexpected: list[str],

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from fastpersist import _compat, handles, s3check, s3client, s3download, s3upload
+from fastpersist import _compat, handles, s3check, s3client, s3dcpverify, s3download, s3upload
 from fastpersist import config as config_mod
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats import registry, safetensors
@@ -214,9 +214,25 @@ def verify(target: Any, *, config: Any = None) -> VerifyResult:
     records, not the payloads; the format's verifier then checks the structure and
     compares those CRC-32s. Where the download could not compute them all (an index
     that does not parse, an odd layout), the object is fetched whole into memory and
-    verified as a file."""
-    url = parse(target)
+    verified as a file.
+
+    A prefix under which a ``torch.distributed.checkpoint`` checkpoint lies
+    (``prefix/.metadata`` and its data objects; ``s3://bucket/prefix`` or
+    ``s3://bucket/prefix/``) is verified as a DCP directory is
+    (:mod:`fastpersist.s3dcpverify`)."""
     cfg = config_mod.resolve(config)
+    if isinstance(target, (str, os.PathLike)) and os.fspath(target).endswith("/"):
+        return s3dcpverify.verify(target, config=cfg)
+    url = parse(target)
+    try:
+        return _verify_object(url, cfg)
+    except s3client.ObjectNotFoundError:
+        if s3dcpverify.is_checkpoint(url, cfg):
+            return s3dcpverify.verify(f"{url}/", config=cfg)
+        raise
+
+
+def _verify_object(url: S3Url, cfg: Any) -> VerifyResult:
     fmt = registry.format_for(url.key)
     with fetch(url, config=cfg, crcs=True, discard=True) as got:
         result = None

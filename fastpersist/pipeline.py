@@ -191,7 +191,8 @@ def verify(path: PathLike, *, config: Any = None) -> VerifyResult:
     if objectstore.is_s3_url(path):
         pending.wait_before_reading(os.fspath(path))
         cfg = config_mod.resolve(config)
-        return _verify_tiered(path, cfg) if s3tier.enabled(cfg) else objectstore.verify(path, config=cfg)
+        prefix = os.fspath(path).endswith("/")  # a DCP checkpoint's prefix: never a tiered copy
+        return _verify_tiered(path, cfg) if s3tier.enabled(cfg) and not prefix else objectstore.verify(path, config=cfg)
     fspath = os.fsdecode(os.fspath(path))
     pending.wait_before_reading(fspath, tree=True)
     st = check_input(fspath, "verify", directory_ok=True)  # a FIFO, device, link loop: an OSError at once

@@ -2,7 +2,7 @@
 
 Frameworks write replicated state (DDP weights, DeepSpeed's non-ZeRO model-states
 file) from one rank alone. :func:`save_replicated` lets every rank of the group write
-a slice of the file instead (:func:`fastpersist.distributed.save`, the collective
+a slice of the file instead (:func:`fastpersist.collectivesave.save`, the collective
 ``fastpersist.save(..., group=)``), byte-identical to a one-rank save. The collective
 save compares the ranks' plans and tensor values before writing anything: a
 framework's "replicated" state is not always identical (BatchNorm statistics in
@@ -26,7 +26,7 @@ import pickle
 from typing import Any, Callable, Optional
 
 from fastpersist import api
-from fastpersist.distributed import ReplicasDifferError
+from fastpersist.errors import ReplicasDifferError
 
 __all__ = ["group_save_available", "rank0_if_different", "save_replicated"]
 
@@ -49,7 +49,7 @@ def save_replicated(obj: Any, path: "os.PathLike[str] | str", *, group: Any, wri
 
     With more than one rank the ranks write ``path`` together (``save(obj, path,
     group=group, ...)``). When the collective save finds the replicas different it raises
-    :class:`~fastpersist.distributed.ReplicasDifferError` on every rank before writing
+    :class:`~fastpersist.errors.ReplicasDifferError` on every rank before writing
     anything; then the rank(s) called with ``writer=True`` write their own state alone
     (``save(obj, path, ...)``, no group), as the framework would have. With one rank,
     or no collective save, only ``writer`` ranks write.
@@ -96,7 +96,7 @@ def rank0_if_different(value: Any, group: Any, *, what: str = "the value") -> tu
     rank 0 too, a freshly unpickled copy, so that every rank holds equal objects (pickling
     them again gives the same bytes, shared references included). When ``value`` does not
     pickle on some rank, every rank raises
-    :class:`~fastpersist.distributed.ReplicasDifferError` (``what`` names the value in it).
+    :class:`~fastpersist.errors.ReplicasDifferError` (``what`` names the value in it).
     """
     import torch.distributed as dist
 

@@ -17,6 +17,13 @@ says otherwise, and request checksums are sent only when the operation needs the
 ``standard`` mode (500, 502, 503, 504, throttling such as ``SlowDown``, connection
 resets and timeouts; exponential backoff with jitter), 8 attempts unless
 ``AWS_MAX_ATTEMPTS``/``AWS_RETRY_MODE`` say otherwise.
+
+Credentials that expire: those botocore refreshes itself (an assumed role, a web
+identity token file as on EKS, the instance or container metadata service, SSO,
+``credential_process``) are refreshed by the cached client; static keys are read again
+when they change: a client is made anew when an ``AWS_*`` variable or the config or
+credentials file changes (a sidecar that rewrites ``~/.aws/credentials`` before the old
+session token expires), so the next request after the change signs with the new keys.
 """
 
 from __future__ import annotations
@@ -68,6 +75,19 @@ def _profile_s3(session: Any) -> dict:
     return section if isinstance(section, dict) else {}
 
 
+def _files_version() -> tuple:
+    """What identifies the current contents of the config and credentials files
+    (changed: keys rotated), without reading them."""
+    out: list[Any] = []
+    for var, default in (("AWS_CONFIG_FILE", "~/.aws/config"), ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")):
+        try:
+            st = os.stat(os.path.expanduser(os.environ.get(var) or default))
+            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
 def client(max_connections: int = 16, timeout: float = 60.0) -> Any:
     """A botocore S3 client from the standard AWS configuration (see the module
     docstring), cached per process, configuration, ``max_connections`` and ``timeout``
@@ -76,7 +96,8 @@ def client(max_connections: int = 16, timeout: float = 60.0) -> Any:
         os.environ.get(n, "") for n in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
                                          "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
                                          "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
-                                         "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_REQUEST_CHECKSUM_CALCULATION"))
+                                         "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_REQUEST_CHECKSUM_CALCULATION")
+    ) + _files_version()
     with _lock:
         c = _clients.get(key)
         if c is not None:
@@ -107,6 +128,8 @@ def client(max_connections: int = 16, timeout: float = 60.0) -> Any:
                 kwargs["response_checksum_validation"] = "when_required"
         region = session.region_name or "us-east-1"
         c = session.client("s3", region_name=region, config=Config(**kwargs))
+        for old in [k for k in _clients if k[:-2] == key[:-2]]:  # the same settings before the files changed
+            del _clients[old]  # (operations under way keep their client)
         _clients[key] = c
         return c
 

@@ -25,7 +25,7 @@ local save's file):
    listed in step 2.
 
 Any rank's failure (an exception, a request that failed after retries, a rank that
-died: the exchanges' timeouts and verdicts are :class:`~fastpersist.distributed.Coordinator`'s)
+died: the exchanges' timeouts and verdicts are :class:`~fastpersist.coordinator.Coordinator`'s)
 raises :class:`~fastpersist.distributed.DistributedCheckpointError` on every rank, and
 the upload is aborted (by rank 0; by the survivors when rank 0 is the rank that died):
 no object appears, the previous object under the key is untouched, no parts stay.
@@ -37,17 +37,18 @@ read: ranks never return different versions of an object replaced meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-from fastpersist import distributed as D
-from fastpersist import handles, objectstore, pending, pipeline, s3client, s3upload
+from fastpersist import collectiveplan, handles, objectstore, pending, pipeline, s3client, s3upload
 from fastpersist import config as config_mod
-from fastpersist.errors import UnsupportedLayoutError
+from fastpersist.coordinator import Coordinator, Local, StoreCoordinator, check_group
+from fastpersist.errors import DistributedCheckpointError, ReplicasDifferError, UnsupportedLayoutError
 from fastpersist.formats import registry, split
 from fastpersist.plan import WritePlan, patch_bytes
 from fastpersist.s3url import S3Url, parse
@@ -85,20 +86,20 @@ def _plan(obj: Any, url: S3Url, cfg: Any, format: Optional[str]) -> tuple[Option
         return (None,)
 
 
-def _agree(co: D.Coordinator, obj: Any, target: Any, cfg: Any, format: Optional[str], loc: D.Local) -> _Agreed:
+def _agree(co: Coordinator, obj: Any, target: Any, cfg: Any, format: Optional[str], loc: Local) -> _Agreed:
     """Step 1 of the module docstring; raises on every rank (nothing uploaded)."""
     url = loc.run(lambda: parse(target))
     planned = loc.run(lambda: _plan(obj, url, cfg, format)) if url is not None else None
     layout = planned[0] if planned else None
     digest = loc.run(lambda: split.plan_digest(layout)) if layout is not None else None
-    values = loc.run(lambda: D.value_crcs(layout, cfg)) if layout is not None else None
-    vdigest = D.values_digest(values) if values is not None else None
+    values = loc.run(lambda: collectiveplan.value_crcs(layout, cfg)) if layout is not None else None
+    vdigest = collectiveplan.values_digest(values) if values is not None else None
     info = co.gather("plan", (loc.status, planned is not None and layout is None, digest, str(url), vdigest))
     co.check("plan", [v[0] for v in info], local=loc.exc, after="Nothing was uploaded")
     urls = [v[3] for v in info]
     if len(set(urls)) > 1:
         each = "; ".join(f"{co.name(r)}: {u!r}" for r, u in enumerate(urls))
-        raise D.DistributedCheckpointError(
+        raise DistributedCheckpointError(
             f"{co.what}: the ranks passed different URLs, nothing was uploaded ({each}). A collective save writes "
             "one object that every rank names; save without group= to write one object per rank",
             {r: f"URL {u!r}" for r, u in enumerate(urls) if u != urls[0]})
@@ -111,19 +112,19 @@ def _agree(co: D.Coordinator, obj: Any, target: Any, cfg: Any, format: Optional[
     if why or len({v[2] for v in info}) > 1:
         records = co.gather("plan-records", split.plan_records(layout) if layout is not None else [])
         why = why or split.first_difference(records) or "the plans' digests differ"
-        raise D.ReplicasDifferError(
+        raise ReplicasDifferError(
             f"{co.what}: the ranks do not hold the same state, nothing was uploaded: {why}. A replicated save needs "
             "every rank to pass the same object (same keys, shapes, dtypes and Python values)", why)
     if len({v[4] for v in info}) > 1:
         every = co.gather("values", values)
         assert layout is not None
-        why = D.first_value_difference(co, obj, layout, every)
-        raise D.ReplicasDifferError(
+        why = collectiveplan.first_value_difference(co, obj, layout, every)
+        raise ReplicasDifferError(
             f"{co.what}: the ranks hold the same layout but different tensor values, nothing was uploaded: {why}. "
             "A replicated save writes one state; make the replicas equal (e.g. broadcast from rank 0) or save from "
             "one rank without group=", why)
     assert url is not None
-    crcs = D.slot_crcs(layout, values) if layout is not None and values is not None else None
+    crcs = collectiveplan.slot_crcs(layout, values) if layout is not None and values is not None else None
     return _Agreed(url, layout, crcs)
 
 
@@ -157,7 +158,7 @@ class GroupUpload:
     sent in the background by :meth:`run` (``save_async(group=)``, whose exchanges go
     through the rendezvous store: ``bg``)."""
 
-    def __init__(self, co: D.Coordinator, agreed: _Agreed, cfg: Any) -> None:
+    def __init__(self, co: Coordinator, agreed: _Agreed, cfg: Any) -> None:
         self.co = co
         self.agreed = agreed
         self.cfg = cfg
@@ -174,13 +175,13 @@ class GroupUpload:
         self.stale: list[str] = []
         self.completed = False
         self.staged: list[s3upload.StagedPart] = []
-        self.bg: Optional[D.Coordinator] = None
+        self.bg: Optional[Coordinator] = None
 
     @property
     def leader(self) -> bool:
         return self.co.rank == 0
 
-    def create(self, loc: D.Local) -> None:
+    def create(self, loc: Local) -> None:
         """Step 2 (collective): rank 0 creates the upload; every rank learns its id."""
         if self.leader:
             self.stale = s3upload.stale_uploads(self.client, self.url)
@@ -220,7 +221,7 @@ class GroupUpload:
             up.submit(part, holds_slot=True)
         up.wait_parts()
 
-    def finish(self, co: D.Coordinator, loc: D.Local) -> None:
+    def finish(self, co: Coordinator, loc: Local) -> None:
         """Steps 3-4 after this rank's parts went: exchange the ETags, rank 0 completes."""
         if loc.exc is not None:
             self.up.stop()
@@ -254,18 +255,26 @@ class GroupUpload:
         if self.leader or 0 in missing:
             self.up.abort()
 
+    @contextlib.contextmanager
+    def aborted_on_error(self) -> Iterator[None]:
+        """Around steps of this upload: an error in them fails the upload (:meth:`fail`:
+        this rank's parts stopped, the upload aborted) before it propagates."""
+        try:
+            yield
+        except BaseException as e:
+            self.fail(e)
+            raise
+
     def run(self, job: Any) -> None:
         """The background half of ``save_async(group=)``: send the staged parts, then
         exchange through the store (``bg``) and commit."""
         co = self.bg
         assert co is not None
-        loc = D.Local()
+        loc = Local()
         try:
-            loc.run(self.send_staged)
-            self.finish(co, loc)
-        except BaseException as e:
-            self.fail(e)
-            raise
+            with self.aborted_on_error():
+                loc.run(self.send_staged)
+                self.finish(co, loc)
         finally:
             co.finish()
 
@@ -280,32 +289,29 @@ def _what(verb: str, target: Any, group: Any) -> str:
 
 def save(obj: Any, target: Any, *, group: Any, config: Any = None, format: Optional[str] = None) -> None:
     """Collective :func:`fastpersist.save` to an ``s3://`` URL (see the module docstring)."""
-    D.check_group(group)
+    check_group(group)
     cfg = config_mod.resolve(config)
     if dist.get_world_size(group) == 1:
         pipeline.save(obj, target, config=cfg, format=format)
         return
-    co = D.Coordinator(group, cfg.dist_timeout, _what("save", target, group))
+    co = Coordinator(group, cfg.dist_timeout, _what("save", target, group))
     try:
-        loc = D.Local()
+        loc = Local()
         loc.run(lambda: pending.before_blocking_save(os.fspath(target)))
         agreed = _agree(co, obj, target, cfg, format, loc)
         if agreed.layout is None:
             _save_alone(co, obj, agreed.url, cfg, format, loc)
             return
         gu = GroupUpload(co, agreed, cfg)
-        try:
+        with gu.aborted_on_error():
             gu.create(loc)
             loc.run(gu.send)
             gu.finish(co, loc)
-        except BaseException as e:
-            gu.fail(e)
-            raise
     finally:
         co.finish()
 
 
-def _save_alone(co: D.Coordinator, obj: Any, url: S3Url, cfg: Any, format: Optional[str], loc: D.Local) -> None:
+def _save_alone(co: Coordinator, obj: Any, url: S3Url, cfg: Any, format: Optional[str], loc: Local) -> None:
     """Objects only torch's writer can lay out: rank 0 uploads them alone."""
     if co.rank == 0:
         loc.run(lambda: objectstore.save(obj, url, config=cfg, format=format))
@@ -322,10 +328,10 @@ def start_async(obj: Any, target: Any, *, group: Any, config: Any = None, format
     an error ``before()`` raises on any rank (reported at the plan step)."""
     cfg = config_mod.resolve(config)
     what = _what("save_async", target, group)
-    co = D.Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
-    bg = D.StoreCoordinator(group, cfg.dist_timeout, what)  # the background thread: store exchanges only
+    co = Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
+    bg = StoreCoordinator(group, cfg.dist_timeout, what)  # the background thread: store exchanges only
     try:
-        loc = D.Local()
+        loc = Local()
         if before is not None:
             loc.run(before)
         if bg.store is None:
@@ -340,13 +346,13 @@ def start_async(obj: Any, target: Any, *, group: Any, config: Any = None, format
         gu = GroupUpload(co, agreed, cfg)
         gu.bg = bg
         try:
-            gu.create(loc)
-            loc.run(gu.stage)
-            staged = co.gather("stage", loc.status)
-            co.check("stage", staged, local=loc.exc,
-                     after="The multipart upload was aborted; the previous object under the key is untouched")
-        except BaseException as e:
-            gu.fail(e)
+            with gu.aborted_on_error():
+                gu.create(loc)
+                loc.run(gu.stage)
+                staged = co.gather("stage", loc.status)
+                co.check("stage", staged, local=loc.exc,
+                         after="The multipart upload was aborted; the previous object under the key is untouched")
+        except BaseException:
             bg.finish()
             raise
         return gu
@@ -361,14 +367,14 @@ def load(target: Any, map_location: Any = None, pickle_module: Any = None, *, gr
     loads the object itself; the ranks then compare the ETags they read and raise
     :class:`~fastpersist.distributed.DistributedCheckpointError` on every rank if the
     object was replaced between their reads."""
-    D.check_group(group)
+    check_group(group)
     cfg = config_mod.resolve(config)
     if dist.get_world_size(group) == 1:
         return pipeline.load(target, map_location, pickle_module, weights_only=weights_only, mmap=mmap, config=cfg,
                              **pickle_load_args)
-    co = D.Coordinator(group, cfg.dist_timeout, _what("load", target, group))
+    co = Coordinator(group, cfg.dist_timeout, _what("load", target, group))
     try:
-        loc = D.Local()
+        loc = Local()
 
         def one() -> tuple[Any, str]:
             pending.wait_before_reading(target)
@@ -381,7 +387,7 @@ def load(target: Any, map_location: Any = None, pickle_module: Any = None, *, gr
         etags = [v[1] for v in info]
         if len(set(etags)) > 1:
             each = ", ".join(f"{co.name(r)}: {e}" for r, e in enumerate(etags))
-            raise D.DistributedCheckpointError(
+            raise DistributedCheckpointError(
                 f"{co.what}: the object was replaced while the ranks were reading it (ETags {each}); load it again")
         assert got is not None
         return got[0]

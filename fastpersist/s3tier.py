@@ -22,19 +22,14 @@ vouches for it.
 
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import os
-import sys
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from fastpersist import io as fpio
-from fastpersist import pending, s3client, s3journal, s3upload
+from fastpersist import bgjobs, pending, s3client, s3journal, s3upload
 from fastpersist.errors import ChecksumError, CheckpointFormatError, DirectorySyncError, ObjectStoreError
 from fastpersist.s3url import S3Url, is_s3_url, parse
 
@@ -44,34 +39,27 @@ __all__ = ["DrainFuture", "LocalCopy", "Ticket", "abandon", "begin", "enabled", 
            "local_root", "read_best", "recover", "save_through", "status", "wait_durable"]
 
 
-class DrainFuture:
+class DrainFuture(bgjobs.JobFuture):
     """The drain of one tiered save to the store: done once the object is confirmed
-    and recorded durable (or the drain failed: the local copy stays)."""
+    and recorded durable (or the drain failed: the local copy stays). ``wait()``
+    blocks until durable (True; False when ``timeout`` seconds passed first) and raises
+    the drain's error (or the local save's) if it failed."""
 
     def __init__(self, url: str, local: str) -> None:
+        super().__init__(_drains)
         self.url = url
         self.local = local
-        self._event = threading.Event()
-        self._exc: Optional[BaseException] = None
-        self._reported = False
 
-    def done(self) -> bool:
-        """Whether the drain has finished (durable, or failed)."""
-        return self._event.is_set()
+    @property
+    def label(self) -> str:
+        return self.url
+
+    def describe(self) -> str:
+        return f"drain of {self.local} to {self.url}"
 
     def durable(self) -> bool:
         """Whether the object is confirmed in the store."""
-        return self._event.is_set() and self._exc is None
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until durable: True; False when ``timeout`` seconds passed first. Raises
-        the drain's error (or the local save's) if it failed."""
-        if not self._event.wait(timeout):
-            return False
-        if self._exc is not None:
-            _mark_reported(self)
-            raise self._exc
-        return True
+        return self._succeeded()
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._exc else "durable")
@@ -98,34 +86,35 @@ class LocalCopy:
     durable: bool
 
 
+@dataclass(eq=False)
+class _Drain:
+    """One queued drain: ``wait_local()`` first (an async save's commit), then the upload."""
+
+    ticket: Ticket
+    future: DrainFuture
+    wait_local: Optional[Callable[[], None]]
+
+
 # ---- process-wide state (reset in a forked child) ---------------------------------
 
+_drains = bgjobs.JobBoard(lambda job: _run(job), "fastpersist-s3-drain", bgjobs.Wording(
+    noun="drain(s) to object storage", collect_by="SaveFuture.wait_durable(), fastpersist.wait_durable()",
+    kept="their local copies are kept and they are drained at the next start (or by `fastpersist drain`)",
+    failed_note="; the local copy is kept and is drained again at the next start (or by `fastpersist drain`)",
+    announce_wait=True))
 _owner = s3journal.Owner()
-_cv = threading.Condition()
-_queue: deque[tuple[Ticket, DrainFuture, Optional[Callable[[], None]]]] = deque()
-_futures: list[DrainFuture] = []  # not yet waited for by wait_durable/exit
-_unreported: list[DrainFuture] = []
-_thread: Optional[threading.Thread] = None
 _recovered: set[str] = set()
-_queued: dict[str, int] = {}  # url -> drains queued or running in this process
+_queued: dict[str, int] = {}  # url -> drains queued or running in this process (under _drains.lock)
 
 
 def _reset_in_child() -> None:
-    global _cv, _queue, _futures, _unreported, _thread, _recovered, _queued
+    global _recovered, _queued
     _owner.reset()
-    _cv = threading.Condition()
-    _queue, _futures, _unreported, _thread, _recovered, _queued = deque(), [], [], None, set(), {}
+    _recovered, _queued = set(), {}
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_in_child)
-
-
-def _mark_reported(f: DrainFuture) -> None:
-    with _cv:
-        f._reported = True
-        if f in _unreported:
-            _unreported.remove(f)
 
 
 def local_root(cfg: Any) -> Optional[str]:
@@ -213,61 +202,45 @@ def enqueue(t: Ticket, wait_local: Optional[Callable[[], None]] = None) -> Drain
     """Queue the drain of ``t``'s local file (after ``wait_local()`` returns: an async
     save's commit; it raises the local save's error). Takes over ``t``'s lock."""
     f = DrainFuture(str(t.url), t.local)
-    global _thread
-    with _cv:
+    with _drains.lock:
         _queued[str(t.url)] = _queued.get(str(t.url), 0) + 1
-        _queue.append((t, f, wait_local))
-        _futures[:] = [x for x in _futures if not x.done() or x._exc is not None]
-        _futures.append(f)
-        if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_drain_loop, name="fastpersist-s3-drain", daemon=True)
-            _thread.start()
-        _cv.notify_all()
+    _drains.submit(_Drain(t, f, wait_local))
     return f
 
 
-def _drain_loop() -> None:
-    while True:
-        with _cv:
-            while not _queue:
-                _cv.wait()
-            t, f, wait_local = _queue[0]
-        exc: Optional[BaseException] = None
-        local_failed = False
-        try:
-            if wait_local is not None:
-                try:
-                    wait_local()
-                except BaseException as e:  # noqa: BLE001 - the local save's error: reported by its future
-                    local_failed = True
-                    raise
-            _drain(t)
-        except BaseException as e:  # noqa: BLE001 - the future's error
-            exc = e
-        with _cv:
-            _queue.popleft()
-            n = _queued.get(str(t.url), 1) - 1
-            if n:
-                _queued[str(t.url)] = n
-            else:
-                _queued.pop(str(t.url), None)
-        if local_failed:
-            if not isinstance(exc, DirectorySyncError):  # that one: the new file is in place, left pending
-                _unmark(t)
-        elif exc is not None:
-            _note_failure(t, exc)
-        _owner.give(t.root, t.url)
-        if exc is None:  # before the future says durable: its waiter sees the tiers as retention leaves them
+def _run(job: _Drain) -> None:
+    """The drain thread's work on one drain (in call order)."""
+    t = job.ticket
+    exc: Optional[BaseException] = None
+    local_failed = False
+    try:
+        if job.wait_local is not None:
             try:
-                _retain(t.root, t.url, t.cfg)
-            except Exception as e:  # noqa: BLE001 - retention is best effort, never fails a drain
-                log.warning("tiered mode: retention after the drain of %s failed: %s", t.url, e)
-        with _cv:
-            f._exc = exc
-            if exc is not None and not local_failed:
-                _unreported.append(f)
-            f._event.set()
-            _cv.notify_all()
+                job.wait_local()
+            except BaseException:  # the local save's error: reported by its future
+                local_failed = True
+                raise
+        _drain(t)
+    except BaseException as e:  # noqa: BLE001 - the future's error
+        exc = e
+    with _drains.lock:
+        n = _queued.get(str(t.url), 1) - 1
+        if n:
+            _queued[str(t.url)] = n
+        else:
+            _queued.pop(str(t.url), None)
+    if local_failed:
+        if not isinstance(exc, DirectorySyncError):  # that one: the new file is in place, left pending
+            _unmark(t)
+    elif exc is not None:
+        _note_failure(t, exc)
+    _owner.give(t.root, t.url)
+    if exc is None:  # before the future says durable: its waiter sees the tiers as retention leaves them
+        try:
+            _retain(t.root, t.url, t.cfg)
+        except Exception as e:  # noqa: BLE001 - retention is best effort, never fails a drain
+            log.warning("tiered mode: retention after the drain of %s failed: %s", t.url, e)
+    _drains.settle(job, exc, report_at_exit=not local_failed)
 
 
 def _note_failure(t: Ticket, exc: BaseException) -> None:
@@ -303,7 +276,7 @@ def _drain(t: Ticket) -> None:
         entry = s3journal.read(t.root, t.url) or s3journal.new_entry(t.url, os.path.relpath(t.local, t.root))
         entry["durable"] = {"sig": sig, "etag": etag}
         entry["error"] = None
-        with _cv:
+        with _drains.lock:
             later = _queued.get(str(t.url), 0) > 1  # a newer save of the URL is queued behind this one
         try:
             current = s3journal.signature(os.stat(t.local))
@@ -343,67 +316,23 @@ def wait_durable(target: Any = None, timeout: Optional[float] = None) -> bool:
     ``s3://`` URL) is durable in the store; False when ``timeout`` seconds passed first.
     Raises the first drain error not yet collected (the local copies stay)."""
     want = str(parse(target)) if target is not None else None
-    with _cv:
-        mine = [f for f in _futures if want is None or f.url == want]
+
+    def mine(f: Any) -> bool:
+        return want is None or f.url == want
+
     end = None if timeout is None else time.monotonic() + timeout
-    for f in mine:
+    for job in _drains.snapshot():
         left = None if end is None else max(0.0, end - time.monotonic())
-        if not f._event.wait(left):
+        if mine(job.future) and not job.future._event.wait(left):
             return False
-    with _cv:
-        for f in mine:
-            if f in _futures:
-                _futures.remove(f)
-        failed = [f for f in mine if f._exc is not None and not f._reported]
-        if want is None:
-            failed += [f for f in _unreported if f not in failed]
-        for f in failed:
-            f._reported = True
-            if f in _unreported:
-                _unreported.remove(f)
-    if failed:
-        if len(failed) > 1:
-            log.error("fastpersist: %d more drain(s) to object storage failed; raising the first", len(failed) - 1)
-        assert failed[0]._exc is not None
-        raise failed[0]._exc
+    _drains.raise_uncollected(mine)
     return True
 
 
-def _at_exit() -> None:
-    """Wait for the drains still running (said on stderr); report failures nobody
-    collected on stderr, with exit status 1."""
-    with _cv:
-        running = [f for f in _futures if not f.done()]
-    if running:
-        print(f"fastpersist: waiting for {len(running)} drain(s) of the tiered mode to object storage before exiting "
-              f"({', '.join(f.url for f in running[:4])}{' ...' if len(running) > 4 else ''})",
-              file=sys.stderr, flush=True)
-        try:
-            for f in running:
-                f._event.wait()
-        except KeyboardInterrupt:
-            left = [f.url for f in running if not f.done()]
-            print(f"fastpersist: interrupted with {len(left)} drain(s) unfinished: {left}; their local copies are kept "
-                  "and they are drained at the next start (or by `fastpersist drain`)", file=sys.stderr, flush=True)
-    with _cv:
-        failed = list(_unreported)
-        _unreported.clear()
-    for f in failed:
-        print(f"fastpersist: drain of {f.local} to {f.url} failed: {type(f._exc).__name__}: {f._exc}; the local copy "
-              "is kept and is drained again at the next start (or by `fastpersist drain`)", file=sys.stderr)
-    if failed and fpio.native_module().set_exit_status(1):
-        print(f"fastpersist: {len(failed)} drain(s) to object storage failed and nobody collected the error "
-              "(SaveFuture.wait_durable(), fastpersist.wait_durable()); exit status 1", file=sys.stderr, flush=True)
-
-
-# The drain's uploads run on ThreadPoolExecutors, which refuse new work once the
-# interpreter's shutdown has begun (concurrent.futures' own hook, run before atexit's):
-# wait for the drains in the same phase, before that hook (those hooks run newest first).
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_at_exit)
-else:  # pragma: no cover - CPython has it since 3.9
-    atexit.register(_at_exit)
+# At exit: wait for the drains still running (said on stderr); report failures nobody
+# collected on stderr, with exit status 1. The drain's uploads run on
+# ThreadPoolExecutors: this runs before concurrent.futures' exit hook.
+bgjobs.at_shutdown(_drains.finish_at_exit)
 
 
 # ---- recovery ----------------------------------------------------------------------

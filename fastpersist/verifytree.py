@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from fastpersist import dircommit
 from fastpersist.commit import TMP_MARKER
+from fastpersist.formats.dcpverify import looks_like_dcp
 from fastpersist.formats.zipindex import starts_like_zip
 
 #: Names ending so are checkpoint files (verified even when damaged beyond recognition).
@@ -54,13 +55,7 @@ def fastpersist_temp_reason(name: str) -> str | None:
 
 def is_dcp_dir(path: str) -> bool:
     """Whether ``path`` is a directory holding a DCP checkpoint (damaged ones too)."""
-    if not os.path.isdir(path):
-        return False  # a file: no need of the DCP layer (which needs a newer torch than the file formats)
-    try:
-        from fastpersist.formats.dcpverify import looks_like_dcp
-    except ImportError:  # this torch has no DCP layer for fastpersist: DCP's own marker file
-        return os.path.isfile(os.path.join(path, ".metadata"))
-    return looks_like_dcp(path)
+    return os.path.isdir(path) and looks_like_dcp(path)
 
 
 def classify_file(path: str) -> str | None:

@@ -506,9 +506,11 @@ def _wrap_load_state(original: Callable[..., Any], settings: Callable[[Any], Opt
 # ---------------------------------------------------------------- s3:// output_dir
 # save_state("s3://bucket/prefix/ckpt"): every process runs stock save_state (its files
 # through fastpersist, as for a local save) into a local temporary directory, then uploads
-# the files it wrote, one object each, under the URL; the main process then writes the
-# folder's commit object (fastpersist.s3folder's manifest). load_state of the URL downloads
-# the committed folder into a local temporary directory and loads it there.
+# the files it wrote, one object each, under a fresh generation of the URL's folder (the
+# main process's token, shared); the main process then writes the folder's commit object
+# (fastpersist.s3folder's manifest): until then the checkpoint previously committed at the
+# URL, if any, stays the one that loads. load_state of the URL downloads the committed
+# folder into a local temporary directory and loads it there.
 
 
 def _gather_outcome(acc: Any, value: Any, error: Optional[BaseException]) -> list:
@@ -543,20 +545,22 @@ def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: s
         if failed is not None:
             raise RuntimeError(f"fastpersist: save_state to {url} failed on another process: {failed}; "
                                f"{url} is untouched")
+        generation: Optional[str] = None
         if self.is_main_process:
-            try:
-                s3folder.begin(url, config=s.config)  # the folder is uncommitted from here on
+            try:  # the previous commit at the URL stands until this save's commit
+                generation = s3folder.begin(url, owns=_accelerate_entry, config=s.config)
             except BaseException as e:  # noqa: BLE001
                 error = e
-        begun = _gather_outcome(self, None, error)
+        begun = _gather_outcome(self, generation, error)
         if error is not None:
             raise error
         failed = next((m for _v, m in begun if m is not None), None)
         if failed is not None:
             raise RuntimeError(f"fastpersist: save_state to {url} failed on the main process: {failed}")
+        generation = next(v for v, _m in begun if v is not None)
         files: dict = {}
         try:
-            files = s3folder.upload_files(local, url, config=s.config)
+            files = s3folder.upload_files(local, url, generation=generation, config=s.config)
         except BaseException as e:  # noqa: BLE001
             error = e
         uploaded = _gather_outcome(self, files, error)
@@ -566,18 +570,18 @@ def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: s
             for part, _m in uploaded:
                 merged.update(part)
             try:
-                s3folder.commit(url, merged, owns=_accelerate_entry, config=s.config)
+                s3folder.commit(url, merged, generation=generation, owns=_accelerate_entry, config=s.config)
             except BaseException as e:  # noqa: BLE001
                 error = e
         committed = _gather_outcome(self, None, error)
         if error is not None:
-            log.error("fastpersist: save_state to %s failed (%s); the folder holds no committed checkpoint until a "
-                      "save into it succeeds", url, error)
+            log.error("fastpersist: save_state to %s failed (%s); the checkpoint committed there before, if any, "
+                      "stays the one that loads", url, error)
             raise error
         failed = failed or next((m for _v, m in committed if m is not None), None)
         if failed is not None:
-            raise RuntimeError(f"fastpersist: save_state to {url} failed on another process: {failed}; the folder "
-                               "holds no committed checkpoint until a save into it succeeds")
+            raise RuntimeError(f"fastpersist: save_state to {url} failed on another process: {failed}; the "
+                               "checkpoint committed there before, if any, stays the one that loads")
         return url
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

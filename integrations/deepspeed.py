@@ -392,8 +392,9 @@ def _with_durable_latest(engine: Any, original: Any) -> Any:
 # ---------------------------------------------------------------- s3:// save_dir
 # save_checkpoint("s3://bucket/run", tag): every rank runs DeepSpeed's own save (its files
 # through this checkpoint engine) into a local temporary save_dir, then uploads the files
-# of TAG it wrote, one object each, under s3://bucket/run/TAG/; rank 0 commits the tag
-# folder (fastpersist.s3folder's manifest), then writes the ``latest`` object: the tag
+# of TAG it wrote, one object each, under a fresh generation of s3://bucket/run/TAG/ (rank
+# 0's token, shared); rank 0 commits the tag folder (fastpersist.s3folder's manifest: a
+# reused tag's previous commit stands until then), then writes the ``latest`` object: the tag
 # DeepSpeed's load_checkpoint resumes from is always a committed one. load_checkpoint of
 # the URL reads ``latest`` (or the tag given), downloads the committed tag folder into a
 # local temporary directory and loads it there.
@@ -442,15 +443,18 @@ def _save_checkpoint_s3(engine: Any, local_save: Any, url: str, args: tuple, kwa
             error = e
         _raise_agreed(error, _agree(error), url, f"{folder} is untouched")
         rank0 = global_rank() == 0
+        generation: Optional[str] = None
         if rank0:
-            try:
-                s3folder.begin(folder, config=config)  # the tag folder is uncommitted from here on
+            try:  # a tag saved again: its previous commit stands until this save's commit
+                generation = s3folder.begin(folder, config=config)
             except BaseException as e:  # noqa: BLE001
                 error = e
-        _raise_agreed(error, _agree(error), url, f"{folder} is untouched")
+        begun = _agree(error, generation)
+        _raise_agreed(error, begun, url, f"{folder} is untouched")
+        generation = next(v for v, _m in begun if v is not None)
         files: dict = {}
         try:
-            files = s3folder.upload_files(os.path.join(tmp, tag), folder, config=config)
+            files = s3folder.upload_files(os.path.join(tmp, tag), folder, generation=generation, config=config)
         except BaseException as e:  # noqa: BLE001
             error = e
         uploaded = _agree(error, files)
@@ -459,7 +463,7 @@ def _save_checkpoint_s3(engine: Any, local_save: Any, url: str, args: tuple, kwa
             for part, _m in uploaded:
                 merged.update(part)
             try:
-                s3folder.commit(folder, merged, config=config)
+                s3folder.commit(folder, merged, generation=generation, config=config)
                 for script in _ZERO_SCRIPTS:  # DeepSpeed's copy beside the tags (zero_to_fp32.py)
                     path = os.path.join(tmp, script)
                     if os.path.isfile(path):

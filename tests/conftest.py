@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Iterator
 
 import pytest
 import torch
+
+# DeepSpeed JIT-builds its C++ ops at first use into TORCH_EXTENSIONS_DIR (default
+# ~/.cache/torch_extensions, one directory for every environment). Two virtual
+# environments testing at once rebuilt each other's ops there (each build names its own
+# sources) and waited on each other's build locks until the tests' subprocess timeouts:
+# the ops of this environment's tests are built inside it, once.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 @pytest.fixture(autouse=True)

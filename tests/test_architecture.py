@@ -4,7 +4,9 @@ of ``tools/lint`` catch what they are for."""
 
 from __future__ import annotations
 
+import configparser
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,8 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytest.importorskip("importlinter")
 sys.path.insert(0, ROOT)  # tools.lint, as lint-imports finds it from the repository root
-from tools.lint.private_names import (cycles, function_level_imports, import_graph, private_name_uses,  # noqa: E402
-                                      root_imports)
+from tools.lint.private_names import (cycles, function_level_imports, import_graph, module_names,  # noqa: E402
+                                      private_name_uses, root_imports)
 
 
 def _lint_imports(cwd: str, config: str = ".importlinter") -> subprocess.CompletedProcess:
@@ -35,6 +37,87 @@ def test_import_contracts_hold() -> None:
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert "BROKEN" not in r.stdout and "broken" not in r.stdout.split("Contracts:")[-1].split("\n")[0].replace(
         "0 broken", "")
+
+
+def _layers_contracts(config: str) -> dict[str, tuple[str, set[str]]]:
+    """container -> (contract section, the names its layers list) of every layers contract of ``config``."""
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(config)
+    out: dict[str, tuple[str, set[str]]] = {}
+    for section in parser.sections():
+        if parser.get(section, "type", fallback="") != "layers":
+            continue
+        names: set[str] = set()
+        for line in parser.get(section, "layers").splitlines():
+            line = line.split("#", 1)[0].strip()
+            names.update(n.strip().strip("()") for n in re.split(r"[|:]", line) if n.strip())
+        for container in parser.get(section, "containers", fallback="").split():
+            out[container] = (section, names)
+    return out
+
+
+def unlayered_modules(packages: list[str], config: str) -> list[str]:
+    """Why each module of ``packages`` that no layers contract of ``config`` names is
+    unconstrained, and where to add it. A module is named when it is listed in the
+    layers of the contract whose container is its package (the packages' own
+    ``__init__`` modules are the containers)."""
+    contracts = _layers_contracts(config)
+    problems = []
+    for name in module_names(packages):
+        if name in packages:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        if parent not in contracts:
+            problems.append(
+                f"{name}: its package {parent} has no layers contract in {os.path.basename(config)}; add a "
+                f"[importlinter:contract:...] section with type = layers, containers = {parent} and a layers list "
+                f"naming {leaf!r} and every other module of {parent}")
+        elif leaf not in contracts[parent][1]:
+            section = contracts[parent][0]
+            problems.append(
+                f"{name} is in no layer: add {leaf!r} to the layers of [{section}] in {os.path.basename(config)} "
+                f"(container {parent}), in the line below every module that imports it and above every module it "
+                "imports (docs/architecture.md lists the layers)")
+    return problems
+
+
+def test_layers_contracts_name_every_module() -> None:
+    """The layers contracts are exhaustive: every module of fastpersist/ and integrations/
+    (formats/, formats/safetensors/, dcp/, bench/ included) is named by the layers contract
+    of its package, so a new module cannot escape the layering."""
+    found = unlayered_modules(["fastpersist", "integrations"], os.path.join(ROOT, ".importlinter"))
+    assert found == [], "modules outside every layers contract:\n" + "\n".join(found)
+
+
+def test_unlayered_module_is_reported(tmp_path, monkeypatch) -> None:
+    """A module that no layers contract names, and a package without a contract, are
+    reported with where to add them."""
+    root = _package(tmp_path, {
+        "lay/__init__.py": "",
+        "lay/top.py": "",
+        "lay/bottom.py": "",
+        "lay/new.py": "",
+        "lay/sub/__init__.py": "",
+        "lay/sub/leaf.py": "",
+        "contracts.ini": """
+            [importlinter]
+            root_packages =
+                lay
+            [importlinter:contract:lay]
+            name = lay
+            type = layers
+            containers =
+                lay
+            layers =
+                top | sub
+                bottom
+        """,
+    })
+    monkeypatch.syspath_prepend(root)
+    found = unlayered_modules(["lay"], os.path.join(root, "contracts.ini"))
+    assert len(found) == 2, found
+    assert found[0].startswith("lay.new is in no layer: add 'new' to the layers of [importlinter:contract:lay]")
+    assert found[1].startswith("lay.sub.leaf: its package lay.sub has no layers contract")
 
 
 def test_no_import_cycles() -> None:
@@ -124,6 +207,25 @@ def test_module_level_imports_allows_import_error_guards(tmp_path, monkeypatch) 
     })
     monkeypatch.syspath_prepend(root)
     assert function_level_imports(["guarded"], set()) == []
+
+
+def test_module_level_imports_guards_only_for_optional_modules(tmp_path, monkeypatch) -> None:
+    """With a list of optional modules, a guard around any other module's import is reported."""
+    root = _package(tmp_path, {
+        "guarded2/__init__.py": "",
+        "guarded2/a.py": "x = 1\n",
+        "guarded2/b.py": """
+            def f():
+                try:
+                    from guarded2 import a
+                except ImportError:
+                    return None
+                return a.x
+        """,
+    })
+    monkeypatch.syspath_prepend(root)
+    assert function_level_imports(["guarded2"], set(), set()) == ["guarded2.b:4: from guarded2 import a"]
+    assert function_level_imports(["guarded2"], set(), {"guarded2.a"}) == []
 
 
 def test_root_imports_contract(toy) -> None:

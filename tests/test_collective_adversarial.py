@@ -58,11 +58,12 @@ def _exit() -> None:
 
 def _kill_at(step: str, when: str, rank: int) -> None:
     """Make this process exit at ``when`` (before, during, after) ``step`` of the next collective save."""
-    from fastpersist import distributed as D
+    from fastpersist import collectiveplan as D
+    from fastpersist.coordinator import Coordinator
     from fastpersist.formats import split
 
     def on_gather(name: str, after: bool) -> None:
-        real = D.Coordinator.gather
+        real = Coordinator.gather
 
         def gather(self: Any, s: str, value: Any) -> Any:
             if s == name and not after:
@@ -72,7 +73,7 @@ def _kill_at(step: str, when: str, rank: int) -> None:
                 _exit()
             return out
 
-        D.Coordinator.gather = gather  # type: ignore[method-assign]
+        Coordinator.gather = gather  # type: ignore[method-assign]
 
     def wrap(owner: Any, attr: str, before: bool = False) -> None:
         real = getattr(owner, attr)
@@ -325,7 +326,7 @@ def test_rank_missing_from_the_save_is_named(tmp_path_factory: pytest.TempPathFa
 
 
 def _probe_and_exit(d: str) -> None:
-    from fastpersist import distributed as D
+    from fastpersist import collectiveplan as D
 
     D._make_probe(d)
     os._exit(0)
@@ -345,7 +346,7 @@ def dead_probe(d: str) -> str:
 def test_stale_probes_are_removed_and_live_ones_kept(tmp_path: Any) -> None:
     """Issue 24 case 4: a probe whose creator exited is removed; one of a live process is kept;
     one that names no creator (earlier releases, another host) only after the grace period."""
-    from fastpersist import distributed as D
+    from fastpersist import collectiveplan as D
 
     d = str(tmp_path)
     stale = dead_probe(d)

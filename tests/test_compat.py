@@ -369,7 +369,7 @@ def test_default_store_changed_falls_back_with_a_reason(fresh, caplog, case):
 
 
 def test_distributed_reaches_the_store_only_through_compat():
-    import fastpersist.distributed as d
+    import fastpersist.coordinator as d
 
     src = inspect.getsource(d)
     assert "_get_default_store" not in src

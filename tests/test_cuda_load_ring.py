@@ -20,7 +20,7 @@ import fastpersist
 from fastpersist import _native, cudaload
 from fastpersist._sys import pread_full
 from fastpersist.errors import ChecksumError
-from fastpersist.formats import torchload
+from fastpersist.formats import torchdevice, torchload
 from fastpersist.io import GpuPath
 
 
@@ -62,7 +62,7 @@ def test_ring_read_cpu_destinations(tmp_path, window, windows):
             assert bytes(it.dest.numpy()) == data[r.data_offset:r.data_end]
             assert bytes(it.header) == data[r.entry.header_offset:r.data_offset]
             assert it.crc == r.entry.crc32
-            load._check_header(r, memoryview(it.header))
+            load.check_header(r, memoryview(it.header))
     finally:
         os.close(fd)
 
@@ -76,7 +76,7 @@ def _ring_for_cpu(monkeypatch):
     """Route every storage of a CPU load through the ring. Weights-only CPU loads
     normally take torchload._load_fast (no storage can go to a device there, so the
     ring is never asked); switched off here, so the hook the GPU path uses is reached."""
-    monkeypatch.setattr(cudaload, "destinations", _all_to_cpu)
+    monkeypatch.setattr(torchdevice, "destinations", _all_to_cpu)
     monkeypatch.setattr(torchload, "_fast_unpickle_allowed", lambda *a, **k: False)
 
 
@@ -85,7 +85,7 @@ def test_loader_hook_through_ring(tmp_path, monkeypatch):
     p = str(tmp_path / "a.pt")
     fastpersist.save(sd, p)
     calls = []
-    real = cudaload.read_to_device
+    real = torchdevice.read_to_device
 
     def spy(*a, **k):
         out = real(*a, **k)
@@ -93,7 +93,7 @@ def test_loader_hook_through_ring(tmp_path, monkeypatch):
         return out
 
     _ring_for_cpu(monkeypatch)
-    monkeypatch.setattr(cudaload, "read_to_device", spy)
+    monkeypatch.setattr(torchdevice, "read_to_device", spy)
     out = fastpersist.load(p, weights_only=True)
     ref = torch.load(p, weights_only=True)
     assert calls and calls[0] == 5  # every non-empty storage went through the ring
@@ -136,13 +136,13 @@ def test_ring_read_error_waits_and_raises(tmp_path):
 
 def test_destinations_without_cuda_targets():
     pids = [("storage", None, "0", "cpu", 4), ("storage", None, "1", "cuda:0", 4)]
-    assert cudaload.destinations("cpu", pids) == {}
-    assert cudaload.destinations(torch.device("cpu"), pids) == {}
-    assert cudaload.destinations({"cuda:0": "cpu"}, pids) == {}
-    assert cudaload.destinations(lambda s, loc: s, pids) == {}
+    assert torchdevice.destinations("cpu", pids) == {}
+    assert torchdevice.destinations(torch.device("cpu"), pids) == {}
+    assert torchdevice.destinations({"cuda:0": "cpu"}, pids) == {}
+    assert torchdevice.destinations(lambda s, loc: s, pids) == {}
     if not torch.cuda.is_available():
-        assert cudaload.destinations(None, pids) == {}  # torch raises its own error for cuda:0 later
-        assert cudaload.destinations("cuda", pids) == {}
+        assert torchdevice.destinations(None, pids) == {}  # torch raises its own error for cuda:0 later
+        assert torchdevice.destinations("cuda", pids) == {}
 
 
 def test_windows_of_cuts_and_merges():
@@ -157,7 +157,8 @@ def test_windows_of_cuts_and_merges():
 
 def test_safetensors_ring_load_on_cpu(tmp_path):
     """The CUDA safetensors load path (every tensor through the ring), with CPU destinations."""
-    from fastpersist.formats.safetensors import _load_via_ring, read_header
+    from fastpersist.formats.safetensors.header import read_header
+    from fastpersist.formats.safetensors.load import _load_via_ring
 
     g = torch.Generator().manual_seed(1)
     sd = {"a": torch.randn(300, 700, generator=g), "b": torch.arange(11, dtype=torch.int8),
@@ -224,10 +225,10 @@ def test_cufile_refusal_falls_back_to_the_ring(tmp_path, monkeypatch, err):
         cpu = lambda n, dev: torch.empty(n, dtype=torch.uint8)  # noqa: E731
         if err != errno.ENOTSUP:
             with pytest.raises(OSError) as info:
-                cudaload.read_to_device(load, _native.Handle(), fd, dest, allocate=cpu)
+                torchdevice.read_to_device(load, _native.Handle(), fd, dest, allocate=cpu)
             assert info.value.errno == err
             return
-        records = cudaload.read_to_device(load, _native.Handle(), fd, dest, allocate=cpu)
+        records = torchdevice.read_to_device(load, _native.Handle(), fd, dest, allocate=cpu)
     finally:
         os.close(fd)
     assert tried == [len(dest)] and len(records) == len(dest)

@@ -91,7 +91,7 @@ def sc_load(rank: int, world: int, d: str) -> Any:
         assert_same_object(got, state())
         # where the load's time went, step by step (bench dist reports these)
         steps = [step for step, local, wait in last_load_phases() if local >= 0 and wait >= 0]
-        assert steps == (["open", "read", "exchange", "load", "end"] if mode == "slices" else ["hosts", "load", "end"]), steps
+        assert steps == (["open", "exchange", "read", "load", "end"] if mode == "slices" else ["hosts", "load", "end"]), steps
         got = fastpersist.load(os.path.join(d, "ref.safetensors"), group=wg, config=c)
         assert_same_object(by_name(got), by_name(tensors()))
     # whole-file loads by ranks of one host go through the page cache (read once by the host)
@@ -763,7 +763,7 @@ def test_slices_written_before_the_crcs_are_known_reassemble_the_file(tmp_path: 
     plan's placeholders, then only the page blocks holding CRC fields, with the combined CRCs,
     through the page cache."""
     from fastpersist import _native
-    from fastpersist.distributed import _pwrite_runs
+    from fastpersist.collectivesave import _pwrite_runs
     from fastpersist.formats.safetensors import plan_safetensors
     from fastpersist.formats.torchzip import plan_torch
 
@@ -856,7 +856,7 @@ def test_group_without_init_is_an_error(tmp_path: Any) -> None:
 
 def _bare_coordinator(store: Any, rank: int, size: int, timeout: float) -> Any:
     """A coordinator of ``size`` ranks as ``rank`` sees it, over ``store``, without a process group."""
-    from fastpersist.distributed import Coordinator
+    from fastpersist.coordinator import Coordinator
 
     co = object.__new__(Coordinator)
     co.what, co.timeout, co.rank, co.size = "op", timeout, rank, size
@@ -890,7 +890,7 @@ def test_first_local_verdict_is_published_for_the_others() -> None:
 def test_exited_peer_is_named_without_waiting_for_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
 
-    from fastpersist import distributed as D
+    from fastpersist import coordinator as D
     from fastpersist.commit import process_identity
 
     gone = subprocess.Popen(["true"])
@@ -923,7 +923,7 @@ def test_store_gone_gives_the_local_verdict() -> None:
 def test_one_fsync_per_host_rule():
     """A member's own fsync is skipped only when it shares its write group leader's host
     (the leader's fsync after the write exchange covers the inode); other hosts fsync themselves."""
-    from fastpersist.distributed import _Agreed
+    from fastpersist.collectiveplan import Agreed as _Agreed
 
     one_host = _Agreed("/d/f.pt", "/d", "torch", None, 4096, [[0, 1, 2]], [0, 1, 2], False, ["a", "a", "a"])
     assert all(one_host.leader_fsync_covers(r) for r in range(3))
@@ -940,7 +940,7 @@ def test_one_fsync_per_host_rule():
 def test_leader_fsync_covers_only_the_same_inode_under_the_same_kernel(tmp_path: Any) -> None:
     """A member skips its own fsync only when it sees the leader's very inode under the
     leader's kernel; another file, another kernel or an unknown identity: it fsyncs."""
-    from fastpersist.distributed import _boot_id, _file_identity, _same_inode
+    from fastpersist.collectivesave import _boot_id, _file_identity, _same_inode
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.write_bytes(b"x")

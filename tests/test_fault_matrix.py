@@ -602,7 +602,7 @@ def gs_eintr(rank: int, d: str) -> Any:
 
 
 class _OsWith:
-    """Stands for ``os`` inside fastpersist.distributed with another ``pwrite``."""
+    """Stands for ``os`` inside fastpersist.collectivesave with another ``pwrite``."""
 
     def __init__(self, pwrite: Callable[..., int]) -> None:
         self.pwrite = pwrite

@@ -22,6 +22,7 @@ import torch
 
 import fastpersist
 import fastpersist.formats.safetensors
+import fastpersist.formats.safetensors.load
 from fastpersist import _native, cudaload, cudastage
 from fastpersist.config import override
 from fastpersist.errors import ChecksumError
@@ -315,7 +316,7 @@ def test_safetensors_round_trip_on_cuda(tmp_path, monkeypatch):
     sd = {k: v for k, v in sd.items() if v.dtype in fastpersist.formats.safetensors.DTYPE_CODES}
     p = str(tmp_path / "a.safetensors")
     fastpersist.save(sd, p)
-    calls = _spy(monkeypatch, fastpersist.formats.safetensors, "ring_read")  # imported by name there
+    calls = _spy(monkeypatch, fastpersist.formats.safetensors.load, "ring_read")  # imported by name there
     out = fastpersist.load(p, map_location="cuda")
     assert calls
     for k, v in sd.items():

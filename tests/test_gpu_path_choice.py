@@ -67,10 +67,10 @@ def test_other_engines_stage(tmp_path, gpu_like):
 
 
 def test_load_destinations_follow_torch_map_location(monkeypatch):
-    """cudaload.destinations applies torch's map_location rules (string/device: every
+    """torchdevice.destinations applies torch's map_location rules (string/device: every
     storage; dict: saved locations mapped, others kept; None: saved locations; callable:
     the host path), with a 2-GPU machine's answers faked: the mapping, not CUDA."""
-    from fastpersist import cudaload
+    from fastpersist.formats import torchdevice
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -78,7 +78,7 @@ def test_load_destinations_follow_torch_map_location(monkeypatch):
     pids = [("storage", None, "0", "cpu", 4), ("storage", None, "1", "cuda:0", 4),
             ("storage", None, "2", "cuda:1", 4), ("storage", None, "3", "cuda:5", 4), "junk"]
     c0, c1 = torch.device("cuda", 0), torch.device("cuda", 1)
-    d = cudaload.destinations
+    d = torchdevice.destinations
     assert d("cuda", pids) == {"0": c1, "1": c1, "2": c1, "3": c1}  # "cuda" = the current device
     assert d("cuda:0", pids) == {k: c0 for k in "0123"}
     assert d(torch.device("cuda", 1), pids) == {k: c1 for k in "0123"}

@@ -389,7 +389,7 @@ try:
     eng.commit(info)
 except OSError as e:
     print("RAISED", type(e).__name__, "bad.pt" in str(e))
-print("GOOD-SETTLED", os.path.exists(os.path.join(tag_dir, "good.pt")), asyncsave._jobs == type(asyncsave._jobs)())
+print("GOOD-SETTLED", os.path.exists(os.path.join(tag_dir, "good.pt")), asyncsave.pending_paths() == [])
 print("LATEST", os.path.exists(os.path.join(root, "latest")))
 """
 

@@ -49,11 +49,10 @@ def test_save_state_to_s3_and_resume(boto, bucket, tmp_path):  # noqa: ANN001
     url = f"s3://{bucket}/run/step-3"
     saved = _snapshot(*parts)
     assert acc.save_state(url) == url
-    keys = _keys(boto, bucket)
-    assert {"run/step-3/model.safetensors", "run/step-3/optimizer.bin", "run/step-3/scheduler.bin",
-            "run/step-3/random_states_0.pkl", "run/step-3/custom_checkpoint_0.pkl",
-            "run/step-3/" + s3folder.MANIFEST} <= keys
-    assert set(s3folder.read_manifest(url)["files"]) == {k[len("run/step-3/"):] for k in keys} - {s3folder.MANIFEST}
+    manifest = s3folder.read_manifest(url)
+    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+            "custom_checkpoint_0.pkl"} <= set(manifest["files"])
+    assert _keys(boto, bucket) == _committed(url, "run/step-3")  # the objects the manifest names, no others
     assert not list((tmp_path / "a").glob("**/s3:*"))  # nothing written locally under the URL's name
     _train_step(*parts)  # the state moves on; the resume must bring back step 3
     fresh = _build(tmp_path / "b")
@@ -63,6 +62,12 @@ def test_save_state_to_s3_and_resume(boto, bucket, tmp_path):  # noqa: ANN001
     boto.put_object(Bucket=bucket, Key="run/half/model.safetensors", Body=b"partial")
     with pytest.raises(s3folder.UncommittedFolderError, match="run/half"):
         fresh[0].load_state(f"s3://{bucket}/run/half")
+
+
+def _committed(url: str, folder: str) -> set[str]:
+    """The keys of the objects the folder's manifest names, and the manifest's own."""
+    manifest = s3folder.read_manifest(url)
+    return {f"{folder}/{e.get('key', rel)}" for rel, e in manifest["files"].items()} | {f"{folder}/{s3folder.MANIFEST}"}
 
 
 def test_failed_upload_keeps_previous_and_next_save_cleans(boto, bucket, faulty, tmp_path):  # noqa: ANN001
@@ -84,7 +89,20 @@ def test_failed_upload_keeps_previous_and_next_save_cleans(boto, bucket, faulty,
     fresh[0].load_state(prev)
     _same(_snapshot(*fresh), saved)
     acc.save_state(url)  # the retry commits, and leaves only its own objects
+    saved = _snapshot(*parts)
     assert s3folder.is_committed(url)
-    listed = set(s3folder.read_manifest(url)["files"])
-    assert {k for k in _keys(boto, bucket) if k.startswith("run/step-2/")} == \
-        {f"run/step-2/{r}" for r in listed} | {"run/step-2/" + s3folder.MANIFEST}
+    assert {k for k in _keys(boto, bucket) if k.startswith("run/step-2/")} == _committed(url, "run/step-2")
+    # saved again into the same output_dir, and failing: the checkpoint committed there still loads
+    _train_step(*parts)
+    faulty.arm(Fault("403", method="PUT", query="partNumber=", nth=2, count=1))
+    with pytest.raises(ObjectStoreError, match="UploadPart"):
+        acc.save_state(url)
+    faulty.clear()
+    fresh[0].load_state(url)
+    _same(_snapshot(*fresh), saved)
+    acc.save_state(url)  # and a successful one replaces it, leaving no object of the old one
+    saved = _snapshot(*parts)
+    fresh[0].load_state(url)
+    _same(_snapshot(*fresh), saved)
+    assert {k for k in _keys(boto, bucket) if k.startswith("run/step-2/")} == _committed(url, "run/step-2")
+    assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

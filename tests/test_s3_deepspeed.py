@@ -1,10 +1,10 @@
 """DeepSpeed's save_checkpoint/load_checkpoint with an s3:// save_dir through the
 fastpersist checkpoint engine, against the real s3proxy: a real ZeRO-1 training loop on
 CPU in two processes (torch.distributed.run, gloo), the tag folder committed by its
-manifest and then the ``latest`` object, a resume equal to the saved state, and a save
-whose uploads rank 1 cannot finish (its parts refused through the fault proxy): a clear
-error on both ranks, ``latest`` still names the previous tag, which loads, no multipart
-upload left."""
+manifest and then the ``latest`` object, a resume equal to the saved state, and saves
+whose uploads rank 1 cannot finish (its parts refused through the fault proxy), into a
+new tag and into the committed tag again: a clear error on both ranks, ``latest`` still
+names the previous tag, which loads, no multipart upload left."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def test_save_resume_and_failed_save(boto, bucket, fault_proxy, s3_env, tmp_path
         else:  # told which rank failed, and why
             assert res["failed"].startswith("RuntimeError") and "another rank" in res["failed"], res["failed"]
             assert "AccessDenied" in res["failed"] and "`latest` still names the previous tag" in res["failed"]
+        assert res["reused_failed"], "the save into the reused tag was meant to fail"
         assert res["after_failure_equal"]
     files = set(json.loads(boto.get_object(Bucket=bucket, Key="run/global_step2/.fastpersist-manifest.json")
                            ["Body"].read())["files"])
@@ -114,6 +115,14 @@ def _worker(bucket: str, root: str) -> None:
         res["failed"] = ""
     except Exception as e:  # noqa: BLE001 - reported to the test
         res["failed"] = f"{type(e).__name__}: {e}"
+    # the committed tag saved again (a reused tag), rank 1's parts refused: that tag still loads
+    if rank == 1:
+        os.environ["AWS_ENDPOINT_URL"] = os.environ["FP_PROXY"]
+    try:
+        fresh.save_checkpoint(url, tag=res["saved_tag"])
+        res["reused_failed"] = ""
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        res["reused_failed"] = f"{type(e).__name__}: {e}"
     os.environ["AWS_ENDPOINT_URL"] = real
     again = engine()
     again.load_checkpoint(url)

@@ -130,6 +130,33 @@ def test_bad_credentials(boto, bucket, s3_env, monkeypatch):  # noqa: ANN001
     _clean(boto, bucket, "c.pt", previous)
 
 
+def test_keys_rewritten_in_the_credentials_file_are_used_by_the_next_request(boto, bucket, s3_env, monkeypatch,
+                                                                              tmp_path):  # noqa: ANN001
+    """Static keys that expire, rotated by rewriting the credentials file (a sidecar
+    refreshing a session token): the client made with the old keys is not kept."""
+    creds = tmp_path / "credentials"
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+
+    def write(secret: str) -> None:
+        tmp = tmp_path / "credentials.new"
+        tmp.write_text(f"[default]\naws_access_key_id = {s3_env.access_key}\naws_secret_access_key = {secret}\n")
+        os.replace(tmp, creds)  # as a refresher does: the file is never seen half written
+
+    write("expired-secret")
+    with pytest.raises(ObjectStoreError, match="credentials"):
+        fastpersist.save(_state(12, 1), f"s3://{bucket}/rot.pt")
+    write(s3_env.secret_key)
+    state = _state(13, 1)
+    fastpersist.save(state, f"s3://{bucket}/rot.pt")
+    got = fastpersist.load(f"s3://{bucket}/rot.pt")
+    assert torch.equal(got["w"], state["w"])
+    write("expired-again")
+    with pytest.raises(ObjectStoreError, match="credentials"):
+        fastpersist.load(f"s3://{bucket}/rot.pt")
+
+
 _KILLED_SAVE = """
 import sys, torch, fastpersist
 g = torch.Generator().manual_seed(11)

@@ -123,13 +123,27 @@ def test_stock_fsspec_reader(boto, bucket, s3_env, monkeypatch):  # noqa: ANN001
     assert_same_object(got, state)
 
 
-def test_bench_save_to_s3_smoke(boto, bucket, s3_env):  # noqa: ANN001
+def test_bench_save_to_s3_smoke(boto, bucket, s3_env, tmp_path):  # noqa: ANN001
+    out = tmp_path / "s3bench.json"
     r = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "save", "--dir", f"s3://{bucket}/b",
-                        "--size", "2MiB", "--repeat", "1", "--peers", "boto3"], capture_output=True, text=True)
+                        "--size", "2MiB", "--repeat", "1", "--peers", "boto3,s3torchconnector", "--json", str(out)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()}
     for name in ("ceiling", "fastpersist", "boto3"):
         assert name in rows and float(rows[name][1]) > 0, r.stdout
+    assert "vs boto3: fastpersist saves at" in r.stdout
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["order"] == ["ceiling", "fastpersist", "boto3", "s3torchconnector"]
+    assert data["methods"]["fastpersist"]["save_x_put_ceiling"] > 0 and data["fastpersist_vs"]["boto3"]["load"] > 0
+    s3tc = data["methods"]["s3torchconnector"]  # measured where it is installed, else the reason, printed
+    if s3tc["error"]:
+        assert s3tc["error"].startswith("unavailable: ") and "s3torchconnector " + s3tc["error"] in " ".join(
+            " ".join(row) for row in rows.values()), r.stdout
+    else:
+        assert s3tc["save_gbps"] > 0 and "s3torchconnector" in data["fastpersist_vs"]
     assert boto.list_objects_v2(Bucket=bucket).get("KeyCount", 0) == 0  # its objects removed
     assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     r = subprocess.run([sys.executable, "-m", "fastpersist", "bench", "save", "--dir", f"s3://{bucket}/b",

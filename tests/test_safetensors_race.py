@@ -23,6 +23,8 @@ import torch
 import fastpersist
 from fastpersist.formats import mmapload
 from fastpersist.formats import safetensors as fst
+from fastpersist.formats.safetensors import header as fst_header
+from fastpersist.formats.safetensors import load as fst_load
 
 _native = pytest.importorskip("fastpersist._native", reason="native extension not built")
 
@@ -144,9 +146,9 @@ def _replace_after_header(monkeypatch, path: str, src: str) -> list[int]:
 
         return header_then_replace
 
-    monkeypatch.setattr(fst, "read_header", wrap(fst.read_header))
-    if hasattr(fst, "read_header_fd"):
-        monkeypatch.setattr(fst, "read_header_fd", wrap(fst.read_header_fd))
+    monkeypatch.setattr(fst_header, "read_header", wrap(fst_header.read_header))
+    if hasattr(fst_header, "read_header_fd"):
+        monkeypatch.setattr(fst_header, "read_header_fd", wrap(fst_header.read_header_fd))
     return done
 
 
@@ -180,14 +182,14 @@ def test_replace_between_header_and_data_ring(two_files, monkeypatch, writer, ch
     """The CUDA route of ``load_safetensors`` (every tensor through the ring), here
     with CPU destinations so that it runs without a GPU."""
     path, a, b = two_files(writer)
-    orig = fst._load_via_ring
+    orig = fst_load._load_via_ring
     routed: list[int] = []
 
     def on_cpu(path_: str, header: Any, handle: Any, device: torch.device, **kw: Any) -> Any:
         routed.append(1)
         return orig(path_, header, handle, torch.device("cpu"), **kw)
 
-    monkeypatch.setattr(fst, "_load_via_ring", on_cpu)
+    monkeypatch.setattr(fst_load, "_load_via_ring", on_cpu)
     done = _replace_after_header(monkeypatch, path, b)
     out = fst.load_safetensors(path, _native.Handle(), device=torch.device("cuda"), checksum=checksum)
     assert done and routed
@@ -240,19 +242,19 @@ def test_read_errors_name_the_path_given(two_files, monkeypatch, checksum, ring)
     path, a, b = two_files("crc")
     device = torch.device("cpu")
     if ring:
-        orig_ring = fst._load_via_ring
-        monkeypatch.setattr(fst, "_load_via_ring", lambda p, h, hd, d, **kw: orig_ring(p, h, hd, torch.device("cpu"), **kw))
+        orig_ring = fst_load._load_via_ring
+        monkeypatch.setattr(fst_load, "_load_via_ring", lambda p, h, hd, d, **kw: orig_ring(p, h, hd, torch.device("cpu"), **kw))
         device = torch.device("cuda")
     monkeypatch.chdir(os.path.dirname(path))
     rel = os.path.basename(path)
-    orig = fst.read_header_fd
+    orig = fst_header.read_header_fd
 
     def header_then_truncate(*args: Any, **kwargs: Any) -> Any:
         header = orig(*args, **kwargs)
         os.truncate(rel, header.data_start + 16)  # shrunk in place after the header was read
         return header
 
-    monkeypatch.setattr(fst, "read_header_fd", header_then_truncate)
+    monkeypatch.setattr(fst_header, "read_header_fd", header_then_truncate)
     with pytest.raises(EOFError) as info:
         fst.load_safetensors(rel, _native.Handle(), device=device, checksum=checksum)
     msg = str(info.value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -88,7 +89,8 @@ def main() -> int:
     part = args.part_mib << 20
     data = os.urandom(size)
     digest = hashlib.sha256(data).digest()
-    srv = s3server.start(Path(tempfile.mkdtemp(prefix="s3clients-")), tls=args.https)
+    scratch = Path(tempfile.mkdtemp(prefix="s3clients-"))  # the server's data: removed at the end
+    srv = s3server.start(scratch, tls=args.https)
     os.environ.update(srv.env())
     try:
         c = boto_client(srv, args.threads + 2)
@@ -184,6 +186,7 @@ def main() -> int:
                       + " ".join(f"{v:.3f}" for v in vals))
     finally:
         srv.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

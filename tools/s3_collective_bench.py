@@ -17,6 +17,7 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
+import shutil
 import sys
 import tempfile
 import time
@@ -103,6 +104,7 @@ def main() -> int:
         print(Path(out).read_text(), end="")
     finally:
         srv.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

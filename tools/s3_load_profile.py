@@ -26,6 +26,7 @@ import mmap
 import os
 import pathlib
 import statistics
+import shutil
 import sys
 import tempfile
 import time
@@ -40,7 +41,8 @@ p.add_argument("--mib", type=int, default=256)
 p.add_argument("--rounds", type=int, default=5)
 p.add_argument("--gpt", action="store_true", help="the bench's GPT-style training state (501 tensors) instead")
 args = p.parse_args()
-srv = s3server.start(pathlib.Path(tempfile.mkdtemp()))
+scratch = tempfile.mkdtemp(prefix="s3loadprofile-")  # the server's data: removed at the end
+srv = s3server.start(pathlib.Path(scratch))
 os.environ.update(srv.env())
 import fastpersist  # noqa: E402
 from fastpersist import config, objectstore, s3client  # noqa: E402
@@ -130,3 +132,4 @@ for k, v in rows.items():
         x = statistics.median(a / b for a, b in zip(rows["ceiling GET"], v))
         print(f"{k:22s} {statistics.median(v):.3f}  x ceiling {x:.2f}  ({' '.join(f'{x:.2f}' for x in v)})")
 srv.stop()
+shutil.rmtree(scratch, ignore_errors=True)

@@ -71,7 +71,8 @@ from fastpersist.bench.fsutil import drop_page_cache_all, fsync_dir, remove_path
 from fastpersist.machine import MachineInfo, collect_machine_info
 from fastpersist.bench.save_bench import build_workload
 from fastpersist.units import format_bytes, gbps, median, ratio
-from fastpersist.distributed import last_load_phases, last_save_phases
+from fastpersist.collectiveload import last_load_phases
+from fastpersist.collectivesave import last_save_phases
 from fastpersist.io import libc_handle
 
 REPLICATED = ("fastpersist group", "fastpersist rank 0", "torch rank 0")
@@ -114,9 +115,9 @@ class DistBenchResult:
     verification: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     order: list[list[str]] = field(default_factory=list)
-    #: per timed group save, per rank: ``(step, local s, exchange s)`` (``distributed.last_save_phases``)
+    #: per timed group save, per rank: ``(step, local s, exchange s)`` (``collectivesave.last_save_phases``)
     group_phases: list[Any] = field(default_factory=list)
-    #: per timed group load, per rank: ``(step, local s, exchange s)`` (``distributed.last_load_phases``)
+    #: per timed group load, per rank: ``(step, local s, exchange s)`` (``collectiveload.last_load_phases``)
     group_load_phases: list[Any] = field(default_factory=list)
     #: each rank's write and read limit in bytes/s (its own cgroup), or None
     rank_bandwidth: Optional[int] = None

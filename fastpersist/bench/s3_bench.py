@@ -17,6 +17,10 @@ report says why):
   from ``fsspec.open(url, "rb")``;
 - ``dcp-fsspec``: ``torch.distributed.checkpoint.save`` with ``FsspecWriter`` (s3fs);
   load: ``dcp.load`` with ``FsspecReader``.
+
+Besides the ratios to the ceilings, the report gives fastpersist's speed against each
+peer's (the median over rounds of the peer's time divided by fastpersist's, in the same
+round); ``--json FILE`` writes every round, the medians and these ratios.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 import fastpersist
 from fastpersist import objectstore, s3client
 from fastpersist.config import get_default
+from fastpersist.bench.report import write_json
 from fastpersist.bench.save_bench import build_workload
 from fastpersist.s3url import S3Url, parse_prefix
 
@@ -184,9 +189,11 @@ def _flat(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def run_s3_bench(target: str, *, size: int, repeat: int, peers: list[str], out: TextIO = sys.stdout) -> int:
-    """Run the benchmark against ``target`` (``s3://bucket/prefix``); print the report;
-    return the exit status (1 when fastpersist's own save or load failed or mismatched)."""
+def run_s3_bench(target: str, *, size: int, repeat: int, peers: list[str], out: TextIO = sys.stdout,
+                 json_path: Optional[str] = None) -> int:
+    """Run the benchmark against ``target`` (``s3://bucket/prefix``); print the report
+    (and write it as JSON to ``json_path``, ``-``: standard output); return the exit
+    status (1 when fastpersist's own save or load failed or mismatched)."""
     prefix = parse_prefix(target)
     run_prefix = _key(prefix, f"fastpersist-bench-{uuid.uuid4().hex[:8]}/")
     obj, info = build_workload(size, None, seed=0)
@@ -253,9 +260,43 @@ def run_s3_bench(target: str, *, size: int, repeat: int, peers: list[str], out: 
     print("(GB/s: medians of the rounds. x ceil: the median over rounds of the ceiling's time in that round divided "
           "by the method's; the ceiling is a parallel multipart upload / parallel ranged GETs of in-memory bytes of "
           "the file's size with the same client and settings, run first in every round)", file=out)
-    _cleanup(c, run_prefix)
     fp = results["fastpersist"]
+    versus = _versus(fp, [results[p] for p in peers])
+    for name, (save_x, load_x) in versus.items():
+        print(f"vs {name}: fastpersist saves at {save_x:.2f}x, loads at {load_x:.2f}x its speed (median over rounds "
+              f"of {name}'s time / fastpersist's)", file=out)
+    _cleanup(c, run_prefix)
+    if json_path:
+        write_json(_to_dict(target, c.meta.endpoint_url, info, payload, threads, part, repeat, results, versus),
+                   json_path)
     return 1 if fp.error else 0
+
+
+def _versus(fp: S3MethodResult, peers: list[S3MethodResult]) -> dict[str, tuple[float, float]]:
+    """``{peer: (save, load)}``: fastpersist's speed over the peer's, the median over
+    rounds of the peer's time divided by fastpersist's (peers that ran only)."""
+    if fp.error:
+        return {}
+    return {p.name: (_median_ratio(p.save_s, fp.save_s), _median_ratio(p.load_s, fp.load_s))
+            for p in peers if not p.error}
+
+
+def _to_dict(target: str, endpoint: str, info: dict, payload: int, threads: int, part: int, repeat: int,
+             results: dict[str, S3MethodResult], versus: dict[str, tuple[float, float]]) -> dict:
+    ceil = results["ceiling"]
+    methods = {}
+    for name, res in results.items():
+        entry: dict[str, Any] = {"save_s": res.save_s, "load_s": res.load_s, "error": res.error}
+        if not res.error and res.save_s and res.load_s:
+            entry.update(save_gbps=payload / statistics.median(res.save_s) / 1e9,
+                         load_gbps=payload / statistics.median(res.load_s) / 1e9,
+                         save_x_put_ceiling=_median_ratio(ceil.save_s, res.save_s),
+                         load_x_get_ceiling=_median_ratio(ceil.load_s, res.load_s))
+        methods[name] = entry
+    return {"target": target, "endpoint": endpoint, "client": s3client.client_version(), "file_bytes": payload,
+            "workload": info, "threads": threads, "part_bytes": part, "rounds": repeat,
+            "order": list(results), "methods": methods,
+            "fastpersist_vs": {n: {"save": s, "load": ld} for n, (s, ld) in versus.items()}}
 
 
 def _median_ratio(ceiling_s: list[float], method_s: list[float]) -> float:

@@ -17,8 +17,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from fastpersist import _compat, _native
+from fastpersist.prefault import choose_pages
 from fastpersist.config import get_default
-from fastpersist.dcp._s3 import S3Checkpoint
+from fastpersist.dcp._s3 import S3Checkpoint, reset_target
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError
 from fastpersist.formats.dcpmetadata import (ADVICE, inside, item_name, load_metadata, load_metadata_bytes,
                                              table_problems)
@@ -143,14 +144,7 @@ class FastPersistReader(FileSystemReader):
             self.path = self._s3.url
 
     def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
-        if checkpoint_id and is_s3_url(checkpoint_id):
-            super().reset(None)
-            self._s3 = S3Checkpoint(os.fspath(checkpoint_id), self.config)
-            self.path = self._s3.url
-            return
-        if checkpoint_id:
-            self._s3 = None
-        super().reset(checkpoint_id)
+        reset_target(self, checkpoint_id, super().reset)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -353,7 +347,7 @@ class FastPersistReader(FileSystemReader):
         to the planner; two aligned buffers, reused."""
         handle = self._get_handle()
         size = max(max(b[3] for b in batches), _ALIGN)
-        bufs = [_native.PinnedBuffer(size, _ALIGN, False) for _ in range(min(2, len(batches)))]
+        bufs = [choose_pages(_native.PinnedBuffer(size, _ALIGN, False)) for _ in range(min(2, len(batches)))]
 
         def submit(k: int) -> int:
             path, batch, places, _total = batches[k]

@@ -15,13 +15,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastpersist import handles, s3client, s3upload
 from fastpersist import config as config_mod
 from fastpersist.plan import WritePlan
-from fastpersist.s3url import S3Url, parse_prefix
+from fastpersist.s3url import S3Url, is_s3_url, parse_prefix
 
 log = logging.getLogger("fastpersist.dcp")
 
@@ -174,3 +175,19 @@ class S3Checkpoint:
                 f"GetObject of {self.name_of(name)} returned {pos} of the {n} bytes of range {off}-{off + n - 1} "
                 "(the object is shorter than .metadata says, or the connection closed early)",
                 self.name_of(name), "GetObject", "ShortRead")
+
+
+def reset_target(layer: Any, checkpoint_id: Any, base_reset: Callable[[Any], None]) -> None:
+    """``reset(checkpoint_id)`` of a storage layer (``FastPersistWriter``/``Reader``) that
+    may target an ``s3://`` prefix. A URL points ``layer`` at that checkpoint's objects
+    (``layer._s3``, ``layer.path``; ``base_reset(None)``, the stock class's ``reset``,
+    resets the rest); a path points it at that directory (``base_reset(path)``); None
+    keeps the target."""
+    if checkpoint_id and is_s3_url(checkpoint_id):
+        base_reset(None)
+        layer._s3 = S3Checkpoint(os.fspath(checkpoint_id), layer.config)
+        layer.path = layer._s3.url
+        return
+    if checkpoint_id:
+        layer._s3 = None
+    base_reset(checkpoint_id)

@@ -24,7 +24,7 @@ from fastpersist.commit import clean_stale_temps, fsync_dir, fsync_dir_after_ren
 from fastpersist.config import get_default
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
 from fastpersist.dcp._s3 import ALIGNMENT as S3_ALIGNMENT
-from fastpersist.dcp._s3 import S3Checkpoint
+from fastpersist.dcp._s3 import S3Checkpoint, reset_target
 from fastpersist.formats.dcpmetadata import load_metadata, load_metadata_bytes, seal
 from fastpersist.handles import alignment_for
 from fastpersist.plan import WritePlan
@@ -191,14 +191,7 @@ class FastPersistWriter(FileSystemWriter):
             self.path = self._s3.url
 
     def reset(self, checkpoint_id: Union[PathLike, None] = None) -> None:
-        if checkpoint_id and is_s3_url(checkpoint_id):
-            super().reset(None)
-            self._s3 = S3Checkpoint(os.fspath(checkpoint_id), self.config)
-            self.path = self._s3.url
-            return
-        if checkpoint_id:
-            self._s3 = None
-        super().reset(checkpoint_id)
+        reset_target(self, checkpoint_id, super().reset)
 
     def __getstate__(self) -> dict:  # the native handle stays in this process
         state = dict(self.__dict__)

@@ -24,6 +24,10 @@ written with ``use_collectives=False``) is a DCP checkpoint. Checked:
 A checkpoint written by DCP's stock ``FileSystemWriter`` carries no checksums: it
 is ``"unchecked"`` when its structure is sound (its bytes are not read).
 
+The checks read the checkpoint through a :class:`DcpSource`: :class:`DirectorySource`
+for a directory; :mod:`fastpersist.s3dcpverify` gives one for a checkpoint under an
+``s3://`` prefix (the same checks, with no file written).
+
 Only the files the metadata references are looked at. Data files it does not
 reference (``__RANK_fpTOKEN_K.distcp`` of a save into this directory that failed
 or was killed before its ``.metadata`` replaced the previous one, or temporary
@@ -34,16 +38,18 @@ nor reported, and the next save that commits removes them
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional, Protocol, Sequence
 
 from fastpersist import _compat
 from fastpersist.errors import CheckpointFormatError
 from fastpersist.formats.base import VerifyResult
-from fastpersist.formats.dcpmetadata import ADVICE, MetadataUnpickler, item_name, load_metadata, table_problems
+from fastpersist.formats.dcpmetadata import (ADVICE, MetadataUnpickler, item_name, load_metadata_bytes,
+                                             table_problems)
 
 _MetadataUnpickler = MetadataUnpickler  # the name this module used to define
 
@@ -77,9 +83,76 @@ def metadata_files(directory: str) -> list[str]:
     return sorted(glob.glob(os.path.join(glob.escape(directory), "__*.metadata")))
 
 
-def _load_metadata(path: str, check: DcpCheck) -> Any:
+@dataclass
+class OpenedFile:
+    """A data file of the checkpoint, opened for the checks."""
+
+    size: int  #: its length in bytes
+    fd: int  #: a descriptor readable with ``os.pread``: the kind checks read records' headers through it
+    #: ``crcs(spans)``: the CRC-32 of each ``(offset, length)`` span (its bytes are read, not kept)
+    crcs: Callable[[Sequence[tuple[int, int]]], list[int]]
+
+
+class DcpSource(Protocol):
+    """Where a DCP checkpoint's files are read from."""
+
+    #: the checkpoint's name in messages (a directory, an ``s3://`` URL)
+    name: str
+
+    def metadata_names(self) -> list[str]:
+        """``.metadata``, else the rank-local ``__N.metadata`` names; [] when neither exists."""
+
+    def read(self, rel: str) -> bytes:
+        """The whole of the (small) file ``rel``."""
+
+    def path(self, rel: str) -> str:
+        """``rel``'s name in messages."""
+
+    def open(self, rel: str, spans: Sequence[tuple[int, int]], read: bool) -> ContextManager[Optional[OpenedFile]]:
+        """The data file ``rel``, or None when it does not exist. ``spans`` are the
+        records the checks will look at (inside the file); ``read``: their CRC-32s will be
+        asked for."""
+
+
+class DirectorySource:
+    """A DCP checkpoint in a local directory, read with ``handle`` (a native handle)."""
+
+    def __init__(self, directory: str, handle: Any) -> None:
+        self.name = directory
+        self.handle = handle
+
+    def metadata_names(self) -> list[str]:
+        return [os.path.basename(p) for p in metadata_files(self.name)]
+
+    def read(self, rel: str) -> bytes:
+        with open(self.path(rel), "rb") as f:
+            return f.read()
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.name, rel)
+
+    @contextlib.contextmanager
+    def open(self, rel: str, spans: Sequence[tuple[int, int]], read: bool) -> Iterator[Optional[OpenedFile]]:
+        path = self.path(rel)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            def crcs(spans: Sequence[tuple[int, int]]) -> list[int]:
+                extents = [(off, 0, n, slot) for slot, (off, n) in enumerate(spans) if n]
+                return list(self.handle.read(path, extents, len(spans))) if extents else [0] * len(spans)
+
+            yield OpenedFile(os.fstat(fd).st_size, fd, crcs)
+        finally:
+            os.close(fd)
+
+
+def _load_metadata(source: DcpSource, rel: str, check: DcpCheck) -> Any:
+    path = source.path(rel)
     try:
-        md, _sealed = load_metadata(path)
+        md, _sealed = load_metadata_bytes(source.read(rel), path)
     except CheckpointFormatError as e:
         check.problems.append(str(e))
         return None
@@ -88,19 +161,24 @@ def _load_metadata(path: str, check: DcpCheck) -> Any:
 
 def check_dcp(directory: str, handle: Any) -> DcpCheck:
     """Check the DCP checkpoint in ``directory`` (see the module docstring)."""
+    return check_source(DirectorySource(directory, handle))
+
+
+def check_source(source: DcpSource) -> DcpCheck:
+    """Check the DCP checkpoint ``source`` reads (see the module docstring)."""
     check = DcpCheck()
-    files = metadata_files(directory)
+    files = source.metadata_names()
     if not files:
-        check.problems.append(f"{directory}: no .metadata: not a DCP checkpoint, or a save that did not finish "
+        check.problems.append(f"{source.name}: no .metadata: not a DCP checkpoint, or a save that did not finish "
                               f"(.metadata is written last); nothing here can be loaded; {ADVICE}")
         return check
-    per_file: dict[str, list[tuple[Any, Any]]] = {}
+    per_file: dict[str, list[tuple[Any, Any, Any]]] = {}
     with_crc = without_crc = 0
-    for mpath in files:
-        md = _load_metadata(mpath, check)
+    for rel in files:
+        md = _load_metadata(source, rel, check)
         if md is None:
             continue
-        bad = table_problems(md.storage_data, mpath)
+        bad = table_problems(md.storage_data, source.path(rel))
         check.problems.extend(p[3] for p in bad)
         skip = {id(p[0]) for p in bad}
         kinds = _expected_kinds(md)
@@ -113,9 +191,9 @@ def check_dcp(directory: str, handle: Any) -> DcpCheck:
                 per_file.setdefault(info.relative_path, []).append((index, info, kinds.get(index)))
     check.records = with_crc + without_crc
     if with_crc and without_crc:
-        check.problems.append(f"{directory}: {without_crc} of {check.records} items have no CRC-32")
+        check.problems.append(f"{source.name}: {without_crc} of {check.records} items have no CRC-32")
     for rel, items in sorted(per_file.items()):
-        _check_file(os.path.join(directory, rel), items, handle, check, read=with_crc > 0)
+        _check_file(source, rel, items, check, read=with_crc > 0)
     check.checked = with_crc > 0
     return check
 
@@ -193,39 +271,35 @@ def _kind_problem(path: str, fd: int, index: Any, info: Any, want: Any) -> Optio
     return None
 
 
-def _check_file(path: str, items: list[tuple[Any, Any, Any]], handle: Any, check: DcpCheck, read: bool) -> None:
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        check.problems.append(f"{path}: missing ({len(items)} items of the checkpoint are stored in it); {ADVICE}")
-        return
-    good = []
-    kinds = {}
-    for index, info, kind in sorted(items, key=lambda it: (it[1].offset, it[1].length)):
-        off, n = info.offset, info.length
-        if off + n > size:
-            check.problems.append(f"{path}: item {_name(index)} at [{off}, {off + n}) lies outside the file "
-                                  f"({size} bytes): truncated, or .metadata belongs to another checkpoint")
-            continue
-        good.append((index, info))
-        kinds[id(index)] = kind
-    if good:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+def _check_file(source: DcpSource, rel: str, items: list[tuple[Any, Any, Any]], check: DcpCheck,
+                read: bool) -> None:
+    path = source.path(rel)
+    ordered = sorted(items, key=lambda it: (it[1].offset, it[1].length))
+    with source.open(rel, [(info.offset, info.length) for _i, info, _k in ordered], read) as f:
+        if f is None:
+            check.problems.append(f"{path}: missing ({len(items)} items of the checkpoint are stored in it); {ADVICE}")
+            return
+        good = []
+        kinds = {}
+        for index, info, kind in ordered:
+            off, n = info.offset, info.length
+            if off + n > f.size:
+                check.problems.append(f"{path}: item {_name(index)} at [{off}, {off + n}) lies outside the file "
+                                      f"({f.size} bytes): truncated, or .metadata belongs to another checkpoint")
+                continue
+            good.append((index, info))
+            kinds[id(index)] = kind
+        for index, info in good:
+            problem = _kind_problem(path, f.fd, index, info, kinds[id(index)])
+            if problem is not None:
+                check.problems.append(problem)
+        if not read or not good:
+            return
         try:
-            for index, info in good:
-                problem = _kind_problem(path, fd, index, info, kinds[id(index)])
-                if problem is not None:
-                    check.problems.append(problem)
-        finally:
-            os.close(fd)
-    if not read or not good:
-        return
-    extents = [(info.offset, 0, info.length, slot) for slot, (_i, info) in enumerate(good) if info.length]
-    try:
-        crcs = handle.read(path, extents, len(good)) if extents else [0] * len(good)
-    except EOFError as e:
-        check.problems.append(f"{path}: shorter than its items ({e})")
-        return
+            crcs = f.crcs([(info.offset, info.length) for _i, info in good])
+        except EOFError as e:
+            check.problems.append(f"{path}: shorter than its items ({e})")
+            return
     for (index, info), crc in zip(good, crcs):
         want = _compat.dcp_storage_crc(info)
         if want is None:
@@ -239,8 +313,13 @@ def _check_file(path: str, items: list[tuple[Any, Any, Any]], handle: Any, check
 
 def verify_dcp(directory: str, handle: Any) -> Any:
     """``fastpersist.verify`` of a directory: a :class:`fastpersist.api.VerifyResult`."""
+    return verify_source(DirectorySource(directory, handle))
 
-    c = check_dcp(directory, handle)
+
+def verify_source(source: DcpSource) -> Any:
+    """``fastpersist.verify`` of the DCP checkpoint ``source`` reads: a
+    :class:`fastpersist.api.VerifyResult` named ``source.name``."""
+    c = check_source(source)
     if c.problems:
         status = "corrupt"
     elif c.checked:
@@ -249,7 +328,7 @@ def verify_dcp(directory: str, handle: Any) -> Any:
         status = "unchecked"
     problems = list(c.problems)
     if status == "unchecked":
-        problems = [f"{directory}: DCP checkpoint without fastpersist checksums (written by DCP's FileSystemWriter): "
+        problems = [f"{source.name}: DCP checkpoint without fastpersist checksums (written by DCP's FileSystemWriter): "
                     f"its structure is valid ({c.records} items), its bytes cannot be checked"]
-    return VerifyResult(ok=status == "ok", path=directory, format="dcp", records=c.records,
+    return VerifyResult(ok=status == "ok", path=source.name, format="dcp", records=c.records,
                         bytes=c.nbytes if status != "unchecked" else 0, problems=problems, status=status)

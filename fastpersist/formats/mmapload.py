@@ -67,8 +67,10 @@ import torch
 
 from fastpersist.errors import UnsupportedLayoutError, ZipFormatError
 from fastpersist.formats import crcpolicy, torchload
-from fastpersist.formats import safetensors as st
 from fastpersist.formats.picklescan import scan_pickle
+from fastpersist.formats.safetensors import header as stheader
+from fastpersist.formats.safetensors.crc import checksum_error, crc_problems, data_extents
+from fastpersist.formats.safetensors.errors import SafetensorsFormatError
 from fastpersist.formats.torchverify import crc_mismatch, element_size, storage_ref
 from fastpersist.formats.zipindex import (
     CentralEntry,
@@ -351,18 +353,18 @@ def load_safetensors_mmap(path: str, handle: Any, *, checksum: bool = True) -> d
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        header = st.read_header_fd(fd, path)
+        header = stheader.read_header_fd(fd, path)
         if not os.path.exists(_fd_path(fd)):
             raise OSError(f"{path}: /proc/self/fd is not available to map the file")
         storage = torch.UntypedStorage.from_file(_fd_path(fd), False, header.file_size)
     finally:
         os.close(fd)  # the mapping keeps the file
     if checksum and header.crcs is not None:
-        _extents, slots = st.data_extents(header, lambda off: 0)
+        _extents, slots = data_extents(header, lambda off: 0)
         ranges = [(header.data_start + e.begin, e.nbytes) for e in slots]
-        problems = st.crc_problems(header, slots, crc32_mapped(handle, storage.data_ptr(), ranges))
+        problems = crc_problems(header, slots, crc32_mapped(handle, storage.data_ptr(), ranges))
         if problems:
-            raise st.checksum_error(path, problems)
+            raise checksum_error(path, problems)
     out: dict[str, torch.Tensor] = {}
     try:
         for e in header.tensors:
@@ -376,7 +378,7 @@ def load_safetensors_mmap(path: str, handle: Any, *, checksum: bool = True) -> d
                 raw = raw.clone()  # misaligned for its dtype
             out[e.name] = raw.view(dtype).view(e.torch_shape)
     except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
-        raise st.SafetensorsFormatError(f"{path}: cannot make tensors of the header's dtypes and shapes ({exc})",
+        raise SafetensorsFormatError(f"{path}: cannot make tensors of the header's dtypes and shapes ({exc})",
                                         path) from exc
     return out
 

@@ -31,9 +31,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fastpersist import _compat, handles, io
+from fastpersist import _compat, handles
 from fastpersist.errors import UnsupportedLayoutError
-from fastpersist.formats import mmapload, safetensors, torchzip
+from fastpersist.formats import mmapload, safetensors, torchload, torchzip
 from fastpersist.formats.base import VerifyResult, WritePlan
 from fastpersist.formats.dcpverify import verify_dcp
 from fastpersist.formats.torchverify import check_torch
@@ -87,10 +87,12 @@ def _torch_writer(obj: Any, final: str, alignment: int, cfg: Any, metadata: Opti
         raise TypeError(f"metadata= is for safetensors files; {final!r} is saved in torch's format")
 
     def write_stream(tmp: str) -> None:
-        # A handle of its own: the stream collects its batches with wait().
-        handle = io.native_module().Handle(**cfg.handle_kwargs())
+        # A handle of its own (the stream collects its batches with wait()), lent from the
+        # idle ones so that the save starts no threads; kept again only after a clean save.
+        handle = handles.borrow_writer(cfg)
         torchzip.stream_save_torch(obj, tmp, handle, alignment, fsync=cfg.fsync, batch_bytes=torchzip.STREAM_BATCH,
                                    fast=cfg.fast_pickle)
+        handles.give_back_writer(cfg, handle)
 
     return write_stream
 
@@ -162,6 +164,42 @@ def _load_torch(fspath: str, cfg: Any, req: LoadRequest) -> Any:
         # torch.load explains weights-only refusals (which globals, how to allow them):
         # let it produce that message.
         return req.torch_load()
+
+
+def load_torch_in_memory(fspath: str, fd: int, memory: Any, cfg: Any, req: LoadRequest) -> Any:
+    """The fast load of a torch zip file whose bytes are all in ``memory`` already, and
+    readable through ``fd`` (the collective load's assembled file, see
+    :func:`fastpersist.formats.torchload.load_torch_memory`): the storages are built over
+    ``memory``, with the same checks as a load from the file. ``fspath`` names the file.
+
+    Raises:
+        UnsupportedLayoutError: a load this path does not take (what ``fastpersist.load``
+            hands to ``torch.load`` or to the mmap loader, a weights-only refusal that
+            torch explains, ``pickle_load_args`` with ``weights_only``): the caller loads
+            the file from ``fd`` the ordinary way instead.
+    """
+    wo = resolve_weights_only(req.weights_only, req.pickle_module)
+    if wo is None or (wo and req.pickle_module is not None):
+        raise UnsupportedLayoutError("weights_only with a pickle_module: torch's loader decides")
+    mmap = req.mmap if req.mmap is not None else _compat.load_mmap_default()
+    if mmap:
+        raise UnsupportedLayoutError("mmap load")
+    if not torchzip.fast_load_supported() or not _compat.ok("weights_only_unpickler"):
+        raise UnsupportedLayoutError("this torch's loader is not the one the fast reader serves")
+    pickle_load_args = dict(req.pickle_load_args or {})
+    if wo and pickle_load_args:
+        raise UnsupportedLayoutError("pickle_load_args with weights_only (the ordinary load warns)")
+    module = _compat.weights_only_unpickler() if wo else (req.pickle_module or pickle)
+    if not wo:
+        _compat.check_dill_version(module)
+    pickle_load_args.setdefault("encoding", "utf-8")
+    try:
+        return torchload.load_torch_memory(fspath, fd, memory, handles.handle_for(cfg, read=True), req.map_location,
+                                           module, weights_only=wo, checksum=cfg.checksum, **pickle_load_args)
+    except pickle.UnpicklingError as e:
+        if not wo:
+            raise
+        raise UnsupportedLayoutError("a weights-only refusal (torch.load explains it)") from e
 
 
 def _verify_torch(fspath: str, handle: Any) -> VerifyResult:

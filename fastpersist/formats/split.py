@@ -1,6 +1,6 @@
 """Cutting one file's :class:`~fastpersist.formats.base.WritePlan` among several writers.
 
-Used by :mod:`fastpersist.distributed` for replicated state: every rank plans the
+Used by :mod:`fastpersist.collectivesave` for replicated state: every rank plans the
 same file, takes one contiguous slice of its byte range and writes only that slice
 into the shared temporary file. Nothing here communicates; the functions are pure
 and take the exchanged values as arguments.

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 
 from fastpersist import _compat, _native
+from fastpersist.prefault import choose_pages
 from fastpersist._sys import pread_full
 from fastpersist.errors import CheckpointFormatError, ChecksumError, FastPersistError, UnsupportedLayoutError
 from fastpersist.formats import safetensors as st
@@ -294,7 +295,7 @@ class CheckpointFile:
             for r in recs:
                 if r.name in hpos:
                     p = hpos[r.name]
-                    self._load._check_header(r.native, view[p : p + r.offset - r.header_offset])
+                    self._load.check_header(r.native, view[p : p + r.offset - r.header_offset])
         problems = [
             f"{r.name}: CRC-32 mismatch (computed {crc:08x}, recorded {r.crc:08x}) in bytes "
             f"[{r.offset}, {r.offset + r.size})"
@@ -341,7 +342,7 @@ class CheckpointFile:
                 out[r.name] = torch.empty(0, dtype=torch.uint8)
             elif r.size >= (1 << 20):
                 lead = r.offset % _PAGE
-                buf = _native.PinnedBuffer(_round_up(lead + r.size, _PAGE), _PAGE, False)
+                buf = choose_pages(_native.PinnedBuffer(_round_up(lead + r.size, _PAGE), _PAGE, False))
                 out[r.name] = torch.frombuffer(buf, dtype=torch.uint8, count=r.size, offset=lead)
                 wants[r.name] = [Piece(0, r.size, buf.ptr + lead)]
             else:
@@ -349,7 +350,7 @@ class CheckpointFile:
                 arena_size = pos + r.size
                 placed.append((r, pos))
         if placed:
-            arena = _native.PinnedBuffer(_round_up(arena_size, _PAGE), _PAGE, False)
+            arena = choose_pages(_native.PinnedBuffer(_round_up(arena_size, _PAGE), _PAGE, False))
             for r, pos in placed:
                 # a storage of its own over the arena bytes (the arena lives while any does)
                 out[r.name] = torch.frombuffer(arena, dtype=torch.uint8, count=r.size, offset=pos)

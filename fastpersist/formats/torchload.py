@@ -43,9 +43,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fastpersist import _compat, _native, cudaload
+from fastpersist import _compat, _native
 from fastpersist.errors import ChecksumError, UnsupportedLayoutError, ZipFormatError
-from fastpersist.formats import crcpolicy, fastunpickle
+from fastpersist.formats import crcpolicy, fastunpickle, torchdevice
 from fastpersist.formats.picklescan import data_free, scan_pickle
 from fastpersist.formats.zipindex import (
     CentralEntry,
@@ -57,7 +57,7 @@ from fastpersist.formats.zipindex import (
     read_central_directory,
 )
 from fastpersist.readpolicy import borrow_reader, give_back_reader, plan_read, staging_auto
-from fastpersist.prefault import Prefaulter
+from fastpersist.prefault import Prefaulter, choose_pages
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class _Record:
     buffer_offset: int = 0  #: where the data starts in ``buffer``
     slot: int = -1  #: CRC slot in the bulk read
     header_pos: int = -1  #: where the bulk read put the local header in the arena
-    device: Any = None  #: uint8 device tensor holding the data (the GPU path, fastpersist.cudaload)
+    device: Any = None  #: uint8 device tensor holding the data (the GPU path, fastpersist.formats.torchdevice)
     used: bool = False  #: the unpickler asked for this record's storage
 
     @property
@@ -180,6 +180,8 @@ class _Arena:
 
     def allocate(self, lock: bool) -> None:
         self.buffer = _native.PinnedBuffer(_round_up(max(self.size, 1), _PAGE), _PAGE, lock)
+        if not lock:
+            choose_pages(self.buffer)
 
 
 def _round_up(n: int, a: int) -> int:
@@ -188,7 +190,8 @@ def _round_up(n: int, a: int) -> int:
 
 def _own_buffer(file_offset: int, length: int, lock: bool) -> tuple[Any, int]:
     lead = file_offset % _PAGE
-    return _native.PinnedBuffer(_round_up(lead + length, _PAGE), _PAGE, lock), lead
+    buf = _native.PinnedBuffer(_round_up(lead + length, _PAGE), _PAGE, lock)
+    return (buf if lock else choose_pages(buf)), lead
 
 
 def _pread_into(fd: int, path: str, view: memoryview, offset: int) -> None:
@@ -244,12 +247,15 @@ class Reader:
 class LoadState:
     """State of one load of one file through one descriptor."""
 
-    def __init__(self, path: str, fd: int, size: int, checksum: bool, lock: bool) -> None:
+    def __init__(self, path: str, fd: int, size: int, checksum: bool, lock: bool, memory: Any = None) -> None:
         self.path = path
         self.fd = fd
         self.size = size
         self.checksum = checksum
         self.lock = lock
+        #: the whole file's bytes, already in memory (:func:`load_torch_memory`): a writable
+        #: buffer of ``size`` bytes that the storages are built over; None: read from ``fd``
+        self.memory = memory
         self.records: list[_Record] = []
         self.by_short: dict[str, _Record] = {}
         self.arena = _Arena()
@@ -318,7 +324,7 @@ class LoadState:
         h = r.entry.header_offset
         raw = bytearray(r.data_end - h)
         _pread_into(self.fd, self.path, memoryview(raw), h)
-        self._check_header(r, memoryview(raw)[: r.data_offset - h])
+        self.check_header(r, memoryview(raw)[: r.data_offset - h])
         body = bytes(raw[r.data_offset - h :])
         if self.checksum and not crcpolicy.no_crc(r.entry.crc32) and zlib.crc32(body) != r.entry.crc32:
             self.crc_mismatch([f"{r.entry.name}: CRC-32 mismatch (computed {zlib.crc32(body):08x}, recorded "
@@ -334,7 +340,7 @@ class LoadState:
             return memoryview(r.buffer)
         return memoryview(r.buffer).cast("B")[r.buffer_offset : r.buffer_offset + r.size]
 
-    def _check_header(self, r: _Record, header: memoryview) -> None:
+    def check_header(self, r: _Record, header: memoryview) -> None:
         """The local header must name the same record and put its data where we read it."""
         e = r.entry
         if len(header) < _LOCAL_HEADER or bytes(header[:4]) != b"PK\x03\x04":
@@ -370,7 +376,7 @@ class LoadState:
             h = r.entry.header_offset
             raw = bytearray(r.data_offset - h)
             _pread_into(self.fd, self.path, memoryview(raw), h)
-            self._check_header(r, memoryview(raw))
+            self.check_header(r, memoryview(raw))
 
     # -- the bulk read ---------------------------------------------------------
 
@@ -404,13 +410,31 @@ class LoadState:
             extents.append((r.data_offset, r.buffer.ptr + r.buffer_offset, r.size, r.slot))
         return extents, bulk
 
+    def plan_memory(self, wanted: Optional[set[str]]) -> list[_Record]:
+        """:meth:`plan_bulk` of a load whose bytes are all in :attr:`memory`: nothing to
+        read; every non-empty storage record (those whose key is in ``wanted`` when given)
+        is served from its bytes there, in file order."""
+        bulk = [r for r in self.records if r.buffer is None and r.size > 0 and r.short.startswith("data/")]
+        if wanted is not None:
+            bulk = [r for r in bulk if r.short[5:] in wanted]
+        bulk.sort(key=lambda r: r.entry.header_offset)
+        for i, r in enumerate(bulk):
+            r.slot = i
+            r.buffer, r.buffer_offset = self.memory, r.data_offset
+        return bulk
+
     def check_bulk(self, bulk: list[_Record], crcs: list[int], only: Optional[Callable[[_Record], bool]] = None) -> None:
         """Local headers of the bulk-read records, then their CRCs (with ``only``: of the
         records it accepts; the others were read but nothing uses them, as torch.load
         never looks at them)."""
-        arena = memoryview(self.arena.buffer).cast("B")
-        for r in bulk:  # every header read (they are in memory): the index must agree with itself
-            self._check_header(r, arena[r.header_pos : r.header_pos + r.data_offset - r.entry.header_offset])
+        if self.memory is not None:
+            whole = memoryview(self.memory).cast("B")
+            for r in bulk:
+                self.check_header(r, whole[r.entry.header_offset : r.data_offset])
+        else:
+            arena = memoryview(self.arena.buffer).cast("B")
+            for r in bulk:  # every header read (they are in memory): the index must agree with itself
+                self.check_header(r, arena[r.header_pos : r.header_pos + r.data_offset - r.entry.header_offset])
         if only is not None:
             kept = [(r, c) for r, c in zip(bulk, crcs) if only(r)]
             bulk, crcs = [r for r, _c in kept], [c for _r, c in kept]
@@ -461,7 +485,7 @@ class LoadState:
             view = memoryview(r.buffer).cast("B")[r.buffer_offset : r.buffer_offset + r.size]
             hdr = bytearray(r.data_offset - r.entry.header_offset)
             _pread_into(self.fd, self.path, memoryview(hdr), r.entry.header_offset)
-            self._check_header(r, memoryview(hdr))
+            self.check_header(r, memoryview(hdr))
             _pread_into(self.fd, self.path, view, r.data_offset)
             if self.checksum and not crcpolicy.no_crc(r.entry.crc32) and zlib.crc32(view) != r.entry.crc32:
                 self.crc_mismatch([f"{r.entry.name}: CRC-32 mismatch (recorded {r.entry.crc32:08x}) "
@@ -563,6 +587,49 @@ def load_torch(
         os.close(fd)
 
 
+def load_torch_memory(
+    path: str,
+    fd: int,
+    memory: Any,
+    handle: Any,
+    map_location: Any,
+    pickle_module: Any,
+    *,
+    weights_only: bool,
+    checksum: bool = True,
+    **pickle_load_args: Any,
+) -> Any:
+    """:func:`load_torch` of a file whose bytes are all in memory already (the collective
+    load's assembled file): no read and no copy of the payloads.
+
+    ``memory`` is a writable buffer holding the whole file (a private mapping of ``fd``,
+    say) and ``fd`` a descriptor reading the same bytes (the index, the pickle and the
+    local headers are read through it); ``path`` names the file in errors. Every storage
+    is a view of its record's bytes in ``memory``: each tensor has a storage of its own
+    (no two overlap, none can grow), and together they keep ``memory`` alive, as a
+    ``torch.load(mmap=True)`` result keeps its mapping. Every record the load uses has
+    its local header checked and its CRC-32 computed in place (on ``handle``'s threads)
+    and compared before the result is returned. Raises what :func:`load_torch` raises.
+    """
+    private_load = _compat.private_load()
+    if meta_or_fake(map_location):
+        raise UnsupportedLayoutError("meta or fake-tensor load")
+    size = os.fstat(fd).st_size
+    view = memoryview(memory)
+    if view.nbytes != size:
+        raise UnsupportedLayoutError(f"the buffer holds {view.nbytes} bytes, the file {size}")
+    if bytes(view[:4]) != b"PK\x03\x04":
+        raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
+    del view
+    try:
+        return _load_fd(path, fd, size, handle, map_location, pickle_module, private_load, memory=memory,
+                        weights_only=weights_only, checksum=checksum, **pickle_load_args)
+    except HeaderMismatch:
+        log.debug("%s: predicted record offsets were wrong; loading with every local header read", path)
+        return _load_fd(path, fd, size, handle, map_location, pickle_module, private_load, exact=True, memory=memory,
+                        weights_only=weights_only, checksum=checksum, **pickle_load_args)
+
+
 def meta_or_fake(map_location: Any) -> bool:
     try:
         if torch._guards.detect_fake_mode(None) is not None:
@@ -599,10 +666,10 @@ def _fast_unpickle_allowed(marked_native: bool, map_location: Any, pickle_module
 
 def _load_fd(
     path: str, fd: int, size: int, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
-    weights_only: bool, checksum: bool, exact: bool = False, **pickle_load_args: Any,
+    weights_only: bool, checksum: bool, exact: bool = False, memory: Any = None, **pickle_load_args: Any,
 ) -> Any:
 
-    load = LoadState(path, fd, size, checksum, _wants_pinned(map_location))
+    load = LoadState(path, fd, size, checksum, _wants_pinned(map_location), memory)
     load.index(exact)
     result = _load_records(load, path, fd, handle, map_location, pickle_module, private_load,
                            weights_only=weights_only, **pickle_load_args)
@@ -630,18 +697,18 @@ def _load_records(
     wanted = scan.keys
     overlap = _overlap_allowed(scan, native_order, map_location)
     # The GPU path: storages that torch would put on a CUDA device are read through a
-    # page-locked ring straight into device memory (fastpersist.cudaload), not into
+    # page-locked ring straight into device memory (formats.torchdevice over cudaload), not into
     # host buffers; only in native byte order (no byte swap of device storages).
     to_device: dict[str, Any] = {}
-    if wanted is not None and native_order:
-        to_device = cudaload.destinations(map_location, scan.pids)
+    if wanted is not None and native_order and load.memory is None:
+        to_device = torchdevice.destinations(map_location, scan.pids)
         if to_device:
             wanted = wanted - set(to_device)
 
     reader, finish = _start_bulk(load, handle, wanted)
     if to_device:
         try:
-            cudaload.read_to_device(load, reader, fd, to_device)
+            torchdevice.read_to_device(load, reader, fd, to_device)
         except BaseException:
             _drain(reader)
             raise
@@ -687,6 +754,8 @@ def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]]) -> tup
     storage records (``wanted``: their keys, None: all); returns ``(reader, finish)``: the
     native handle reading, and ``finish(only=None)``, which waits for it, hands the reader
     back to the pool and checks local headers and CRC-32s (of the records ``only`` accepts)."""
+    if load.memory is not None:
+        return _memory_bulk(load, handle, wanted)
     extents, bulk = load.plan_bulk(wanted)
     nbytes = sum(r.size for r in bulk)
     plan = plan_read(load.fd, nbytes, read_mode=getattr(handle, "read_mode", "direct"), direct=handle.direct,
@@ -741,6 +810,34 @@ def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]]) -> tup
         load.check_bulk(bulk, crcs, only)
 
     return reader, finish
+
+
+class _NoRead:
+    """The reader of a load whose bytes are all in memory: nothing in flight."""
+
+    def wait(self) -> list[Any]:
+        return []
+
+
+def _memory_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]]) -> tuple[Any, Callable[..., None]]:
+    """:func:`_start_bulk` of a load whose bytes are all in ``load.memory``: the storages
+    are served from there; ``finish(only=None)`` checks the local headers, computes the
+    CRC-32 of every record ``only`` accepts in place (in parallel, on ``handle``'s
+    threads) and compares them."""
+    bulk = load.plan_memory(wanted)
+
+    def finish(only: Optional[Callable[[_Record], bool]] = None) -> None:
+        chosen = [r for r in bulk if only is None or only(r)]
+        got: dict[int, int] = {}
+        if load.checksum and chosen:
+            keep = torch.frombuffer(load.memory, dtype=torch.uint8)  # the address; holds the buffer meanwhile
+            base = keep.data_ptr()
+            crcs = handle.crc32_ranges([(base + r.data_offset, r.size) for r in chosen])
+            got = {id(r): c for r, c in zip(chosen, crcs)}
+            del keep
+        load.check_bulk(bulk, [got.get(id(r), r.entry.crc32) for r in bulk], only)
+
+    return _NoRead(), finish
 
 
 def _load_fast(load: LoadState, pkl: bytes, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,

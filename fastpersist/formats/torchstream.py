@@ -36,7 +36,6 @@ before writing anything and ``fastpersist.save`` uses ``torch.save``.
 
 from __future__ import annotations
 
-import bisect
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -216,7 +215,7 @@ def stream_torch(
         patches: list[tuple[int, int, int]] = []
         slots: list[int] = []
         runs = rec.runs
-        i = max(0, bisect.bisect_right(rec._starts, start) - 1)
+        i = rec.run_index(start)
         while i < len(runs) and runs[i][0] < end:
             f, ptr, n = runs[i][0], runs[i][1], runs[i][2]
             lo, hi = max(f, start), min(f + n, end)

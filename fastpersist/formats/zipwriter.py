@@ -151,6 +151,11 @@ class BlockRecorder:
     def writable(self) -> bool:
         return True
 
+    def run_index(self, offset: int) -> int:
+        """Index in :attr:`runs` of the run a scan of the bytes from ``offset`` on starts
+        at: the last run starting at or before ``offset`` (0 when none does)."""
+        return max(0, bisect.bisect_right(self._starts, offset) - 1)
+
     def _locate(self, offset: int) -> list[int]:
         i = bisect.bisect_right(self._starts, offset) - 1
         if i < 0 or offset >= self.runs[i][0] + self.runs[i][2]:
@@ -163,7 +168,7 @@ class BlockRecorder:
         if end <= offset:
             return b""
         out = bytearray(end - offset)
-        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        i = self.run_index(offset)
         while i < len(self.runs) and self.runs[i][0] < end:
             f, _ptr, n, bi, bo = self.runs[i]
             lo, hi = max(f, offset), min(f + n, end)

@@ -10,9 +10,10 @@ are allowed.
 An import of one of the packages' modules inside a function is a violation, except in the
 modules listed in ``allowed`` (the start-up hook, which must stay import-light).
 An import inside a ``try`` whose handler catches ``ImportError`` is an optional
-dependency's guard and is allowed (``fastpersist.dcp`` needs a torch with
-``torch.distributed.checkpoint``). Function-level imports of other packages (optional
-dependencies: torch.distributed, CUDA, the frameworks, matplotlib) are not this
+dependency's guard, allowed for the modules listed in ``optional`` only (``fastpersist.dcp``
+needs a torch with ``torch.distributed.checkpoint``): a guard around a module that always
+imports is no excuse for a function-level import. Function-level imports of other packages
+(optional dependencies: torch.distributed, CUDA, the frameworks, matplotlib) are not this
 contract's business.
 
 Both read the source files of the packages named in ``packages`` (found on ``sys.path``,
@@ -25,7 +26,7 @@ import ast
 import fnmatch
 import importlib.util
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from importlinter import Contract, ContractCheck, fields, output
 
@@ -49,6 +50,11 @@ def _package_files(package: str) -> Iterator[tuple[str, str]]:
                 if name not in seen:
                     seen.add(name)
                     yield name, os.path.join(dirpath, f)
+
+
+def module_names(packages: list[str]) -> list[str]:
+    """Every module of ``packages`` (one per ``.py`` file; a package by its ``__init__``), sorted."""
+    return sorted(name for p in packages for name, _ in _package_files(p))
 
 
 class _Index:
@@ -118,9 +124,31 @@ def private_name_uses(packages: list[str]) -> list[str]:
     return sorted(set(found))
 
 
-def function_level_imports(packages: list[str], allowed: set[str]) -> list[str]:
-    """Every import of the packages' own modules made inside a function, as ``module:line: what``."""
+def function_level_imports(packages: list[str], allowed: set[str], optional: Optional[set[str]] = None) -> list[str]:
+    """Every import of the packages' own modules made inside a function, as ``module:line: what``.
+
+    Imports inside an ``ImportError`` guard are allowed when every module of the packages
+    the guard imports is in ``optional`` (or a submodule of one); ``optional=None``: any guard."""
     idx = _Index(packages)
+
+    def excused(node: ast.AST, me: str) -> bool:
+        if not _guards_import(node):
+            return False
+        if optional is None:
+            return True
+        for child in ast.walk(node):
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names if idx.internal(a.name)]
+            elif isinstance(child, ast.ImportFrom):
+                src = idx.absolute(me, child)
+                names = [f"{src}.{a.name}" if idx.module(f"{src}.{a.name}") else src for a in child.names
+                         if idx.internal(src)]
+            else:
+                continue
+            if not all(any(n == o or n.startswith(o + ".") for o in optional) for n in names):
+                return False
+        return True
+
     found = []
     for me, path in idx.files.items():
         if me in allowed:
@@ -128,7 +156,7 @@ def function_level_imports(packages: list[str], allowed: set[str]) -> list[str]:
         tree = ast.parse(open(path, encoding="utf-8").read(), path)
 
         def visit(node: ast.AST, in_function: bool) -> None:
-            if _guards_import(node):
+            if excused(node, me):
                 return
             for child in ast.iter_child_nodes(node):
                 inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
@@ -182,9 +210,11 @@ class ModuleLevelImportsContract(_AstContract):
     """The packages' modules import each other at module level only (``allowed``: exceptions)."""
 
     allowed = fields.ListField(subfield=fields.StringField(), required=False, default=[])
+    optional = fields.ListField(subfield=fields.StringField(), required=False, default=[])
 
     def problems(self) -> list[str]:
-        return function_level_imports([str(p) for p in self.packages], {str(a) for a in self.allowed})
+        return function_level_imports([str(p) for p in self.packages], {str(a) for a in self.allowed},
+                                      {str(o) for o in self.optional})
 
 
 def root_imports(packages: list[str], allowed: set[str]) -> list[str]:
