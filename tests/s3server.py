@@ -113,6 +113,19 @@ def make_tls(workdir: Path) -> tuple[Path, Path]:
     return ks, pem
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGKILL it when the process that started it
+    dies (a test run killed by a timeout or SIGKILL runs no teardown, and the server
+    would outlive it, holding its port, memory and data directory)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the server is stopped by teardown only
+        pass
+
+
 def start(workdir: Path, jar: Optional[Path] = None, timeout: float = 90.0, tls: bool = False) -> S3Server:
     """Start s3proxy on a free port with its data under ``workdir``; wait until it answers.
     ``tls``: HTTPS with a self-signed certificate (:attr:`S3Server.ca_bundle`)."""
@@ -141,7 +154,7 @@ def start(workdir: Path, jar: Optional[Path] = None, timeout: float = 90.0, tls:
     )
     log = open(workdir / "s3proxy.log", "wb")
     proc = subprocess.Popen([java, "-jar", str(jar), "--properties", str(props)], stdout=log,
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     log.close()
     deadline = time.monotonic() + timeout
     while True:
