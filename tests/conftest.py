@@ -18,6 +18,21 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 
 
 @pytest.fixture(autouse=True)
+def _python_sigint_handler() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt in every test: a framework run in an earlier test
+    may leave SIGINT ignored (Lightning's trainer does after a KeyboardInterrupt) or at
+    SIG_DFL (Lightning's process-group teardown), and a test of what an interrupt does
+    would then see none."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_faults() -> Iterator[None]:
     """Clear native fault injection before and after every test."""
     try:

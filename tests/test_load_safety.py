@@ -306,14 +306,20 @@ def test_a_kept_slice_does_not_keep_the_whole_file(tmp_path):
         keep = out["small"]
         a_slice = out["a"][:10]
         del out; gc.collect()
+        pooled = rss()
+        # the idle reader kept for the next load holds a bounce buffer of its own (readpolicy's
+        # pool, a bounded cache of fastpersist's, not the file's memory): dropped to measure
+        from fastpersist import readpolicy
+        readpolicy.forget_readers()
         after = rss()
         assert torch.equal(keep, torch.arange(10)) and bool((a_slice == 1).all())
-        print(base, peak, after)
+        print(base, peak, after, pooled)
         """
     )
-    base, peak, after = map(int, subprocess.check_output([sys.executable, "-c", code], text=True).split())
+    base, peak, after, pooled = map(int, subprocess.check_output([sys.executable, "-c", code], text=True).split())
     assert peak - base >= 120 << 20  # both big storages were resident
-    assert after - base < 80 << 20, f"{(after - base) >> 20} MiB still resident"  # only "a" (64 MiB) is kept
+    # only "a" (64 MiB) is kept
+    assert after - base < 80 << 20, f"{(after - base) >> 20} MiB still resident ({(pooled - base) >> 20} with the pool)"
 
 
 def test_crc_mismatch_in_a_big_storage_is_reported(tmp_path):
