@@ -365,6 +365,7 @@ tag_dir = os.path.join(root, "step1")
 real = asyncsave._finish
 real_wait = asyncsave.SaveFuture.wait
 bad_seen = threading.Event()
+both_started = threading.Event()
 def wait(self, timeout=None):
     try:
         return real_wait(self, timeout)
@@ -373,6 +374,9 @@ def wait(self, timeout=None):
             bad_seen.set()  # commit has collected the failed save's error
 def finish(job):
     if job.future.path.endswith("bad.pt"):
+        # Fails only once good.pt's save started: a save_async raises an earlier failure
+        # nobody collected yet, so failing sooner would fail good.pt's save itself.
+        assert both_started.wait(120)
         os.remove(job.tmp)  # its rename fails (ENOENT)
     else:
         assert bad_seen.wait(120)  # still pending when commit has seen the first one fail
@@ -385,6 +389,7 @@ eng.create(info)
 eng.makedirs(tag_dir, exist_ok=True)  # as DeepSpeed does (a new tag: written in place)
 eng.save({"w": torch.zeros(4)}, os.path.join(tag_dir, "bad.pt"))
 eng.save({"w": torch.ones(4)}, os.path.join(tag_dir, "good.pt"))
+both_started.set()
 try:
     eng.commit(info)
 except OSError as e:
