@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional, Protocol
 from fastpersist import ranks
 from fastpersist.dircommit import StagedDir, fsync_tree, rebase
 
-__all__ = ["CollectiveDir", "Exchange", "WorldExchange", "agree", "describe"]
+__all__ = ["CollectiveDir", "Exchange", "WorldExchange", "agree", "conclude", "describe", "failed_elsewhere"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,18 @@ class WorldExchange:
 def describe(error: Optional[BaseException]) -> Optional[str]:
     """``"Type: message"`` of ``error``, or None: what a rank sends the others of its failure."""
     return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def failed_elsewhere(what: str, *, peer: str = "rank", after: str = "") -> Elsewhere:
+    """An ``elsewhere`` for :func:`agree` and :class:`CollectiveDir`: ``RuntimeError("WHAT failed
+    on another PEER (PEER N): MESSAGE; AFTER")`` (``after``: what the failure leaves)."""
+
+    def elsewhere(failed: list[int], message: str) -> BaseException:
+        names = ", ".join(str(r) for r in failed)
+        return RuntimeError(f"{what} failed on another {peer} ({peer} {names}): {message}" + (f"; {after}" if after
+                                                                                               else ""))
+
+    return elsewhere
 
 
 def _raise(error: Optional[BaseException], messages: list[Optional[str]], elsewhere: Elsewhere) -> None:
@@ -174,6 +186,24 @@ class CollectiveDir:
             return None
         return votes[0][2]
 
+    @classmethod
+    def open(cls, staged: StagedDir, *, rank: int, committer: bool, is_checkpoint_entry: Callable[[str], object],
+             what: str, operation: str, exchange: Optional[Exchange] = None, check: bool = True,
+             veto: Optional[str] = None, existing_only: bool = False, fsync_after_restore: bool = False,
+             logger: logging.Logger = log, sync_tree: Callable[[str], None] = fsync_tree) -> Optional[CollectiveDir]:
+        """Every rank: the committers clean what killed saves left
+        (:meth:`~fastpersist.dircommit.StagedDir.clean_leftovers`), then :meth:`plan`; the
+        save's :class:`CollectiveDir`, or None where it is not staged (the other arguments:
+        the constructor's and :meth:`plan`'s)."""
+        if committer:
+            staged.clean_leftovers(operation=operation, logger=logger, fsync_after_restore=fsync_after_restore)
+        token = cls.plan(staged, rank=rank, committer=committer, exchange=exchange, check=check, veto=veto,
+                         existing_only=existing_only, operation=operation, logger=logger)
+        if token is None:
+            return None
+        return cls(staged, token, committer=committer, rank=rank, is_checkpoint_entry=is_checkpoint_entry, what=what,
+                   operation=operation, logger=logger, sync_tree=sync_tree, exchange=exchange)
+
     def redirect(self, path: Any) -> Optional[str]:
         """The staging path for a path in the target (as the framework spells it: ``final``);
         None for any other path."""
@@ -240,3 +270,17 @@ class CollectiveDir:
         if any(m is not None for m in messages) and error is None and self.committer:
             self.discard()
         _raise(error, messages, elsewhere)
+
+
+def conclude(stage: Optional[CollectiveDir], error: Optional[BaseException], elsewhere: Elsewhere, *,
+             exchange: Optional[Exchange] = None, per_node: bool = False, missing_ok: bool = False) -> None:
+    """Every rank, after writing its files (``error``: this rank's failure, or None): without a
+    ``stage``, :func:`agree`; with one, :meth:`CollectiveDir.agree`, then
+    :meth:`CollectiveDir.commit` where any rank wrote into the staging directory, else the
+    committers remove it (nothing of this save went into the target)."""
+    if stage is None:
+        agree(error, elsewhere, exchange=exchange)
+    elif stage.agree(error, elsewhere):
+        stage.commit(elsewhere, per_node=per_node, missing_ok=missing_ok)
+    elif stage.committer:
+        stage.discard()

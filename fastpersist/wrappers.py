@@ -6,7 +6,8 @@ able to put every original back. :class:`Wrappers` does the bookkeeping: each wr
 is marked (``MARK``) so that a second install is a no-op, static methods stay static,
 aliases of a module-level function that other modules imported by name are rebound too
 (``from cloud_io import _load as pl_load``), and :meth:`Wrappers.undo` restores every
-original in reverse order.
+original in reverse order. :class:`ModuleWith` stands for a module inside one other module
+(``accelerate.checkpointing``'s ``torch``) with some of its functions replaced there only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-__all__ = ["MARK", "Wrappers"]
+__all__ = ["MARK", "ModuleWith", "Wrappers"]
 
 #: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
 MARK = "_fastpersist_guard"
@@ -67,3 +68,22 @@ class Wrappers:
         while self._done:
             owner, attr, original = self._done.pop()
             setattr(owner, attr, original)
+
+
+class ModuleWith:
+    """Stands for ``module`` with the attributes ``replaced`` given instead of its own (to
+    bind in one other module's globals, where that module's calls should be routed);
+    every other attribute is read from and written to ``module``."""
+
+    def __init__(self, module: Any, **replaced: Any) -> None:
+        self.__dict__.update(replaced, _module=module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._module, name, value)
+
+    def __repr__(self) -> str:
+        names = ", ".join(k for k in self.__dict__ if k != "_module")
+        return f"<{self._module!r}, with {names} routed by fastpersist>"

@@ -1,88 +1,15 @@
 """Hugging Face Accelerate: ``save_state`` / ``load_state`` through fastpersist.
 
-Turn it on with one line after creating the Accelerator::
+Turn it on with ``enable(accelerator)``, or with ``FASTPERSIST_ACCELERATE=1`` (read by
+:func:`install_from_env`, which the start-up hook calls when ``accelerate.accelerator`` is
+imported). What it does: docs/integrations.md (Accelerate), docs/objectstore.md (Accelerate).
 
-    from fastpersist.integrations import accelerate as fp_accelerate
-    fp_accelerate.enable(accelerator)
-
-or with no code: ``FASTPERSIST_ACCELERATE=1`` in the environment (for example
-``FASTPERSIST_ACCELERATE=1 accelerate launch --config_file x.yaml train.py``; Accelerate's
-config file itself cannot carry it: Accelerate refuses unknown top-level keys and has
-no key that sets the launched processes' environment); the variable is read by
-:func:`install_from_env`, which fastpersist's start-up hook calls when
-``accelerate.accelerator`` is imported. ``FASTPERSIST_PATCH_TORCH_SAVE=1`` turns it
-on too, unless ``FASTPERSIST_ACCELERATE=0``.
-
-What goes through fastpersist, for an enabled Accelerator: every file
-``save_state``/``load_state`` write or read: the weights (``model.safetensors`` or
-``pytorch_model.bin``), the optimizer, scheduler, sampler, dataloader, GradScaler
-and RNG files and ``save_state``'s custom objects. The directory layout, the file
-names and formats are Accelerate's own, so stock Accelerate (without fastpersist)
-loads the result, and fastpersist loads stock checkpoints. ``model.safetensors``
-carries Accelerate's ``{"format": "pt"}`` metadata (``fastpersist.save``'s default for
-``.safetensors``), which transformers 4.x requires to load it.
-
-How (the hook points): :mod:`accelerate.checkpointing` calls the module globals
-``save``, ``load``, ``load_model`` and ``torch.save`` for every file.
-:func:`install` replaces these four names *in that module only* with routers that
-call fastpersist while an enabled Accelerator's ``save_state``/``load_state`` runs
-and Accelerate's own functions otherwise; nothing else (not ``torch.save``, not
-``accelerate.utils.save``) changes. :func:`enable` wraps the instance's
-``save_state``/``load_state``; :func:`install_from_env` wraps them on the class.
-Rank selection is Accelerate's: the main process writes shared files (the local
-main process with ``save_on_each_node``), every process its RNG file.
-
-Durability: each file is durable when written, and the checkpoint *directory* appears
-in one step: every process writes into one hidden staging directory and the main
-process swaps it in (:mod:`fastpersist.collectivedir`: a new directory by ``rename``,
-an existing ``output_dir`` by ``renameat2(RENAME_EXCHANGE)``, or two renames where the
-filesystem refuses it; killed saves' leftovers cleaned by the next ``save_state``). A
-save that raises *or is killed* leaves the previous checkpoint exactly as it was. Files
-of the previous checkpoint this save does not write again (Accelerate's names) go with
-it; other entries (a user's ``config.json``) are carried over, as stock Accelerate
-leaves them in place. The staging directory lives beside the final one, except for
-``checkpoints/`` (automatic naming), whose every entry Accelerate parses as a checkpoint
-number: then one level up, in the project directory. Not staged (files replaced in
-place, each atomic; a warning): the staging parent on another filesystem, or the
-working directory inside ``output_dir``.
-
-What differs from stock ``save_state`` for the caller: nothing in the return value
-(the final directory, as ``pathlib.Path``), ``save_iteration`` (counted only when
-the checkpoint became visible) or retention, but the ``output_dir`` that Accelerate
-hands to ``register_save_state_pre_hook`` hooks (and logs) is the staging directory:
-files a hook writes there are part of the checkpoint, as they should be, but a hook
-that records the path records one that exists only during the save. With
-``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)``
-Accelerate deletes the oldest checkpoints *before* writing the new one (with
-``total_limit=1`` a crash during the save leaves no checkpoint at all); an enabled
-Accelerator deletes them only after the new checkpoint is durable, the same ones
-Accelerate would have deleted. (Until the deletion there are ``N + 1``
-checkpoints on disk.) With ``save_on_each_node`` each node's main process commits
-its node's copy (on a shared filesystem the main process's commit is the only one).
-
-Multiple processes (DDP, ``MULTI_CPU``/``MULTI_GPU``): the weights and optimizer
-files, which every rank holds a replica of, are written by all ranks together
-(``fastpersist.save(..., group=)``, one slice each) when this fastpersist has the
-multi-rank save and the ranks checked that their replicas are identical; otherwise
-the main process writes them. Other distributed types (FSDP, DeepSpeed,
-Megatron-LM, XLA) keep Accelerate's own path for their model and optimizer files;
-for DeepSpeed, enable :mod:`fastpersist.integrations.deepspeed` as well.
-
-Object storage: ``save_state("s3://bucket/prefix/ckpt")`` / ``load_state(...)`` of an
-enabled Accelerator: stock ``save_state`` writes into a local temporary directory (in
-``TMPDIR``), every process uploads the files it wrote, one object each, and the main
-process commits the folder (:mod:`fastpersist.s3folder`: a manifest of sizes and ETags
-written last); ``load_state`` refuses a folder without its commit, downloads it into a
-local temporary directory and loads it there (docs/objectstore.md, Accelerate).
-
-FSDP is not routed through :mod:`fastpersist.dcp` yet: Accelerate runs FSDP only on
-accelerators (on CPU, ``Accelerator(cpu=True, fsdp_plugin=...)`` silently stays
-``MULTI_CPU`` with DDP, and ``accelerate launch --use_fsdp`` refuses without a
-device), so it could not be tested here. The hook point when it is:
-``accelerate.utils.fsdp_utils`` imports ``torch.distributed.checkpoint`` inside each
-save/load function and looks up ``FileSystemWriter``/``FileSystemReader`` on it at
-call time, so those two attributes, swapped for ``FastPersistWriter``/``Reader``
-while an enabled ``save_state``/``load_state`` runs, are the narrowest place.
+This module only translates. :mod:`accelerate.checkpointing` calls its module globals
+``save``, ``load``, ``load_model`` and ``torch.save`` for every file: :func:`install`
+replaces them *in that module only* with routers that call fastpersist while an enabled
+Accelerator's ``save_state``/``load_state`` runs. The wrapped ``save_state`` is
+:func:`fastpersist.dirsave.save_directory` (``s3://``:
+:func:`fastpersist.s3foldersave.save_collective`) around stock ``save_state``.
 """
 
 from __future__ import annotations
@@ -92,10 +19,7 @@ import contextvars
 import functools
 import logging
 import os
-import pathlib
 import re
-import shutil
-import tempfile
 import types
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Optional
@@ -103,13 +27,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 import fastpersist
-from fastpersist import dircommit, s3folder
-from fastpersist.collectivedir import CollectiveDir
-from fastpersist.commit import fsync_dir
+from fastpersist import dirsave, retention, s3foldersave, swallowed
 from fastpersist.envflags import adapter_enabled
-from fastpersist.errors import CheckpointFormatError, ChecksumError
 from fastpersist.replicated import save_replicated
 from fastpersist.s3url import is_s3_url
+from fastpersist.wrappers import ModuleWith
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
 
@@ -120,15 +42,16 @@ ENV_VAR = "FASTPERSIST_ACCELERATE"
 _MARK = "_fastpersist_original"
 _ENABLED_ATTR = "_fastpersist_enabled"
 
-# The files of the load_state running in this thread/task that were corrupt or unreadable
-# (None: none running). Accelerate 1.15's load_accelerator_state catches *every* exception
-# of the RNG file's load, logs "Could not load random states" at INFO and resumes with the
-# RNG state not restored; the wrapper raises what it swallowed (see _wrap_load_state).
-_load_failures: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("fastpersist_accelerate_load",
-                                                                               default=None)
 # The settings of the save_state/load_state running in this thread/task (None: not ours).
 _active: contextvars.ContextVar[Optional["_Settings"]] = contextvars.ContextVar("fastpersist_accelerate", default=None)
 _originals: dict[str, Any] = {}
+_AUTO_NAME_RE = re.compile(r"checkpoint_[0-9]+")  # automatic_checkpoint_naming's directories
+# Entries of a directory save_state writes (weights, optimizer, scheduler, sampler, dataloader,
+# GradScaler, RNG, custom objects; FSDP/DeepSpeed directories): the others are carried over.
+_CHECKPOINT_ENTRY_RE = re.compile(
+    r"(pytorch_model|model)(_fsdp)?(_[0-9]+)?(\.(safetensors|bin)(\.index\.json)?)?"
+    r"|(optimizer|scheduler|sampler|dl_state_dict)(_[0-9]+)?(\.bin)?"
+    r"|scaler\.pt|random_states_[0-9]+\.pkl|custom_checkpoint_[0-9]+\.pkl")
 
 
 class _Settings:
@@ -161,13 +84,8 @@ def _save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization:
         obj = clean_state_dict_for_safetensors(obj)
     fmt = "safetensors" if safe_serialization else "torch"
     writer = state.is_local_main_process if save_on_each_node else state.is_main_process
-    if (
-        s.split
-        and not save_on_each_node
-        and state.num_processes > 1
-        and state.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-        and _replica_file(os.path.basename(os.fspath(f)))
-    ):
+    if s.split and not save_on_each_node and state.num_processes > 1 and _replica_file(os.path.basename(f)) \
+            and state.distributed_type in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         import torch.distributed as dist
 
         save_replicated(obj, f, group=dist.group.WORLD, writer=writer, format=fmt, config=s.config,
@@ -189,10 +107,8 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
     torch.serialization.add_safe_globals(TORCH_SAFE_GLOBALS)
     try:
         return fastpersist.load(f, map_location=map_location, config=s.config, **kwargs)
-    except (CheckpointFormatError, ChecksumError, OSError) as e:
-        failures = _load_failures.get()
-        if failures is not None and not isinstance(e, FileNotFoundError):  # a missing file: Accelerate's call
-            failures.append((os.fspath(f), e))
+    except BaseException as e:
+        swallowed.record(f, e)  # corrupt or unreadable: raised after load_state even if Accelerate catches it
         raise
     finally:
         torch.serialization.clear_safe_globals()
@@ -207,28 +123,12 @@ def _load_model(model: Any, filename: Any, strict: bool = True, device: Any = "c
     return fastpersist.load_model(model, filename, strict=strict, device=str(device), config=s.config, **kwargs)
 
 
-class _TorchForCheckpointing:
-    """Stands for ``torch`` inside ``accelerate.checkpointing`` (GradScaler, RNG and
-    dataloader states are written with ``torch.save`` there): ``save`` is routed,
-    every other attribute is torch's."""
-
-    def __init__(self, torch_module: Any) -> None:
-        self.__dict__["_torch"] = torch_module
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._torch, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._torch, name, value)
-
-    def __repr__(self) -> str:
-        return f"<torch, with save routed by fastpersist.integrations.accelerate: {self._torch!r}>"
-
-    def save(self, obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        s = _active.get()
-        if s is None or args or kwargs or not isinstance(f, (str, os.PathLike)):
-            return self._torch.save(obj, f, *args, **kwargs)
-        fastpersist.save(obj, f, format="torch", config=s.config)
+def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+    # torch.save inside accelerate.checkpointing (GradScaler, RNG and dataloader states)
+    s = _active.get()
+    if s is None or args or kwargs or not isinstance(f, (str, os.PathLike)):
+        return _originals["torch"].save(obj, f, *args, **kwargs)
+    fastpersist.save(obj, f, format="torch", config=s.config)
 
 
 # ---------------------------------------------------------------- installation
@@ -246,7 +146,7 @@ def install() -> None:
     ckpt.save = _save
     ckpt.load = _load
     ckpt.load_model = _load_model
-    ckpt.torch = _TorchForCheckpointing(ckpt.torch)
+    ckpt.torch = ModuleWith(ckpt.torch, save=_torch_save)
 
 
 def _uninstall() -> None:
@@ -259,130 +159,18 @@ def _uninstall() -> None:
 
 
 @contextlib.contextmanager
-def _routing(settings: _Settings) -> Iterator[None]:
+def _routing(settings: _Settings, pc: Any = None, **stock: Any) -> Iterator[None]:
+    """Route this thread's checkpoint files; ``stock``: ProjectConfiguration fields set meanwhile."""
     token = _active.set(settings)
+    saved = {k: getattr(pc, k) for k in stock}
+    for k, v in stock.items():
+        setattr(pc, k, v)
     try:
         yield
     finally:
         _active.reset(token)
-
-
-def _checkpoint_number(folder: str) -> int:
-    # Accelerate's sort key for automatically named checkpoints (save_state's _inner).
-    return list(map(int, re.findall(r"[\/]?([0-9]+)(?=[^\/]*$)", folder)))[0]
-
-
-# ---------------------------------------------------------------- directory-level commit
-# The staging/swap mechanics are fastpersist.dircommit's; what is Accelerate's is where the
-# staging directory goes (_Layout) and which entries belong to a checkpoint.
-
-_AUTO_NAME_RE = re.compile(r"checkpoint_[0-9]+")
-# Entries of a directory save_state writes (Accelerate's names: weights, optimizer, scheduler,
-# sampler, dataloader, GradScaler, RNG, custom objects; FSDP/DeepSpeed directories) and
-# fastpersist's temporary files: in an output_dir being replaced, those the new checkpoint
-# does not write again are stale state of the previous one and go with it.
-_CHECKPOINT_ENTRY_RE = re.compile(
-    r"(pytorch_model|model)(_fsdp)?(_[0-9]+)?(\.(safetensors|bin)(\.index\.json)?)?"
-    r"|(optimizer|scheduler|sampler|dl_state_dict)(_[0-9]+)?(\.bin)?"
-    r"|scaler\.pt|random_states_[0-9]+\.pkl|custom_checkpoint_[0-9]+\.pkl")
-
-
-class _Layout(dircommit.StagedDir):
-    """Where one save_state stages and commits (the mechanics: :class:`fastpersist.dircommit.StagedDir`).
-
-    ``final``: the path stock Accelerate writes (and returns). The staging directory goes
-    beside ``target`` (same filesystem, so the commit is a rename), except where the parent
-    is the project's ``checkpoints/`` directory: Accelerate parses every entry there as a
-    checkpoint number (``load_state()`` takes the largest, retention deletes the smallest, a
-    name without a number makes both raise), so the staging directory goes one level up,
-    into the project directory, which Accelerate never scans."""
-
-    def __init__(self, acc: Any, final: str, auto: bool) -> None:
-        self.auto = auto
-        target = os.path.realpath(final)
-        parent = os.path.dirname(target)
-        ckpts = None
-        if getattr(acc, "project_dir", None):
-            ckpts = os.path.realpath(os.path.join(acc.project_dir, "checkpoints"))
-        super().__init__(final, os.path.dirname(parent) if auto or parent == ckpts else parent)
-
-    def clean_leftovers(self) -> None:  # type: ignore[override]
-        """Remove the staging directories of killed saves of this name (any
-        ``checkpoint_N`` with automatic naming); give back a previous directory that a
-        killed fallback commit had moved aside and not replaced."""
-
-        def restore_other(name: str) -> Optional[str]:
-            if self.auto and _AUTO_NAME_RE.fullmatch(name):
-                return os.path.join(self.parent, name)
-            return None
-
-        super().clean_leftovers(operation="save_state", logger=log, fsync_after_restore=True,
-                                restore_other=restore_other)
-
-
-def _final_location(location: Any, staging: str, final: str) -> Any:
-    """What stock save_state returns (``save_accelerator_state``'s ``Path(output_dir)``),
-    with the staging directory replaced by the final one."""
-    path = os.fspath(location)
-    moved = dircommit.rebase(path, staging, final)
-    if moved is not None:
-        path = moved
-    return pathlib.Path(path) if isinstance(location, pathlib.PurePath) else path
-
-
-def _retain(acc: Any, limit: Optional[int], location: str) -> None:
-    """Accelerate's total_limit retention, run once ``location`` is durable (main process)."""
-    if limit is None:
-        return
-    parent = os.path.join(acc.project_dir, "checkpoints")
-    folders = [os.path.join(parent, d) for d in os.listdir(parent)]
-    folders = [d for d in folders if os.path.realpath(d) != os.path.realpath(location)]
-    excess = len(folders) + 1 - limit
-    if excess > 0:
-        folders.sort(key=_checkpoint_number)
-        log.info("fastpersist: deleting %d old checkpoint(s) now that %s is durable", excess, location)
-        for folder in folders[:excess]:
-            shutil.rmtree(folder)
-        fsync_dir(parent)
-
-
-def _save_in_place(self: Any, original: Callable[..., Any], s: _Settings, output_dir: Any,
-                   safe_serialization: bool, kwargs: dict) -> Any:
-    """Accelerate's own directory handling, each file atomic (no staging: see _Layout.why_not_staged)."""
-    pc = self.project_configuration
-    limit = pc.total_limit if pc.automatic_checkpoint_naming else None
-    new_dir = (os.path.join(self.project_dir, "checkpoints", f"checkpoint_{self.save_iteration}")
-               if pc.automatic_checkpoint_naming else None)
-    fresh = new_dir is not None and not os.path.exists(new_dir)
-    if limit is not None:
-        pc.total_limit = None  # retention runs below, once the new checkpoint is durable
-    try:
-        with _routing(s):
-            location = original(self, output_dir, safe_serialization, **kwargs)
-    except BaseException:
-        if fresh and self.is_main_process and new_dir is not None and os.path.isdir(new_dir):
-            # A partial checkpoint_N would be what a default load_state() resumes from, and
-            # the next save_state (same N: Accelerate counts only successful saves) would
-            # refuse to write into it: remove it, the previous checkpoints stay.
-            log.error("fastpersist: save_state failed; removing the incomplete %s (the previous checkpoints "
-                      "are untouched)", new_dir)
-            shutil.rmtree(new_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                fsync_dir(os.path.dirname(new_dir))
-        raise
-    finally:
-        if limit is not None:
-            pc.total_limit = limit
-    self.wait_for_everyone()  # every rank's files are durable
-    if self.is_main_process:
-        dircommit.fsync_tree_and_parent(os.fspath(location))
-        _retain(self, limit, os.fspath(location))
-    self.wait_for_everyone()
-    return location
-
-
-def _failed_elsewhere(_ranks: list[int], message: str) -> RuntimeError:
-    return RuntimeError(f"fastpersist: save_state failed on another process: {message}")
+        for k, v in saved.items():
+            setattr(pc, k, v)
 
 
 class _AccelerateExchange:
@@ -411,8 +199,8 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         if auto and is_s3_url(self.project_dir):
             raise ValueError(f"save_state: automatic_checkpoint_naming with an s3:// project_dir ({self.project_dir}) "
                              "is not supported: pass the checkpoint's URL, save_state('s3://bucket/prefix/step-N')")
-        if auto:  # stock save_state's own checks, before anything is written
-            checkpoints = os.path.join(self.project_dir, "checkpoints")
+        checkpoints = os.path.join(self.project_dir, "checkpoints") if self.project_dir else None
+        if auto and checkpoints is not None:  # stock save_state's own checks, before anything is written
             os.makedirs(checkpoints, exist_ok=True)
             final = os.path.join(checkpoints, f"checkpoint_{self.save_iteration}")
             if os.path.exists(final):
@@ -427,51 +215,28 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         else:
             final = os.fspath(output_dir)
             os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
-        layout = _Layout(self, final, auto)
-        # The committer holds the directory's files: the main process, or with save_on_each_node
-        # the main process of each node (whose disk may be its own).
-        committer = self.is_local_main_process if pc.save_on_each_node else self.is_main_process
-        if committer:
-            layout.clean_leftovers()
-        exchange = _AccelerateExchange()
-        token = CollectiveDir.plan(layout, rank=self.process_index, committer=committer, exchange=exchange,
-                                   check=self.is_main_process, operation="save_state", logger=log)
-        if token is None:
-            return _save_in_place(self, original, s, output_dir, safe_serialization, kwargs)
-        stage = CollectiveDir(layout, token, committer=committer, rank=self.process_index, exchange=exchange,
-                              is_checkpoint_entry=_CHECKPOINT_ENTRY_RE.fullmatch, what="an Accelerate checkpoint",
-                              operation="save_state", logger=log, sync_tree=dircommit.fsync_tree_and_parent)
-        iteration = pc.iteration
-        limit = pc.total_limit if auto else None
-        # Stock save_state, told to write the staging directory: no automatic naming (we did its
-        # checks above; its retention runs once the new checkpoint is durable, below).
-        pc.automatic_checkpoint_naming = False
-        if auto:
-            pc.total_limit = None
-        try:
-            with _routing(s):
-                location = original(self, stage.staging, safe_serialization, **kwargs)
-        except BaseException:
+        iteration, limit = pc.iteration, (pc.total_limit if auto else None)
+
+        def write(staging: Optional[str]) -> Any:
+            # stock save_state, its retention after the commit; into staging: its naming off too
+            stock = {"total_limit": None} if auto else {}
+            if staging is not None:
+                stock["automatic_checkpoint_naming"] = False
+            with _routing(s, pc, **stock):
+                return original(self, output_dir if staging is None else staging, safe_serialization, **kwargs)
+
+        def rollback() -> None:
             pc.iteration = iteration
-            if committer and os.path.isdir(stage.staging):
-                log.error("fastpersist: save_state failed; removing its staging directory %s (%s is untouched)",
-                          stage.staging, final)
-                stage.discard()
-            raise
-        finally:
-            pc.automatic_checkpoint_naming = auto
-            if auto:
-                pc.total_limit = limit
-        self.wait_for_everyone()  # every rank's files are in the staging directory
-        try:
-            stage.commit(_failed_elsewhere, per_node=pc.save_on_each_node and self.num_processes > 1)
-        finally:
-            if not stage.visible:  # the previous checkpoint stays, as does iteration
-                pc.iteration = iteration
-        if self.is_main_process:
-            _retain(self, limit, layout.target)
-        self.wait_for_everyone()
-        return _final_location(location, stage.staging, final)
+
+        staged = dirsave.CheckpointDir(final, listed=checkpoints, siblings=_AUTO_NAME_RE.fullmatch if auto else None)
+        return dirsave.save_directory(
+            staged, write, rank=self.process_index, exchange=_AccelerateExchange(), rollback=rollback,
+            # each node's main process holds its node's files with save_on_each_node
+            committer=self.is_local_main_process if pc.save_on_each_node else self.is_main_process,
+            per_node=pc.save_on_each_node and self.num_processes > 1, remove_new_on_failure=auto,
+            is_checkpoint_entry=_CHECKPOINT_ENTRY_RE.fullmatch, what="an Accelerate checkpoint",
+            operation="save_state", peer="process", logger=log,
+            after=None if limit is None else lambda path: retention.prune(checkpoints, limit, path, logger=log))
 
     setattr(save_state, _MARK, original)
     return save_state
@@ -487,36 +252,15 @@ def _wrap_load_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         input_dir = args[0] if args else kwargs.get("input_dir")
         if input_dir is not None and is_s3_url(input_dir):
             rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
-            return _load_state_s3(self, load_state, s.config, str(input_dir), args[1:], rest)
-        failures: list = []
-        token = _load_failures.set(failures)
-        try:
-            with _routing(s):
-                result = original(self, *args, **kwargs)
-        finally:
-            _load_failures.reset(token)
-        if failures:  # load_state returned: Accelerate caught these and went on without the file's state
-            _raise_swallowed(failures)
-        return result
+            with s3foldersave.local_copy(str(input_dir), config=s.config) as local:
+                return load_state(self, local, *args[1:], **rest)
+        # Accelerate 1.15's load_accelerator_state catches every exception of the RNG file's load
+        with swallowed.watching("Accelerate's load_state", hint=" (for random_states_*.pkl: the RNG state not "
+                                "restored)", logger=log), _routing(s):
+            return original(self, *args, **kwargs)
 
     setattr(load_state, _MARK, original)
     return load_state
-
-
-# ---------------------------------------------------------------- s3:// output_dir
-# save_state("s3://bucket/prefix/ckpt"): every process runs stock save_state (its files
-# through fastpersist, as for a local save) into a local temporary directory, then uploads
-# the files it wrote, one object each, under a fresh generation of the URL's folder (the
-# main process's token, shared); the main process then writes the folder's commit object
-# (fastpersist.s3folder's manifest): until then the checkpoint previously committed at the
-# URL, if any, stays the one that loads. load_state of the URL downloads the committed
-# folder into a local temporary directory and loads it there.
-
-
-def _gather_outcome(acc: Any, value: Any, error: Optional[BaseException]) -> list:
-    from accelerate.utils import gather_object
-
-    return gather_object([(value, None if error is None else f"{type(error).__name__}: {error}")])
 
 
 def _accelerate_entry(rel: str) -> bool:
@@ -527,92 +271,16 @@ def _accelerate_entry(rel: str) -> bool:
 
 def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: str, safe_serialization: bool,
                    kwargs: dict) -> str:
-    """``save_state`` into the ``s3://`` folder ``url`` (see above); returns ``url``."""
-    url = str(s3folder.folder_url(url))
-    tmp = tempfile.mkdtemp(prefix="fastpersist-accelerate-")
-    local = os.path.join(tmp, "checkpoint")
-    try:
-        error: Optional[BaseException] = None
-        try:
-            with _routing(s):
-                original(self, local, safe_serialization, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - every rank learns of it below
-            error = e
-        outcome = _gather_outcome(self, None, error)  # nothing uploaded yet: the folder is untouched
-        failed = next((m for _v, m in outcome if m is not None), None)
-        if error is not None:
-            raise error
-        if failed is not None:
-            raise RuntimeError(f"fastpersist: save_state to {url} failed on another process: {failed}; "
-                               f"{url} is untouched")
-        generation: Optional[str] = None
-        if self.is_main_process:
-            try:  # the previous commit at the URL stands until this save's commit
-                generation = s3folder.begin(url, owns=_accelerate_entry, config=s.config)
-            except BaseException as e:  # noqa: BLE001
-                error = e
-        begun = _gather_outcome(self, generation, error)
-        if error is not None:
-            raise error
-        failed = next((m for _v, m in begun if m is not None), None)
-        if failed is not None:
-            raise RuntimeError(f"fastpersist: save_state to {url} failed on the main process: {failed}")
-        generation = next(v for v, _m in begun if v is not None)
-        files: dict = {}
-        try:
-            files = s3folder.upload_files(local, url, generation=generation, config=s.config)
-        except BaseException as e:  # noqa: BLE001
-            error = e
-        uploaded = _gather_outcome(self, files, error)
-        failed = next((m for _v, m in uploaded if m is not None), None)
-        if error is None and failed is None and self.is_main_process:
-            merged: dict = {}
-            for part, _m in uploaded:
-                merged.update(part)
-            try:
-                s3folder.commit(url, merged, generation=generation, owns=_accelerate_entry, config=s.config)
-            except BaseException as e:  # noqa: BLE001
-                error = e
-        committed = _gather_outcome(self, None, error)
-        if error is not None:
-            log.error("fastpersist: save_state to %s failed (%s); the checkpoint committed there before, if any, "
-                      "stays the one that loads", url, error)
-            raise error
-        failed = failed or next((m for _v, m in committed if m is not None), None)
-        if failed is not None:
-            raise RuntimeError(f"fastpersist: save_state to {url} failed on another process: {failed}; the "
-                               "checkpoint committed there before, if any, stays the one that loads")
-        return url
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """``save_state`` into the ``s3://`` folder ``url``: stock save_state into a local temporary
+    directory on every process, then uploaded and committed together; returns the folder's URL."""
 
+    def write(local: str) -> None:
+        with _routing(s):
+            original(self, local, safe_serialization, **kwargs)
 
-def _load_state_s3(self: Any, load_state: Callable[..., Any], config: Any, url: str, args: tuple,
-                   kwargs: dict) -> Any:
-    """``load_state`` of the committed ``s3://`` folder ``url``: downloaded (every object
-    checked against the commit object) into a local temporary directory, loaded from there."""
-    tmp = tempfile.mkdtemp(prefix="fastpersist-accelerate-")
-    try:
-        local = os.path.join(tmp, "checkpoint")
-        s3folder.download(url, local, config=config)
-        return load_state(self, local, *args, **kwargs)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _raise_swallowed(failures: list) -> None:
-    """A corrupt or unreadable checkpoint file whose error Accelerate's load_state caught
-    (the RNG file: it logs "Could not load random states" at INFO and resumes without
-    it): never skipped quietly. Logged as an error naming every such file, then the first
-    error is raised, so the resume fails instead of continuing from a partial state."""
-    names = ", ".join(path for path, _e in failures)
-    log.error("fastpersist: load_state: Accelerate skipped %d checkpoint file(s) it could not load (%s) and would "
-              "resume without their state; failing the resume instead", len(failures), names)
-    path, error = failures[0]
-    error.add_note(f"fastpersist: Accelerate's load_state caught this error of {path} and went on without that "
-                   "file's state (for random_states_*.pkl: the RNG state not restored); the resume fails instead. "
-                   "Restore the file from a good copy, or resume from an earlier checkpoint")
-    raise error
+    return s3foldersave.save_collective(url, write, exchange=_AccelerateExchange(), leader=self.is_main_process,
+                                        owns=_accelerate_entry, config=s.config, operation="save_state",
+                                        peer="process", logger=log)
 
 
 def _instance_settings(accelerator: Any) -> Optional[_Settings]:

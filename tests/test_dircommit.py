@@ -285,25 +285,24 @@ def test_lightning_hpc_listing_ignores_a_staging_leftover(tmp_path):
 
 
 def test_adapters_use_the_shared_names(tmp_path):
-    """Both adapters name their staging and moved-aside directories with dircommit's names
-    (shortened first where too long), so one cleanup recognises both."""
-    from fastpersist.integrations import accelerate as fpa
-    from fastpersist.integrations import deepspeed as fpd
+    """The adapters' staged directories (Accelerate's through dirsave.CheckpointDir, DeepSpeed's
+    tag directories through StagedDir) name their staging and moved-aside directories with
+    dircommit's names (shortened first where too long), so one cleanup recognises both."""
+    from fastpersist.dirsave import CheckpointDir
 
     out = tmp_path / "out"
-    layout = fpa._Layout(types.SimpleNamespace(project_dir=None), str(out), False)
+    layout = CheckpointDir(str(out))
     assert layout.staging(TOKEN) == str(tmp_path / dircommit.staging_name("out", TOKEN))
     assert layout.old(TOKEN) == str(tmp_path / dircommit.old_name("out", TOKEN))
-    auto = fpa._Layout(types.SimpleNamespace(project_dir=str(tmp_path)), str(tmp_path / "checkpoints" / "checkpoint_2"),
-                       True)
+    auto = CheckpointDir(str(tmp_path / "checkpoints" / "checkpoint_2"), listed=str(tmp_path / "checkpoints"))
     assert auto.staging(TOKEN) == str(tmp_path / dircommit.staging_name("checkpoint_2", TOKEN))
     tag = "t" * 300
-    stage = fpd._Stage(types.SimpleNamespace(save_dir=str(tmp_path), tag=tag), TOKEN, True)
+    stage = dircommit.StagedDir(str(tmp_path / tag))
     import hashlib
 
     short = "t" * 83 + "~" + hashlib.sha256(tag.encode()).hexdigest()[:16]
-    assert stage.staging == str(tmp_path / dircommit.staging_name(short, TOKEN))
-    assert stage.old == str(tmp_path / dircommit.old_name(short, TOKEN))
+    assert stage.staging(TOKEN) == str(tmp_path / dircommit.staging_name(short, TOKEN))
+    assert stage.old(TOKEN) == str(tmp_path / dircommit.old_name(short, TOKEN))
 
 
 def test_why_not_staged(tmp_path, monkeypatch):
