@@ -49,3 +49,18 @@ def test_wrappers_wrap_once_rebind_aliases_and_undo():
         w.undo()
         for name in (module.__name__, alias.__name__):
             sys.modules.pop(name, None)
+
+
+def test_module_with_routes_the_replaced_names_only():
+    import types
+
+    from fastpersist.wrappers import ModuleWith
+
+    module = types.ModuleType("fp_module_with_test")
+    module.save = lambda obj: ("stock", obj)
+    module.other = 1
+    proxy = ModuleWith(module, save=lambda obj: ("routed", obj))
+    assert proxy.save(3) == ("routed", 3) and module.save(3) == ("stock", 3)
+    assert proxy.other == 1
+    proxy.other = 2  # written through to the module
+    assert module.other == 2 and "save" in repr(proxy)
