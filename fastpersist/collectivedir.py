@@ -85,12 +85,11 @@ def describe(error: Optional[BaseException]) -> Optional[str]:
 
 def failed_elsewhere(what: str, *, peer: str = "rank", after: str = "") -> Elsewhere:
     """An ``elsewhere`` for :func:`agree` and :class:`CollectiveDir`: ``RuntimeError("WHAT failed
-    on another PEER (PEER N): MESSAGE; AFTER")`` (``after``: what the failure leaves)."""
+    on another PEER: PEER(s) [N, ...]: MESSAGE; AFTER")`` (``after``: what the failure leaves)."""
 
     def elsewhere(failed: list[int], message: str) -> BaseException:
-        names = ", ".join(str(r) for r in failed)
-        return RuntimeError(f"{what} failed on another {peer} ({peer} {names}): {message}" + (f"; {after}" if after
-                                                                                               else ""))
+        tail = f"; {after}" if after else ""
+        return RuntimeError(f"{what} failed on another {peer}: {peer}(s) {failed}: {message}{tail}")
 
     return elsewhere
 

@@ -51,7 +51,7 @@ from fastpersist.plan import WritePlan
 from fastpersist.s3url import S3Url, is_s3_url, parse, parse_prefix
 
 __all__ = ["GENERATION_PREFIX", "MANIFEST", "UncommittedFolderError", "begin", "commit", "delete", "delete_object",
-           "discard", "download", "folder_url", "get_small", "is_committed", "is_s3_url", "join", "object_url",
+           "discard", "download", "folder_url", "get_small", "is_committed", "is_s3_url", "join", "local_files", "object_url",
            "put_small", "read_manifest", "save", "upload_files"]
 
 log = logging.getLogger("fastpersist.s3")
@@ -278,24 +278,31 @@ def _upload_file(path: str, url: S3Url, cfg: Any, c: Any) -> dict:
     return {"size": size, "etag": etag}
 
 
-def upload_files(local_dir: Any, target: Any, *, generation: str, config: Any = None) -> dict[str, dict]:
-    """Upload every file under ``local_dir`` into the generation ``generation`` (from
-    :func:`begin`) of the folder ``target``, one object each at
-    ``FOLDER/.fastpersist-gen-TOKEN/RELPATH``; returns ``{relpath: {"key", "size",
-    "etag"}}`` for :func:`commit` (``key`` relative to the folder)."""
+def local_files(local_dir: Any) -> list[str]:
+    """The files under ``local_dir`` that :func:`upload_files` uploads: their relative paths
+    (``/``-separated), sorted."""
+    root = os.fspath(local_dir)
+    rels = (os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/") for d, _s, fs in os.walk(root) for n in fs)
+    return sorted(rel for rel in rels if rel != MANIFEST)
+
+
+def upload_files(local_dir: Any, target: Any, *, generation: str, only: Optional[Callable[[str], bool]] = None,
+                 config: Any = None) -> dict[str, dict]:
+    """Upload every file under ``local_dir`` (with ``only``, those for which ``only(relpath)``
+    is true) into the generation ``generation`` (from :func:`begin`) of the folder
+    ``target``, one object each at ``FOLDER/.fastpersist-gen-TOKEN/RELPATH``; returns
+    ``{relpath: {"key", "size", "etag"}}`` for :func:`commit` (``key`` relative to the
+    folder)."""
     url = folder_url(target)
     gen_dir = _generation_dir(generation)
     cfg = config_mod.resolve(config)
     c = _client(cfg)
     root = os.fspath(local_dir)
     out: dict[str, dict] = {}
-    for dirpath, _dirs, files in os.walk(root):
-        for name in sorted(files):
-            path = os.path.join(dirpath, name)
-            rel = os.path.relpath(path, root).replace(os.sep, "/")
-            if rel == MANIFEST:
-                continue
+    for rel in local_files(root):
+        if only is None or only(rel):
             key = f"{gen_dir}/{rel}"
+            path = os.path.join(root, *rel.split("/"))
             out[rel] = {"key": key, **_upload_file(path, S3Url(url.bucket, f"{url.key}/{key}"), cfg, c)}
     return out
 

@@ -33,7 +33,7 @@ log = logging.getLogger("fastpersist.s3")
 KEPT = "the checkpoint committed there before, if any, stays the one that loads"
 
 
-def save_collective(target: Any, write: Callable[[str], object], *, exchange: Exchange, leader: bool,
+def save_collective(target: Any, write: Callable[[str], object], *, exchange: Exchange, rank: int,
                     name: str = "checkpoint", owns: Optional[Callable[[str], bool]] = None, config: Any = None,
                     after_commit: Optional[Callable[[str], None]] = None, operation: str = "save",
                     peer: str = "rank", kept: str = KEPT, logger: logging.Logger = log) -> str:
@@ -45,8 +45,9 @@ def save_collective(target: Any, write: Callable[[str], object], *, exchange: Ex
             directory ``local`` (``TMPDIR/fastpersist-XXXX/NAME``, not there yet: the
             framework's save makes it); every file under it is uploaded.
         exchange: how the ranks share their outcomes (every rank calls with its own).
-        leader: whether this rank begins and commits the folder (one rank: rank 0 of
-            ``exchange``).
+        rank: this rank's index in ``exchange``; rank 0 (the leader) begins and commits the
+            folder. A file that several ranks wrote (a replica) is uploaded by the lowest of
+            them only.
         name: the last component of ``local``.
         owns: which objects outside the generations (files of the first format) the
             commit may delete (:func:`fastpersist.s3folder.commit`).
@@ -72,7 +73,10 @@ def save_collective(target: Any, write: Callable[[str], object], *, exchange: Ex
             write(local)
         except BaseException as e:  # noqa: BLE001 - every rank learns of it below
             error = e
-        agree(error, untouched, exchange=exchange)  # nothing uploaded yet: the folder is untouched
+        # nothing uploaded yet: the folder is untouched; every rank's files, to upload each once
+        listings = agree(error, untouched, exchange=exchange, value=s3folder.local_files(local))
+        others = {rel for listing in listings[:rank] for rel in listing}
+        leader = rank == 0
         generation: Optional[str] = None
         if leader:
             try:  # the previous commit in the folder stands until this save's commit
@@ -82,7 +86,8 @@ def save_collective(target: Any, write: Callable[[str], object], *, exchange: Ex
         generation = next(g for g in agree(error, untouched, exchange=exchange, value=generation) if g is not None)
         files: dict = {}
         try:
-            files = s3folder.upload_files(local, folder, generation=generation, config=config)
+            files = s3folder.upload_files(local, folder, generation=generation, only=lambda rel: rel not in others,
+                                          config=config)
         except BaseException as e:  # noqa: BLE001
             error = e
         uploaded = exchange.gather((error is None, files))

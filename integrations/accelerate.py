@@ -278,7 +278,7 @@ def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: s
         with _routing(s):
             original(self, local, safe_serialization, **kwargs)
 
-    return s3foldersave.save_collective(url, write, exchange=_AccelerateExchange(), leader=self.is_main_process,
+    return s3foldersave.save_collective(url, write, exchange=_AccelerateExchange(), rank=self.process_index,
                                         owns=_accelerate_entry, config=s.config, operation="save_state",
                                         peer="process", logger=log)
 

@@ -243,7 +243,7 @@ def _save_checkpoint_s3(engine: Any, local_save: Any, url: str, args: tuple, kwa
     pointer = "latest" if call.get("save_latest", True) else None
     call["save_latest"] = False  # no local `latest`: the object is written after the commit
     s3foldersave.save_tag(url, tag, lambda local_dir: local_save(local_dir, **call), pointer=pointer,
-                          beside=_ZERO_SCRIPTS, exchange=WorldExchange(), leader=global_rank() == 0,
+                          beside=_ZERO_SCRIPTS, exchange=WorldExchange(), rank=global_rank(),
                           config=getattr(ce, "config", None), operation="save_checkpoint",
                           kept="`latest` still names the previous tag", logger=log)
     return True

@@ -76,5 +76,5 @@ def test_unstaged_and_empty_saves(tmp_path):
     os.makedirs(stage.staging)
     conclude(stage, None, ELSEWHERE)
     assert not os.path.exists(stage.staging) and target.is_dir()
-    assert str(ELSEWHERE([1], "OSError: x")) == "test checkpoint failed on another rank (rank 1): OSError: x; nothing " \
-                                                "changed"
+    assert str(ELSEWHERE([1], "OSError: x")) == "test checkpoint failed on another rank: rank(s) [1]: OSError: x; " \
+                                                "nothing changed"

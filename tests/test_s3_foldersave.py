@@ -1,6 +1,6 @@
 """fastpersist.s3foldersave: a folder checkpoint two real gloo ranks save to the real s3proxy
-together (each rank its own files, one commit by the leader, an object written beside it
-after the commit), loaded back through a local copy; a rank whose write fails and a rank
+together (each rank its own files, a file both ranks hold uploaded once, one commit by the
+leader, an object written beside it after the commit), loaded back through a local copy; a rank whose write fails and a rank
 whose uploads are refused (403 through the fault proxy) make every rank raise, and the
 checkpoint committed before still loads, with no object or multipart upload of the failed
 saves left."""
@@ -35,6 +35,8 @@ def _writer(rank: int, data: bytes, fail: bool = False):  # noqa: ANN202
         os.makedirs(os.path.join(local, "sub"), exist_ok=True)
         with open(os.path.join(local, "sub" if rank else "", f"rank_{rank}.bin"), "wb") as f:
             f.write(data + str(rank).encode())
+        with open(os.path.join(local, "replica.bin"), "wb") as f:  # every rank holds it: uploaded once
+            f.write(data * (6 << 20))
         if fail:
             raise OSError(errno.ENOSPC, "injected", local)
 
@@ -50,7 +52,7 @@ def _save(rank: int, url: str, data: bytes, *, fail: bool = False) -> str:
 
     try:
         got = s3foldersave.save_collective(url, _writer(rank, data, fail), exchange=WorldExchange(),
-                                           leader=rank == 0, after_commit=after_commit, kept="KEPT")
+                                           rank=rank, after_commit=after_commit, kept="KEPT")
         return "ok" if got == url else f"returned {got}"
     except (OSError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
@@ -88,16 +90,16 @@ def test_two_ranks_save_and_failures_keep_the_previous_checkpoint(boto, bucket, 
         fault_proxy.clear()
     r0, r1 = rank_results(d, 2)
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
-    committed = {"rank_0.bin": b"A0", os.path.join("sub", "rank_1.bin"): b"A1"}
+    committed = {"rank_0.bin": b"A0", os.path.join("sub", "rank_1.bin"): b"A1", "replica.bin": b"A" * (6 << 20)}
     assert r0["first"] == r1["first"] == "ok"
     assert r0["first_tree"] == r1["first_tree"] == committed  # both ranks' files, one commit
     # a write that fails on rank 1: its own error there, rank 1 named on rank 0; nothing uploaded
     assert r1["write_fails"].startswith("OSError") and "injected" in r1["write_fails"], r1["write_fails"]
-    assert r0["write_fails"].startswith("RuntimeError") and "another rank (rank 1)" in r0["write_fails"]
+    assert r0["write_fails"].startswith("RuntimeError") and "another rank: rank(s) [1]" in r0["write_fails"]
     assert f"{url} is untouched" in r0["write_fails"], r0["write_fails"]
     # rank 1's uploads refused: the same on every rank, after the uploads began
     assert "AccessDenied" in r1["upload_fails"] or "403" in r1["upload_fails"], r1["upload_fails"]
-    assert r0["upload_fails"].startswith("RuntimeError") and "another rank (rank 1)" in r0["upload_fails"]
+    assert r0["upload_fails"].startswith("RuntimeError") and "another rank: rank(s) [1]" in r0["upload_fails"]
     assert r0["upload_fails"].endswith("KEPT"), r0["upload_fails"]
     for r in (r0, r1):
         assert r["after_write_fails"] == r["after_upload_fails"] == committed
