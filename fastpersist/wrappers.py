@@ -6,15 +6,17 @@ able to put every original back. :class:`Wrappers` does the bookkeeping: each wr
 is marked (``MARK``) so that a second install is a no-op, static methods stay static,
 aliases of a module-level function that other modules imported by name are rebound too
 (``from cloud_io import _load as pl_load``), and :meth:`Wrappers.undo` restores every
-original in reverse order.
+original in reverse order. :func:`calling_first` makes the common wrapper: run a hook with
+the call's arguments, then the original.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable
 
-__all__ = ["MARK", "Wrappers"]
+__all__ = ["MARK", "Wrappers", "calling_first"]
 
 #: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
 MARK = "_fastpersist_guard"
@@ -23,6 +25,18 @@ MARK = "_fastpersist_guard"
 def is_wrapper(func: Any) -> bool:
     """Whether ``func`` is a wrapper installed by :class:`Wrappers`."""
     return bool(getattr(func, MARK, False))
+
+
+def calling_first(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``make`` for :meth:`Wrappers.wrap`: the wrapper calls ``hook`` with the call's
+    arguments (``self`` included for a method), then the original, whose result it returns."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            hook(*args, **kwargs)
+            return original(*args, **kwargs)
+        return wrapper
+    return make
 
 
 class Wrappers:
