@@ -6,16 +6,19 @@ able to put every original back. :class:`Wrappers` does the bookkeeping: each wr
 is marked (``MARK``) so that a second install is a no-op, static methods stay static,
 aliases of a module-level function that other modules imported by name are rebound too
 (``from cloud_io import _load as pl_load``), and :meth:`Wrappers.undo` restores every
-original in reverse order. :class:`ModuleWith` stands for a module inside one other module
-(``accelerate.checkpointing``'s ``torch``) with some of its functions replaced there only.
+original in reverse order. :func:`calling_first` makes the common wrapper: run a hook with
+the call's arguments, then the original. :class:`ModuleWith` stands for a module inside one
+other module (``accelerate.checkpointing``'s ``torch``) with some of its functions replaced
+there only.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable
 
-__all__ = ["MARK", "ModuleWith", "Wrappers"]
+__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_first"]
 
 #: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
 MARK = "_fastpersist_guard"
@@ -24,6 +27,18 @@ MARK = "_fastpersist_guard"
 def is_wrapper(func: Any) -> bool:
     """Whether ``func`` is a wrapper installed by :class:`Wrappers`."""
     return bool(getattr(func, MARK, False))
+
+
+def calling_first(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``make`` for :meth:`Wrappers.wrap`: the wrapper calls ``hook`` with the call's
+    arguments (``self`` included for a method), then the original, whose result it returns."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            hook(*args, **kwargs)
+            return original(*args, **kwargs)
+        return wrapper
+    return make
 
 
 class Wrappers:

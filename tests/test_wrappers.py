@@ -64,3 +64,26 @@ def test_module_with_routes_the_replaced_names_only():
     assert proxy.other == 1
     proxy.other = 2  # written through to the module
     assert module.other == 2 and "save" in repr(proxy)
+
+
+def test_calling_first_runs_the_hook_then_the_original():
+    from fastpersist.wrappers import Wrappers, calling_first, is_wrapper
+
+    class Owner:
+        @staticmethod
+        def static(path, flag=False):
+            return ("static", path, flag)
+
+        def method(self, path):
+            return ("method", path)
+
+    seen = []
+    w = Wrappers()
+    assert w.wrap(Owner, "static", calling_first(lambda path, *a, **k: seen.append(("static", path, k))))
+    assert w.wrap(Owner, "method", calling_first(lambda self, path: seen.append(("method", path))))
+    assert isinstance(Owner.__dict__["static"], staticmethod) and is_wrapper(Owner.static)
+    assert Owner.static.__name__ == "static" and Owner.static.__wrapped__.__name__ == "static"
+    assert Owner.static("a", flag=True) == ("static", "a", True) and Owner().method("b") == ("method", "b")
+    assert seen == [("static", "a", {"flag": True}), ("method", "b")]
+    w.undo()
+    assert not is_wrapper(Owner.static) and Owner().method("c") == ("method", "c") and len(seen) == 2
