@@ -33,7 +33,6 @@ import mmap as _mmap
 import os
 import socket
 import threading
-import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -43,7 +42,7 @@ from fastpersist import handles, pending, pipeline
 from fastpersist import config as config_mod
 from fastpersist._inputs import is_path
 from fastpersist._sys import pread_full
-from fastpersist.coordinator import Coordinator, Local, check_group
+from fastpersist.coordinator import Coordinator, Local, check_group, collective
 from fastpersist.errors import DistributedCheckpointError, UnsupportedLayoutError
 from fastpersist.formats import registry, split
 from fastpersist.formats.safetensors import load_safetensors
@@ -81,9 +80,7 @@ def load(
     if not is_path(path):
         raise TypeError(f"a collective load reads a file path (str or os.PathLike), got {type(path).__name__}")
     fspath = os.fsdecode(os.fspath(path))
-    co = Coordinator(group, cfg.dist_timeout, f"fastpersist.load({fspath!r}) over {dist.get_world_size(group)} ranks")
-    global _last_load_phases
-    try:
+    with collective("load", fspath, group, cfg.dist_timeout, _last_load_phases) as co:
         mode = cfg.dist_load
         if mode == "auto":
             mode = "slices" if _bulk_device(group) is not None else "whole"
@@ -102,10 +99,6 @@ def load(
                                           config=wcfg, **pickle_load_args))
         co.check("load", co.gather("load", loc.status), local=loc.exc)
         return result
-    finally:
-        co.finish()
-        _last_load_phases = co.phases(time.monotonic())
-        log.debug("%s: phases (step, local s, exchange s): %s", co.what, _last_load_phases)
 
 
 _last_load_phases: list[tuple[str, float, float]] = []

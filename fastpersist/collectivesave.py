@@ -47,9 +47,7 @@ stale-file cleanup).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import time
 from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
@@ -62,10 +60,9 @@ from fastpersist._inputs import is_path
 from fastpersist import commit
 from fastpersist.collectivecommit import commit_agreed, create_temp, save_fallback
 from fastpersist.collectiveplan import PAGE, agree, remove_temp
-from fastpersist.coordinator import Coordinator, Local, check_group
+from fastpersist.coordinator import Coordinator, Local, check_group, collective
 from fastpersist.formats import split
 
-log = logging.getLogger(__name__)
 
 __all__ = ["save", "last_save_phases"]
 
@@ -82,14 +79,8 @@ def save(obj: Any, path: Any, *, group: Any, config: Any = None, format: Optiona
         return
     if not is_path(path):
         raise TypeError(f"fastpersist.save writes to a file path (str or os.PathLike), got {type(path).__name__}")
-    co = Coordinator(group, cfg.dist_timeout, f"fastpersist.save({os.fspath(path)!r}) over {dist.get_world_size(group)} ranks")
-    global _last_save_phases
-    try:
+    with collective("save", path, group, cfg.dist_timeout, _last_save_phases) as co:
         _save(co, obj, path, cfg, format)
-    finally:
-        co.finish()
-        _last_save_phases = co.phases(time.monotonic())
-        log.debug("%s: phases (step, local s, exchange s): %s", co.what, _last_save_phases)
 
 
 _last_save_phases: list[tuple[str, float, float]] = []

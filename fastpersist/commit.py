@@ -501,6 +501,48 @@ def write_small_file(path: PathLike, data: bytes) -> None:
     atomic_write(path, write)
 
 
+def write_and_replace(tmp: str, final: str, data: Union[bytes, bytearray, memoryview], *, fsync: bool = True,
+                      exclusive: bool = True, faults: bool = True) -> None:
+    """Write ``data`` to the new file ``tmp`` (mode ``0666 & ~umask``), fsync it when
+    ``fsync`` is true, and rename it over ``final``. On any exception (including
+    ``KeyboardInterrupt``) ``tmp`` is removed and the exception re-raised, ``final``
+    untouched. ``exclusive``: ``tmp`` must not exist yet (``O_EXCL``); otherwise an
+    existing ``tmp`` is truncated. ``faults``: the calls go through
+    :mod:`fastpersist._sys` (an injected fault reaches them and counts them); false for
+    bookkeeping files that injected faults aimed at checkpoint writes must not hit. The
+    caller picks ``tmp`` in ``final``'s directory and fsyncs that directory afterwards if
+    the rename must survive a crash."""
+
+    def point(op: str, *paths: str) -> None:
+        if faults:
+            _sys.fault_point(op, *paths)
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
+    try:
+        point("open", tmp)
+        fd = os.open(tmp, flags, 0o666)
+        try:
+            view = memoryview(data)
+            while view:
+                point("write", tmp)
+                view = view[os.write(fd, view):]
+            if fsync:
+                if faults:
+                    _sys.fsync(fd, tmp)
+                else:
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
+        point("rename", tmp, final)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def fsync_dir_after_rename(final: str) -> None:
     """fsync the directory of ``final`` after a new file was renamed there; a failure raises
     :class:`~fastpersist.errors.DirectorySyncError`, which says that the new file is in place

@@ -19,18 +19,22 @@ waits for the marks until the timeout and raises
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
+import logging
 import os
 import pickle
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
 from fastpersist import _compat, commit
 from fastpersist.commit import UNKNOWN_HOST
 from fastpersist.errors import DistributedCheckpointError, DistributedTimeoutError
+
+log = logging.getLogger(__name__)
 
 _side_groups: dict[tuple, Any] = {}
 
@@ -67,6 +71,28 @@ def check_group(group: Any) -> None:
         )
     if group is not None and dist.get_rank(group) < 0:
         raise RuntimeError("this process is not a member of the group passed as group=")
+
+
+def operation_name(verb: str, target: Any, group: Any) -> str:
+    """How errors name a collective operation: ``fastpersist.VERB('TARGET') over N ranks``."""
+    return f"fastpersist.{verb}({os.fspath(target)!r}) over {dist.get_world_size(group)} ranks"
+
+
+@contextlib.contextmanager
+def collective(verb: str, target: Any, group: Any, timeout: float,
+               phases: Optional[list[tuple[str, float, float]]] = None) -> Iterator[Coordinator]:
+    """The :class:`Coordinator` of one collective operation (named by :func:`operation_name`),
+    finished when the block ends, however it ends. ``phases``, when given, is replaced in
+    place by the operation's :meth:`Coordinator.phases` (what ``last_save_phases()`` and
+    ``last_load_phases()`` report) and logged at debug level."""
+    co = Coordinator(group, timeout, operation_name(verb, target, group))
+    try:
+        yield co
+    finally:
+        co.finish()
+        if phases is not None:
+            phases[:] = co.phases(time.monotonic())
+            log.debug("%s: phases (step, local s, exchange s): %s", co.what, phases)
 
 
 def _my_identity() -> str:

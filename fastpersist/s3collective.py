@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from fastpersist import collectiveplan, handles, objectstore, pending, pipeline, s3client, s3upload
 from fastpersist import config as config_mod
-from fastpersist.coordinator import Coordinator, Local, StoreCoordinator, check_group
+from fastpersist.coordinator import Coordinator, Local, StoreCoordinator, check_group, collective, operation_name
 from fastpersist.errors import DistributedCheckpointError, ReplicasDifferError, UnsupportedLayoutError
 from fastpersist.formats import registry, split
 from fastpersist.plan import WritePlan, patch_bytes
@@ -283,10 +283,6 @@ def _raise(e: BaseException) -> None:
     raise e
 
 
-def _what(verb: str, target: Any, group: Any) -> str:
-    return f"fastpersist.{verb}({os.fspath(target)!r}) over {dist.get_world_size(group)} ranks"
-
-
 def save(obj: Any, target: Any, *, group: Any, config: Any = None, format: Optional[str] = None) -> None:
     """Collective :func:`fastpersist.save` to an ``s3://`` URL (see the module docstring)."""
     check_group(group)
@@ -294,8 +290,7 @@ def save(obj: Any, target: Any, *, group: Any, config: Any = None, format: Optio
     if dist.get_world_size(group) == 1:
         pipeline.save(obj, target, config=cfg, format=format)
         return
-    co = Coordinator(group, cfg.dist_timeout, _what("save", target, group))
-    try:
+    with collective("save", target, group, cfg.dist_timeout) as co:
         loc = Local()
         loc.run(lambda: pending.before_blocking_save(os.fspath(target)))
         agreed = _agree(co, obj, target, cfg, format, loc)
@@ -307,8 +302,6 @@ def save(obj: Any, target: Any, *, group: Any, config: Any = None, format: Optio
             gu.create(loc)
             loc.run(gu.send)
             gu.finish(co, loc)
-    finally:
-        co.finish()
 
 
 def _save_alone(co: Coordinator, obj: Any, url: S3Url, cfg: Any, format: Optional[str], loc: Local) -> None:
@@ -327,7 +320,7 @@ def start_async(obj: Any, target: Any, *, group: Any, config: Any = None, format
     already uploaded it. Raises on every rank (nothing left behind) on failure, including
     an error ``before()`` raises on any rank (reported at the plan step)."""
     cfg = config_mod.resolve(config)
-    what = _what("save_async", target, group)
+    what = operation_name("save_async", target, group)
     co = Coordinator(group, cfg.dist_timeout, what)  # the caller's thread: the collective steps
     bg = StoreCoordinator(group, cfg.dist_timeout, what)  # the background thread: store exchanges only
     try:
@@ -372,8 +365,7 @@ def load(target: Any, map_location: Any = None, pickle_module: Any = None, *, gr
     if dist.get_world_size(group) == 1:
         return pipeline.load(target, map_location, pickle_module, weights_only=weights_only, mmap=mmap, config=cfg,
                              **pickle_load_args)
-    co = Coordinator(group, cfg.dist_timeout, _what("load", target, group))
-    try:
+    with collective("load", target, group, cfg.dist_timeout) as co:
         loc = Local()
 
         def one() -> tuple[Any, str]:
@@ -391,5 +383,3 @@ def load(target: Any, map_location: Any = None, pickle_module: Any = None, *, gr
                 f"{co.what}: the object was replaced while the ranks were reading it (ETags {each}); load it again")
         assert got is not None
         return got[0]
-    finally:
-        co.finish()

@@ -226,3 +226,48 @@ def test_sigkill_mid_save_keeps_previous(tmp_path):
     assert torch.equal(got["old"], torch.arange(1000)) and got["step"] == 1
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted(["ckpt.pt", temp]), names  # only the dead writer's temporary file beside it
+
+
+# ---- commit.write_and_replace (DCP's .metadata, the tiered mode's journal entries)
+
+
+def test_write_and_replace_replaces_and_honours_the_umask(tmp_path):
+    from fastpersist.commit import write_and_replace
+
+    final, tmp = tmp_path / "f.bin", tmp_path / "f.bin.tmp"
+    final.write_bytes(b"old")
+    old = os.umask(0o027)
+    try:
+        write_and_replace(str(tmp), str(final), b"new bytes" * 1000)
+    finally:
+        os.umask(old)
+    assert final.read_bytes() == b"new bytes" * 1000
+    assert final.stat().st_mode & 0o777 == 0o640
+    assert not tmp.exists()
+
+
+@pytest.mark.parametrize("op", ["open", "write", "fsync", "rename"])
+def test_write_and_replace_fault_keeps_previous_and_removes_temp(tmp_path, op):
+    from fastpersist.commit import write_and_replace
+    from fastpersist.testing import inject_fault
+
+    final, tmp = tmp_path / "f.bin", tmp_path / "f.bin.tmp"
+    final.write_bytes(b"old")
+    with inject_fault(op, 1, "EIO") as fault, pytest.raises(OSError) as info:
+        write_and_replace(str(tmp), str(final), b"new")
+    assert info.value.errno == errno.EIO and fault.hits == 1
+    assert final.read_bytes() == b"old"
+    assert not tmp.exists()
+
+
+def test_write_and_replace_without_faults_is_not_counted(tmp_path):
+    """faults=False (the journal): an injected fault neither fails nor counts the calls."""
+    from fastpersist.commit import write_and_replace
+    from fastpersist.testing import inject_fault
+
+    final, tmp = tmp_path / "f.bin", tmp_path / "f.bin.tmp"
+    tmp.write_bytes(b"a leftover longer than the new bytes")  # exclusive=False: truncated, not refused
+    with inject_fault("write", 1, "EIO") as fault:
+        write_and_replace(str(tmp), str(final), b"new", exclusive=False, faults=False)
+    assert fault.hits == 0
+    assert final.read_bytes() == b"new"

@@ -1,5 +1,5 @@
 """The collective ``slices`` load builds its tensors over the bytes the ranks assembled
-(fastpersist.collectiveload, fastpersist.formats.torchload.load_torch_memory), with real
+(fastpersist.collectiveload, fastpersist.formats.torchload.load_torch with memory=), with real
 gloo process groups: bit-exact against ``torch.load``, storages of their own, writes that
 stay in their process, a corrupt byte in any rank's slice (on disk or in one rank's read)
 refused on every rank, a failed read and a rank dying in its read named on every rank.

@@ -278,3 +278,41 @@ def test_unzip_accepts_file(tmp_path):
     fastpersist.save(sample_state(), path)
     res = subprocess.run(["unzip", "-t", str(path)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- one entry point, from a file or from memory
+
+
+def test_load_torch_from_memory_equals_load_from_file(tmp_path):
+    """``torchload.load_torch`` over the file's bytes in memory (the collective load's
+    assembled file) gives what it gives from the file, and what ``torch.load`` gives."""
+    import mmap
+
+    from fastpersist import _compat, handles
+    from fastpersist.formats import torchload
+
+    state = sample_state()
+    path = str(tmp_path / "s.pt")
+    fastpersist.save(state, path)
+    handle = handles.handle_for(fastpersist.Config(), read=True)
+    unpickler = _compat.weights_only_unpickler()
+    from_file = torchload.load_torch(path, handle, None, unpickler, weights_only=True, encoding="utf-8")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        memory = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        from_memory = torchload.load_torch(path, handle, None, unpickler, weights_only=True, memory=memory, fd=fd,
+                                           encoding="utf-8")
+        with pytest.raises(ValueError, match="memory= and fd= go together"):
+            torchload.load_torch(path, handle, None, unpickler, weights_only=True, fd=fd)
+        with pytest.raises(UnsupportedLayoutError, match="the buffer holds"):
+            torchload.load_torch(path, handle, None, unpickler, weights_only=True, memory=bytearray(10), fd=fd)
+    finally:
+        os.close(fd)
+    expected = torch.load(path, weights_only=True)
+    for got in (from_file, from_memory):
+        assert got.keys() == expected.keys()
+        for k, v in expected.items():
+            if isinstance(v, torch.Tensor):
+                assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+            else:
+                assert got[k] == v

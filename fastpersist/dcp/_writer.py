@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from fastpersist import _compat, _native, _sys
-from fastpersist.commit import clean_stale_temps, fsync_dir, fsync_dir_after_rename, temp_path_for
+from fastpersist.commit import (clean_stale_temps, fsync_dir, fsync_dir_after_rename, temp_path_for,
+                                write_and_replace)
 from fastpersist.config import get_default
 from fastpersist.dcp._layout import FileLayout, item_crcs, plan_file, stock_tensor
 from fastpersist.dcp._s3 import ALIGNMENT as S3_ALIGNMENT
@@ -408,24 +409,7 @@ class FastPersistWriter(FileSystemWriter):
             return
         directory = self._dir()
         final = os.path.join(directory, self._metadata_name())
-        tmp = temp_path_for(final)
-        try:
-            fd = _sys.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[_sys.write(fd, view, tmp):]
-                if self.sync_files:
-                    _sys.fsync(fd, tmp)
-            finally:
-                os.close(fd)
-            _sys.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_and_replace(temp_path_for(final), final, data, fsync=self.sync_files)
         if self.sync_files:
             fsync_dir_after_rename(final)  # its error says the new .metadata is in place
         # The new checkpoint is committed: what follows never fails the save.

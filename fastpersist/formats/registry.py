@@ -169,7 +169,7 @@ def _load_torch(fspath: str, cfg: Any, req: LoadRequest) -> Any:
 def load_torch_in_memory(fspath: str, fd: int, memory: Any, cfg: Any, req: LoadRequest) -> Any:
     """The fast load of a torch zip file whose bytes are all in ``memory`` already, and
     readable through ``fd`` (the collective load's assembled file, see
-    :func:`fastpersist.formats.torchload.load_torch_memory`): the storages are built over
+    :func:`fastpersist.formats.torchload.load_torch` with ``memory``): the storages are built over
     ``memory``, with the same checks as a load from the file. ``fspath`` names the file.
 
     Raises:
@@ -194,8 +194,8 @@ def load_torch_in_memory(fspath: str, fd: int, memory: Any, cfg: Any, req: LoadR
         _compat.check_dill_version(module)
     pickle_load_args.setdefault("encoding", "utf-8")
     try:
-        return torchload.load_torch_memory(fspath, fd, memory, handles.handle_for(cfg, read=True), req.map_location,
-                                           module, weights_only=wo, checksum=cfg.checksum, **pickle_load_args)
+        return torchload.load_torch(fspath, handles.handle_for(cfg, read=True), req.map_location, module,
+                                    weights_only=wo, checksum=cfg.checksum, memory=memory, fd=fd, **pickle_load_args)
     except pickle.UnpicklingError as e:
         if not wo:
             raise

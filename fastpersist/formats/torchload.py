@@ -253,7 +253,7 @@ class LoadState:
         self.size = size
         self.checksum = checksum
         self.lock = lock
-        #: the whole file's bytes, already in memory (:func:`load_torch_memory`): a writable
+        #: the whole file's bytes, already in memory (``load_torch(memory=...)``): a writable
         #: buffer of ``size`` bytes that the storages are built over; None: read from ``fd``
         self.memory = memory
         self.records: list[_Record] = []
@@ -551,6 +551,8 @@ def load_torch(
     *,
     weights_only: bool,
     checksum: bool = True,
+    memory: Any = None,
+    fd: Optional[int] = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load the torch zip checkpoint at ``path`` (see the module docstring).
@@ -558,76 +560,61 @@ def load_torch(
     ``handle`` supplies the I/O settings (engine, chunk size, queue depth, threads,
     O_DIRECT, staged reads); the read runs on a handle of its own.
 
+    With ``memory`` the file's bytes are all in memory already (the collective load's
+    assembled file): no read and no copy of the payloads. ``memory`` is a writable
+    buffer holding the whole file (a private mapping of ``fd``, say) and ``fd`` a
+    descriptor reading the same bytes (the index, the pickle and the local headers are
+    read through it); ``path`` then only names the file in errors. Every storage is a
+    view of its record's bytes in ``memory``: each tensor has a storage of its own (no
+    two overlap, none can grow), and together they keep ``memory`` alive, as a
+    ``torch.load(mmap=True)`` result keeps its mapping. Every record the load uses has
+    its local header checked and its CRC-32 computed in place (on ``handle``'s threads)
+    and compared before the result is returned.
+
     Raises:
         UnsupportedLayoutError: not something this reader loads (not a zip file,
             compressed or encrypted records, TorchScript, meta/fake loads, a torch
-            whose private ``_load`` differs); the caller hands the path to ``torch.load``.
+            whose private ``_load`` differs, a ``memory`` whose size is not the file's);
+            the caller hands the path to ``torch.load``.
         ZipFormatError: the file is inconsistent (names the path and what is wrong).
         ChecksumError: a record's bytes do not match their CRC-32.
         OSError: I/O errors (path, offset, errno).
+        ValueError: ``memory`` without ``fd``, or ``fd`` without ``memory``.
     """
+    if (memory is None) != (fd is None):
+        raise ValueError("load_torch: memory= and fd= go together (the file's bytes and a descriptor reading them)")
     private_load = _compat.private_load()  # UnsupportedLayoutError when torch's _load changed
     if meta_or_fake(map_location):
         raise UnsupportedLayoutError("meta or fake-tensor load")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsupportedLayoutError("not a regular file")
-        if pread_full(fd, 4, 0, path) != b"PK\x03\x04":  # a short read must not pass for "not a zip"
-            raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
+
+    def load_from(fd: int, size: int) -> Any:
         try:
-            return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, private_load,
+            return _load_fd(path, fd, size, handle, map_location, pickle_module, private_load, memory=memory,
                             weights_only=weights_only, checksum=checksum, **pickle_load_args)
         except HeaderMismatch:
             log.debug("%s: predicted record offsets were wrong; loading with every local header read", path)
-            return _load_fd(path, fd, st.st_size, handle, map_location, pickle_module, private_load, exact=True,
-                            weights_only=weights_only, checksum=checksum, **pickle_load_args)
-    finally:
-        os.close(fd)
+            return _load_fd(path, fd, size, handle, map_location, pickle_module, private_load, exact=True,
+                            memory=memory, weights_only=weights_only, checksum=checksum, **pickle_load_args)
 
-
-def load_torch_memory(
-    path: str,
-    fd: int,
-    memory: Any,
-    handle: Any,
-    map_location: Any,
-    pickle_module: Any,
-    *,
-    weights_only: bool,
-    checksum: bool = True,
-    **pickle_load_args: Any,
-) -> Any:
-    """:func:`load_torch` of a file whose bytes are all in memory already (the collective
-    load's assembled file): no read and no copy of the payloads.
-
-    ``memory`` is a writable buffer holding the whole file (a private mapping of ``fd``,
-    say) and ``fd`` a descriptor reading the same bytes (the index, the pickle and the
-    local headers are read through it); ``path`` names the file in errors. Every storage
-    is a view of its record's bytes in ``memory``: each tensor has a storage of its own
-    (no two overlap, none can grow), and together they keep ``memory`` alive, as a
-    ``torch.load(mmap=True)`` result keeps its mapping. Every record the load uses has
-    its local header checked and its CRC-32 computed in place (on ``handle``'s threads)
-    and compared before the result is returned. Raises what :func:`load_torch` raises.
-    """
-    private_load = _compat.private_load()
-    if meta_or_fake(map_location):
-        raise UnsupportedLayoutError("meta or fake-tensor load")
-    size = os.fstat(fd).st_size
-    view = memoryview(memory)
-    if view.nbytes != size:
-        raise UnsupportedLayoutError(f"the buffer holds {view.nbytes} bytes, the file {size}")
-    if bytes(view[:4]) != b"PK\x03\x04":
-        raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
-    del view
+    if fd is not None:
+        size = os.fstat(fd).st_size
+        view = memoryview(memory)
+        if view.nbytes != size:
+            raise UnsupportedLayoutError(f"the buffer holds {view.nbytes} bytes, the file {size}")
+        if bytes(view[:4]) != b"PK\x03\x04":
+            raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
+        del view
+        return load_from(fd, size)
+    own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        return _load_fd(path, fd, size, handle, map_location, pickle_module, private_load, memory=memory,
-                        weights_only=weights_only, checksum=checksum, **pickle_load_args)
-    except HeaderMismatch:
-        log.debug("%s: predicted record offsets were wrong; loading with every local header read", path)
-        return _load_fd(path, fd, size, handle, map_location, pickle_module, private_load, exact=True, memory=memory,
-                        weights_only=weights_only, checksum=checksum, **pickle_load_args)
+        st = os.fstat(own)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsupportedLayoutError("not a regular file")
+        if pread_full(own, 4, 0, path) != b"PK\x03\x04":  # a short read must not pass for "not a zip"
+            raise UnsupportedLayoutError("not a zip file (legacy torch format?)")
+        return load_from(own, st.st_size)
+    finally:
+        os.close(own)
 
 
 def meta_or_fake(map_location: Any) -> bool:

@@ -12,7 +12,9 @@
 #
 # Usage: bash tools/compat/dcp.sh SCRATCH MODE   (MODE: stock | fastpersist)
 # fastpersist: tools/compat/dcp_plugin.py (pytest -p) replaces FileSystemWriter/FileSystemReader
-# by fastpersist.dcp.FastPersistWriter/FastPersistReader. Writes SCRATCH/results/dcp-MODE.xml.
+# by fastpersist.dcp.FastPersistWriter/FastPersistReader, in the pytest process and (through
+# tools/compat/dcp_spawn/sitecustomize.py on PYTHONPATH) in the ranks the 2-rank tests spawn.
+# Writes SCRATCH/results/dcp-MODE.xml.
 set -euo pipefail
 SCRATCH=${1:?usage: dcp.sh SCRATCH stock|fastpersist}
 MODE=${2:?usage: dcp.sh SCRATCH stock|fastpersist}
@@ -33,7 +35,9 @@ mkdir -p "$SCRATCH/results"
 PLUGIN=()
 case "$MODE" in
   stock) ;;
-  fastpersist) PLUGIN=(-p dcp_plugin); export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" ;;
+  # dcp_spawn/sitecustomize.py applies the same substitution in the ranks the 2-rank tests
+  # spawn (fresh interpreters: no pytest plugin reaches them)
+  fastpersist) PLUGIN=(-p dcp_plugin); export PYTHONPATH="$HERE/dcp_spawn:$HERE${PYTHONPATH:+:$PYTHONPATH}" ;;
   *) echo "unknown MODE $MODE (stock | fastpersist)" >&2; exit 2 ;;
 esac
 export FASTPERSIST_PATCH_TORCH_SAVE=0 CUDA_VISIBLE_DEVICES=""
