@@ -96,6 +96,12 @@ def available_engines() -> list[str]:
 def cufile_status() -> str:
     """'available', or the reason cuFile is not usable (library missing, driver open failed, ...)."""
 
+def set_staging_huge_pages(huge: bool) -> None:
+    """Whether staging buffers allocated from now on ask for transparent huge pages
+    (``MADV_HUGEPAGE``, the default) or refuse them (``MADV_NOHUGEPAGE``); process-wide.
+    ``fastpersist.io.native_module`` sets it from ``fastpersist.prefault.huge_pages()``."""
+def staging_huge_pages() -> bool:
+    """The setting of :func:`set_staging_huge_pages`."""
 def alignment_of(path: str) -> int:
     """O_DIRECT alignment (bytes) for files at ``path`` (a file or a directory):
     the device's logical block size / statx DIO alignment, never below 4096."""

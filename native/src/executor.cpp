@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
@@ -94,6 +95,7 @@ size_t chunk_of(const std::vector<C>& chunks, uint64_t b) {
 namespace {
 constexpr size_t kHugePage = size_t(2) << 20;
 bool huge_backed(size_t n) { return n % kHugePage == 0; }
+std::atomic<bool> g_staging_huge{true};  // set_staging_huge_pages
 
 // Staging buffers that are whole 2 MiB multiples come from mmap with
 // transparent huge pages: the kernel pins them for O_DIRECT 512 times
@@ -107,8 +109,8 @@ char* alloc_staging(size_t n) {
   // Return the unaligned head and tail to the kernel so only [a, a+n) stays mapped.
   if (a > base) ::munmap(m, a - base);
   if (base + n + kHugePage > a + n) ::munmap(reinterpret_cast<void*>(a + n), base + n + kHugePage - (a + n));
-#ifdef MADV_HUGEPAGE
-  ::madvise(reinterpret_cast<void*>(a), n, MADV_HUGEPAGE);
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+  ::madvise(reinterpret_cast<void*>(a), n, g_staging_huge.load(std::memory_order_relaxed) ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
 #endif
   return reinterpret_cast<char*>(a);
 }
@@ -121,7 +123,63 @@ void free_staging(char* p, size_t n) {
     std::free(p);
   }
 }
+// Writes of at most this many bytes that fit one staging buffer run on the calling
+// thread from one buffer: no engine threads started, no hand-off to the pool (on a busy
+// machine each hand-off waits for a core), one staging buffer instead of two.
+constexpr uint64_t kInlineWriteMax = uint64_t(8) << 20;
+
+bool inline_write(const ExecOptions& opt, size_t nchunks, bool direct, size_t a, uint64_t S, uint64_t E,
+                  size_t cs) {
+  if (nchunks < 2 || (opt.engine != "auto" && opt.engine != "psync")) return false;
+  const uint64_t base = direct ? align_down(S, a) : S;
+  return E - S <= kInlineWriteMax && E - base <= cs;
+}
+
+// The inline write: every extent copied (and checksummed) into one staging buffer laid
+// out like the file from `base`, the patches applied (every CRC is known by then), then
+// an unaligned head and tail through the page cache and the aligned middle with O_DIRECT.
+void write_inline(const File& f, const std::vector<Extent>& extents, const std::vector<Patch>& patches,
+                  bool direct, size_t a, uint64_t S, uint64_t E, BufferCache& cache, std::vector<uint32_t>& crc) {
+  const uint64_t base = direct ? align_down(S, a) : S;
+  struct Lease {
+    BufferCache& cache;
+    char* p;
+    ~Lease() { cache.release(p); }
+  } lease{cache, cache.acquire()};
+  char* buf = lease.p;
+  for (const Extent& e : extents) {
+    if (!e.len) continue;
+    uint32_t c = copy_crc(buf + (e.off - base), reinterpret_cast<const char*>(e.ptr), e.len, e.slot >= 0);
+    if (e.slot >= 0) crc[e.slot] = crc32_combine(crc[e.slot], c, e.len);
+  }
+  for (const Patch& p : patches) {
+    unsigned char bytes[8];
+    size_t w = 0;
+    encode_patch(p, crc[p.slot], bytes, w);
+    std::memcpy(buf + (p.off - base), bytes, w);
+  }
+  auto put = [&](uint64_t lo, uint64_t hi, bool d) {
+    if (lo >= hi) return;
+    size_t done = 0;
+    int r = sys::full_pwrite(f.fd(), d ? f.dfd() : -1, d ? a : 1, buf + (lo - base), hi - lo, lo, &done);
+    if (r < 0) throw IoError(-r, "pwrite", f.path(), lo + done, (hi - lo) - done);
+  };
+  if (direct) {
+    const uint64_t m0 = align_up(S, a), m1 = align_down(E, a);
+    if (m0 < m1) {
+      put(S, m0, false);
+      put(m0, m1, true);
+      put(m1, E, false);
+      return;
+    }
+  }
+  put(S, E, false);
+}
+
 }  // namespace
+
+void set_staging_huge_pages(bool huge) { g_staging_huge.store(huge); }
+bool staging_huge_pages() { return g_staging_huge.load(); }
 
 BufferCache::~BufferCache() {
   for (char* p : free_) free_staging(p, size_);
@@ -277,6 +335,13 @@ ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
     if (r != 0 && errno != EOPNOTSUPP && errno != ENOSYS && errno != EINVAL) {
       throw IoError(errno, "fallocate", f.path(), S, E - S);
     }
+  }
+
+  if (inline_write(opt, n, direct, a, S, E, cs)) {
+    result.engine = direct ? "psync" : "psync-buffered";
+    write_inline(f, extents, patches, direct, a, S, E, cache, result.crcs);
+    if (opt.fsync) f.sync();
+    return result;
   }
 
   std::string used;
