@@ -23,7 +23,9 @@ every 4 KiB of it in on the host. On the reference VM a fresh process's first to
 1 GiB ``fastpersist.load`` went from 0.55-0.75x ``torch.load`` to 3-4x. There the
 buffers get ``MADV_NOHUGEPAGE`` before anything touches them; elsewhere they keep huge
 pages. A fact of the machine, not a measurement: the same machine always chooses the
-same way. ``FASTPERSIST_LOAD_HUGE_PAGES=on|off`` overrides it.
+same way. The native staging buffers (the rings saves and staged loads copy through)
+get the same choice (:func:`fastpersist.io.native_module` passes it to the extension).
+``FASTPERSIST_LOAD_HUGE_PAGES=on|off`` overrides it, for both.
 """
 
 from __future__ import annotations
