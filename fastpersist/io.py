@@ -86,9 +86,7 @@ def native_module() -> Any:
     """The compiled extension, or an ImportError that says how to get it.
 
     The first call gives the native staging buffers (the rings that saves and staged
-    loads copy through) the page size :func:`fastpersist.prefault.huge_pages` chooses
-    for this machine, as for the loads' fresh buffers: where a fresh huge page faults
-    in on the host 4 KiB at a time they are refused (``MADV_NOHUGEPAGE``)."""
+    loads copy through) their page size: :func:`fastpersist.prefault.staging_huge_pages`."""
     global _staging_pages_set
     if _native is None:
         raise ImportError(
@@ -97,7 +95,7 @@ def native_module() -> Any:
             "with a C++17 compiler"
         ) from _NATIVE_IMPORT_ERROR
     if not _staging_pages_set:
-        _native.set_staging_huge_pages(prefault.huge_pages()[0])
+        _native.set_staging_huge_pages(prefault.staging_huge_pages())
         _staging_pages_set = True
     return _native
 

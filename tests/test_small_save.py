@@ -7,7 +7,7 @@ O_DIRECT), with no engine threads and no hand-off to the pool. These tests hold 
 to what the ring path writes (byte for byte), to torch.load (bit-exact round trips at
 the sizes around the threshold), and to the fault guarantees (an I/O error raises an
 OSError naming errno and path and keeps the previous checkpoint; short writes and EINTR
-are retried). The staging buffers take the page size ``prefault.huge_pages()`` chooses.
+are retried). The staging buffers take the page size ``prefault.staging_huge_pages()`` gives.
 """
 
 from __future__ import annotations
@@ -144,9 +144,12 @@ def test_short_and_interrupted_small_writes_are_exact(tmp_path, action, nth, cou
     assert (tmp_path / "x.pt").read_bytes() == (tmp_path / "ref.pt").read_bytes()
 
 
-def test_staging_buffers_take_the_page_size_of_this_machine():
+def test_staging_buffers_take_the_page_size_the_setting_gives(monkeypatch):
     io.native_module()
-    assert _native.staging_huge_pages() is prefault.huge_pages()[0]
+    assert _native.staging_huge_pages() is prefault.staging_huge_pages()
+    for value, huge in (("", True), ("auto", True), ("on", True), ("off", False), ("0", False)):
+        monkeypatch.setenv(prefault.HUGE_PAGES_ENV, value)
+        assert prefault.staging_huge_pages() is huge, value
 
 
 _SMAPS_CHILD = textwrap.dedent(
@@ -166,7 +169,7 @@ _SMAPS_CHILD = textwrap.dedent(
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
-@pytest.mark.parametrize("setting,flag", [("off", "nh")])  # "on" is the native default
+@pytest.mark.parametrize("setting,flag", [("off", "nh"), ("auto", "hg")])
 def test_a_save_staging_buffer_is_advised_as_the_setting_says(tmp_path, setting, flag):
     env = dict(os.environ, **{prefault.HUGE_PAGES_ENV: setting})
     out = subprocess.run([sys.executable, "-c", _SMAPS_CHILD, str(tmp_path / "a.pt")], env=env,
