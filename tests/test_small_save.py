@@ -176,3 +176,31 @@ def test_a_save_staging_buffer_is_advised_as_the_setting_says(tmp_path, setting,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert flag in out.stdout.split(), out.stdout  # the kept 8 MiB staging buffer of the save
+
+
+# The fault matrix's states are small enough for the inline path now: the ring (fills on the
+# pool, writes on the engine's threads) keeps its own fault tests here, above 32 MiB.
+
+def _ring_cfg() -> fastpersist.Config:
+    return fastpersist.Config(chunk_size=1 * MiB, queue_depth=4, threads=2)
+
+
+@pytest.mark.parametrize("action,code,nth", [("EIO", errno.EIO, 3), ("ENOSPC", errno.ENOSPC, 20)])
+def test_a_failed_ring_write_raises_and_keeps_the_previous_checkpoint(previous, action, code, nth):
+    _native.set_fault("write", nth, action)
+    with pytest.raises(OSError) as info:
+        fastpersist.save(_state(40 * MiB, seed=4), previous, config=_ring_cfg())
+    assert _native.fault_hits() == 1
+    assert info.value.errno == code and info.value.filename == str(previous)
+
+
+@pytest.mark.parametrize("action,nth,count", [("short", 2, 3), ("eintr", 5, 4)])
+def test_short_and_interrupted_ring_writes_are_exact(tmp_path, action, nth, count):
+    state = _state(40 * MiB, seed=5)
+    fastpersist.save(state, tmp_path / "ref.pt", config=_ring_cfg())
+    _native.set_fault("write", nth, action, count)
+    fastpersist.save(state, tmp_path / "x.pt", config=_ring_cfg())
+    assert _native.fault_hits() == count
+    _native.clear_faults()
+    assert (tmp_path / "x.pt").read_bytes() == (tmp_path / "ref.pt").read_bytes()
+    _same(torch.load(tmp_path / "x.pt", weights_only=True), state)
