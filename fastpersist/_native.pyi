@@ -32,10 +32,11 @@ Patches (writes only): tuples ``(file_offset, crc_slot, kind)``: the CRC-32 of
 ``crc_slot`` is stored at ``file_offset`` as ``kind`` 0: 4 bytes little-endian
 (zip fields), or ``kind`` 1: 8 lowercase hex ASCII characters (JSON headers).
 The bytes land in the staging buffer; the caller's memory is never modified.
-A chunk holding a patch whose slot is not yet complete (e.g. a header placed
-before the data it checksums) is held back, keeping its staging buffer, and
-written as soon as the slot completes; ``ValueError`` if more than
-``queue_depth - 1`` chunks would have to be held. This is how zip CRC fields
+A write of up to 32 MiB (engine ``auto`` or ``psync``) runs on the calling
+thread: its CRCs are computed first, so every patch is known before any chunk
+is written. Above that, a chunk holding a patch whose slot is not yet complete
+(e.g. a header placed before the data it checksums) is held back in a copy of
+its own, and written as soon as the slot completes. This is how zip CRC fields
 (data descriptor, central directory) are filled in one pass at disk speed.
 
 The caller keeps the memory behind every ``ptr`` alive and unchanged until the
@@ -96,6 +97,12 @@ def available_engines() -> list[str]:
 def cufile_status() -> str:
     """'available', or the reason cuFile is not usable (library missing, driver open failed, ...)."""
 
+def set_staging_huge_pages(huge: bool) -> None:
+    """Whether staging buffers allocated from now on ask for transparent huge pages
+    (``MADV_HUGEPAGE``, the default) or refuse them (``MADV_NOHUGEPAGE``); process-wide.
+    ``fastpersist.io.native_module`` sets it from ``fastpersist.prefault.huge_pages()``."""
+def staging_huge_pages() -> bool:
+    """The setting of :func:`set_staging_huge_pages`."""
 def alignment_of(path: str) -> int:
     """O_DIRECT alignment (bytes) for files at ``path`` (a file or a directory):
     the device's logical block size / statx DIO alignment, never below 4096."""

@@ -11,19 +11,18 @@ to a directory.
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 from typing import Any
 
 from fastpersist import io, readpolicy
 from fastpersist.config import Config
+from fastpersist.idlepool import IdlePool
 
 _handles: dict[tuple, Any] = {}
 _handles_lock = threading.Lock()
 _WRITERS_MAX = 2  #: idle writers kept per setting
-_writers: dict[tuple, list[Any]] = {}
-_writers_lock = threading.Lock()
+_writers: IdlePool[Any] = IdlePool(_WRITERS_MAX)  # emptied in a forked child and at exit (idlepool)
 
 
 def _forget_handles_in_child() -> None:
@@ -31,11 +30,9 @@ def _forget_handles_in_child() -> None:
     thread may have held the old one at the fork). The native handles are
     fork-safe on their own (``_native.pyi``); dropping them just lets the child
     build its own threads once, when it first saves or loads."""
-    global _handles_lock, _writers_lock
+    global _handles_lock
     _handles_lock = threading.Lock()
     _handles.clear()
-    _writers_lock = threading.Lock()
-    _writers.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -72,12 +69,8 @@ def borrow_writer(config: Config) -> Any:
     spares each save the handle's thread starts (a new handle per save was a fixed cost
     of every small save). One not handed back is simply dropped."""
     kwargs = config.handle_kwargs()
-    key = tuple(sorted(kwargs.items()))
-    with _writers_lock:
-        idle = _writers.get(key)
-        if idle:
-            return idle.pop()
-    return io.native_module().Handle(**kwargs)
+    idle = _writers.take(tuple(sorted(kwargs.items())))
+    return idle if idle is not None else io.native_module().Handle(**kwargs)
 
 
 def give_back_writer(config: Config, handle: Any) -> None:
@@ -87,21 +80,12 @@ def give_back_writer(config: Config, handle: Any) -> None:
     if handle.pending():
         return
     handle.trim_buffers(1)
-    key = tuple(sorted(config.handle_kwargs().items()))
-    with _writers_lock:
-        idle = _writers.setdefault(key, [])
-        if len(idle) < _WRITERS_MAX and all(h is not handle for h in idle):
-            idle.append(handle)
+    _writers.keep(tuple(sorted(config.handle_kwargs().items())), handle)
 
 
 def forget_writers() -> None:
     """Drop the idle writers (their threads end)."""
-    with _writers_lock:
-        _writers.clear()
-
-
-# The idle writers' threads are joined at exit while the interpreter still runs.
-atexit.register(lambda: forget_writers())
+    _writers.clear()
 
 
 def alignment_for(directory: str) -> int:

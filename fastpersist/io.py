@@ -41,6 +41,7 @@ from typing import Any, Optional, Union
 import torch
 
 from fastpersist import config as config_mod
+from fastpersist import prefault
 
 try:
     import fastpersist._native as _native
@@ -78,14 +79,24 @@ class PinningWarning(UserWarning):
     """Host memory could not be page-locked (or CUDA-registered) as requested."""
 
 
+_staging_pages_set = False
+
+
 def native_module() -> Any:
-    """The compiled extension, or an ImportError that says how to get it."""
+    """The compiled extension, or an ImportError that says how to get it.
+
+    The first call gives the native staging buffers (the rings that saves and staged
+    loads copy through) their page size: :func:`fastpersist.prefault.staging_huge_pages`."""
+    global _staging_pages_set
     if _native is None:
         raise ImportError(
             "fastpersist's native extension (fastpersist._native) is not built "
             f"({_NATIVE_IMPORT_ERROR}); reinstall with `pip install -e .` on a machine "
             "with a C++17 compiler"
         ) from _NATIVE_IMPORT_ERROR
+    if not _staging_pages_set:
+        _native.set_staging_huge_pages(prefault.staging_huge_pages())
+        _staging_pages_set = True
     return _native
 
 

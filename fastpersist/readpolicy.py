@@ -24,7 +24,6 @@ The readers a plan asks for are kept in a small pool per setting (:func:`borrow_
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import dataclasses
 import os
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from fastpersist import io
+from fastpersist.idlepool import IdlePool
 
 __all__ = [
     "CACHED_ENOUGH",
@@ -273,21 +273,7 @@ def describe_dir(directory: Union[str, "os.PathLike[str]"], config: Any) -> Read
 # ---- readers ----------------------------------------------------------------------
 
 _POOL_MAX = 4  #: idle readers kept per setting
-_pool: dict[tuple, list[Any]] = {}
-_pool_lock = threading.Lock()
-
-
-def _forget_pool_in_child() -> None:
-    global _pool_lock
-    _pool_lock = threading.Lock()
-    _pool.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
-# The idle readers' threads are joined at exit while the interpreter still runs, not left to
-# module teardown in whatever order it destroys things.
-atexit.register(lambda: forget_readers())
+_readers: IdlePool[Any] = IdlePool(_POOL_MAX)  # emptied in a forked child and at exit (idlepool)
 
 
 def _reader_key(handle: Any, plan: ReadPlan) -> tuple:
@@ -299,11 +285,9 @@ def borrow_reader(handle: Any, plan: ReadPlan) -> Any:
     one load alone (two loads on two threads never collect each other's reads): an idle
     one from the pool, or a new one. Hand it back with :func:`give_back_reader` once its
     reads are collected; one not handed back is simply dropped."""
-    key = _reader_key(handle, plan)
-    with _pool_lock:
-        idle = _pool.get(key)
-        if idle:
-            return idle.pop()
+    idle = _readers.take(_reader_key(handle, plan))
+    if idle is not None:
+        return idle
     return io.native_module().Handle(handle.engine, handle.chunk_size, handle.queue_depth, handle.threads,
                                      plan.direct, stage_reads=plan.stage)
 
@@ -317,14 +301,9 @@ def give_back_reader(reader: Any) -> None:
     # of the next load's pieces), not every buffer its last load used (a kept 64 MiB slice had 85 MiB
     # resident with all of them; a new buffer costs its first touch at every load)
     reader.trim_buffers(1)
-    key = (reader.engine, reader.chunk_size, reader.queue_depth, reader.threads, reader.direct, False)
-    with _pool_lock:
-        idle = _pool.setdefault(key, [])
-        if len(idle) < _POOL_MAX and all(r is not reader for r in idle):
-            idle.append(reader)
+    _readers.keep((reader.engine, reader.chunk_size, reader.queue_depth, reader.threads, reader.direct, False), reader)
 
 
 def forget_readers() -> None:
     """Drop the idle readers (their threads end)."""
-    with _pool_lock:
-        _pool.clear()
+    _readers.clear()

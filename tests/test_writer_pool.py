@@ -73,5 +73,5 @@ def test_concurrent_saves_each_get_their_own_handle(tmp_path):
         t.join(timeout=120)
     assert not errors, errors
     assert all(not t.is_alive() for t in threads)
-    assert len(handles._writers.get(tuple(sorted(Config().handle_kwargs().items())), [])) <= handles._WRITERS_MAX
+    assert handles._writers.idle(tuple(sorted(Config().handle_kwargs().items()))) <= handles._WRITERS_MAX
     handles.forget_writers()

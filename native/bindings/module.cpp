@@ -338,6 +338,8 @@ NB_MODULE(_native, m) {
     return out;
   });
   m.def("cufile_status", [] { return cufile_status(); });
+  m.def("set_staging_huge_pages", &set_staging_huge_pages, nb::arg("huge"));
+  m.def("staging_huge_pages", &staging_huge_pages);
   m.def("alignment_of", [](nb::handle path) { return alignment_of(to_target(path).path); }, nb::arg("path"));
   m.def("direct_io_supported", [](nb::handle path) { return direct_io_supported(to_target(path).path); },
         nb::arg("path"));

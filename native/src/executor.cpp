@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <cstdlib>
@@ -94,6 +95,7 @@ size_t chunk_of(const std::vector<C>& chunks, uint64_t b) {
 namespace {
 constexpr size_t kHugePage = size_t(2) << 20;
 bool huge_backed(size_t n) { return n % kHugePage == 0; }
+std::atomic<bool> g_staging_huge{true};  // set_staging_huge_pages
 
 // Staging buffers that are whole 2 MiB multiples come from mmap with
 // transparent huge pages: the kernel pins them for O_DIRECT 512 times
@@ -107,8 +109,8 @@ char* alloc_staging(size_t n) {
   // Return the unaligned head and tail to the kernel so only [a, a+n) stays mapped.
   if (a > base) ::munmap(m, a - base);
   if (base + n + kHugePage > a + n) ::munmap(reinterpret_cast<void*>(a + n), base + n + kHugePage - (a + n));
-#ifdef MADV_HUGEPAGE
-  ::madvise(reinterpret_cast<void*>(a), n, MADV_HUGEPAGE);
+#if defined(MADV_HUGEPAGE) && defined(MADV_NOHUGEPAGE)
+  ::madvise(reinterpret_cast<void*>(a), n, g_staging_huge.load(std::memory_order_relaxed) ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
 #endif
   return reinterpret_cast<char*>(a);
 }
@@ -122,6 +124,9 @@ void free_staging(char* p, size_t n) {
   }
 }
 }  // namespace
+
+void set_staging_huge_pages(bool huge) { g_staging_huge.store(huge); }
+bool staging_huge_pages() { return g_staging_huge.load(); }
 
 BufferCache::~BufferCache() {
   for (char* p : free_) free_staging(p, size_);
@@ -174,6 +179,66 @@ struct WChunk {
   bool filled = false;
   std::vector<Piece> pieces;
 };
+
+// Stores the CRCs the patches of chunk `c` ask for into its bytes at `data` (the chunk's
+// copy in a staging buffer).
+void apply_patches(const WChunk& c, char* data, const std::vector<Patch>& patches, const std::vector<uint32_t>& crc) {
+  for (size_t pi : c.patches) {
+    const Patch& p = patches[pi];
+    unsigned char bytes[8];
+    size_t w = 0;
+    encode_patch(p, crc[p.slot], bytes, w);
+    uint64_t lo = std::max(p.off, c.off), hi = std::min(p.off + w, c.off + c.len);
+    for (uint64_t x = lo; x < hi; ++x) data[x - c.off] = static_cast<char>(bytes[x - p.off]);
+  }
+}
+
+// Writes of at most this many bytes run on the calling thread, chunk after chunk through
+// one staging buffer: no engine threads started, no hand-off to the pool (on a busy
+// machine each hand-off waits for a core), no staging buffer beyond the one a pooled
+// handle keeps. What the ring's overlap of copies and writes would gain at these sizes
+// is less than that (docs/benchmarks.md, "Small saves").
+constexpr uint64_t kInlineWriteMax = uint64_t(32) << 20;
+
+bool inline_write(const ExecOptions& opt, size_t nchunks, uint64_t S, uint64_t E) {
+  return nchunks >= 2 && E - S <= kInlineWriteMax && (opt.engine == "auto" || opt.engine == "psync");
+}
+
+// The inline write: the CRC of every slot first (a pass over the source, far cheaper than
+// the copy), so that every patch is known before any chunk is written and no chunk is held
+// back; then each chunk in file order, straight from the caller's memory when it can be
+// (zero_copy), else copied into the one staging buffer with its patches applied; its
+// aligned chunks with O_DIRECT, the unaligned head and tail through the page cache.
+void write_inline(const File& f, std::vector<WChunk>& chunks, const std::vector<Extent>& extents,
+                  const std::vector<Patch>& patches, size_t a, BufferCache& cache, std::vector<uint32_t>& crc) {
+  for (const Extent& e : extents) {
+    if (e.slot >= 0 && e.len) {
+      crc[e.slot] = crc32_combine(crc[e.slot], crc32(0, reinterpret_cast<const char*>(e.ptr), e.len), e.len);
+    }
+  }
+  struct Lease {
+    BufferCache& cache;
+    char* p = nullptr;
+    ~Lease() { cache.release(p); }
+  } lease{cache};
+  for (WChunk& c : chunks) {
+    const char* data = c.data;
+    if (!c.zero_copy) {
+      if (!lease.p) lease.p = cache.acquire();
+      char* buf = lease.p;
+      for (size_t k = c.ext_begin; k < extents.size() && extents[k].off < c.off + c.len; ++k) {
+        const Extent& e = extents[k];
+        uint64_t lo = std::max(e.off, c.off), hi = std::min(e.off + e.len, c.off + c.len);
+        if (lo < hi) copy_crc(buf + (lo - c.off), reinterpret_cast<const char*>(e.ptr) + (lo - e.off), hi - lo, false);
+      }
+      apply_patches(c, buf, patches, crc);
+      data = buf;
+    }
+    size_t done = 0;
+    int r = sys::full_pwrite(f.fd(), c.direct ? f.dfd() : -1, c.direct ? a : 1, data, c.len, c.off, &done);
+    if (r < 0) throw IoError(-r, "pwrite", f.path(), c.off + done, c.len - done);
+  }
+}
 
 }  // namespace
 
@@ -279,6 +344,13 @@ ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
     }
   }
 
+  if (inline_write(opt, n, S, E)) {
+    result.engine = direct ? "psync" : "psync-buffered";
+    write_inline(f, chunks, extents, patches, a, cache, result.crcs);
+    if (opt.fsync) f.sync();
+    return result;
+  }
+
   std::string used;
   std::unique_ptr<Engine> engine = n ? pick_engine(opt, direct, n, used) : nullptr;
   result.engine = n ? used : "none";
@@ -333,14 +405,7 @@ ExecResult execute_write(const File& f, const std::vector<Extent>& extents,
   };
   auto apply_and_submit = [&](size_t ci) {
     WChunk& c = chunks[ci];
-    for (size_t pi : c.patches) {
-      const Patch& p = patches[pi];
-      unsigned char bytes[8];
-      size_t w = 0;
-      encode_patch(p, crc[p.slot], bytes, w);
-      uint64_t lo = std::max(p.off, c.off), hi = std::min(p.off + w, c.off + c.len);
-      for (uint64_t x = lo; x < hi; ++x) c.data[x - c.off] = static_cast<char>(bytes[x - p.off]);
-    }
+    apply_patches(c, c.data, patches, crc);
     IoReq r;
     r.fd = c.direct ? f.dfd() : f.fd();
     r.fallback_fd = f.fd();

@@ -51,6 +51,13 @@ struct ExecResult {
   std::string engine;  // what actually ran: aio | psync | psync-buffered
 };
 
+// Whether staging buffers allocated from now on (whole 2 MiB multiples, their own
+// mapping) ask for transparent huge pages (MADV_HUGEPAGE; the default) or refuse them
+// (MADV_NOHUGEPAGE: where a fresh huge page faults in on the host 4 KiB at a time,
+// fastpersist/prefault.py). Process-wide; buffers already allocated keep their advice.
+void set_staging_huge_pages(bool huge);
+bool staging_huge_pages();
+
 // Aligned staging buffers of one size, reused across operations.
 class BufferCache {
  public:
