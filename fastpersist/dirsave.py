@@ -23,7 +23,7 @@ import shutil
 from typing import Any, Callable, Optional
 
 from fastpersist.collectivedir import CollectiveDir, Exchange, agree, failed_elsewhere
-from fastpersist.commit import fsync_dir
+from fastpersist.commit import fsync_dir, synced_later
 from fastpersist.dircommit import StagedDir, fsync_tree_and_parent, rebase
 
 __all__ = ["CheckpointDir", "relocate", "save_directory"]
@@ -111,7 +111,15 @@ def save_directory(staged: StagedDir, write: Callable[[Optional[str]], Any], *, 
     error: Optional[BaseException] = None
     location: Any = None
     try:
-        location = write(None if stage is None else stage.staging)
+        if stage is not None and committer and not per_node:
+            # This process alone swaps the staging directory in, after it fsynced the whole
+            # tree: its own files skip their fsyncs (one journal commit for the directory,
+            # not two per file). Other processes' files keep theirs (on a shared filesystem
+            # another client's fsync need not cover them).
+            with synced_later(stage.staging):
+                location = write(stage.staging)
+        else:
+            location = write(None if stage is None else stage.staging)
     except BaseException as e:  # noqa: BLE001 - every rank learns of it below
         error = e
     try:

@@ -32,7 +32,7 @@ import torch
 from fastpersist import _compat, handles, objectstore, pending, s3tier
 from fastpersist import config as config_mod
 from fastpersist._inputs import check_input, is_path, special_file_error
-from fastpersist.commit import atomic_write, fsync_path, resolve_target
+from fastpersist.commit import atomic_write, fsync_path, resolve_target, sync_deferred
 from fastpersist.errors import UnsupportedLayoutError
 from fastpersist.formats import registry
 from fastpersist.formats.base import VerifyResult
@@ -81,6 +81,8 @@ def save(obj: Any, path: PathLike, *, config: Any = None, format: Optional[str] 
         )
     cfg = config_mod.resolve(config)
     final = resolve_target(path)
+    if cfg.fsync and sync_deferred(final):  # a staged directory whose commit fsyncs the whole tree
+        cfg = cfg.replace(fsync=False)
     pending.before_blocking_save(final)
     fmt = registry.format_for(final, format)
     align = handles.alignment_for(os.path.dirname(final))
@@ -108,6 +110,8 @@ def save_file(tensors: dict, filename: PathLike, metadata: Optional[dict] = None
         return objectstore.save_file(tensors, filename, metadata, config=config)
     cfg = config_mod.resolve(config)
     final = resolve_target(filename)
+    if cfg.fsync and sync_deferred(final):  # a staged directory whose commit fsyncs the whole tree
+        cfg = cfg.replace(fsync=False)
     pending.before_blocking_save(final)
     write = registry.safetensors_writer(tensors, final, handles.alignment_for(os.path.dirname(final)), cfg, metadata)
     atomic_write(final, naming_final(final, write), fsync=cfg.fsync)

@@ -109,3 +109,40 @@ def test_retention_deletes_the_oldest_by_number(tmp_path):
     assert [os.path.basename(p) for p in gone] == ["checkpoint_0", "checkpoint_1"]  # with the new one, 3 remain
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_10", "checkpoint_2", "checkpoint_9"]
     assert retention.prune(str(tmp_path), 3, str(tmp_path / "checkpoint_10")) == []
+
+
+def test_the_committers_own_files_are_synced_once_by_the_commit(tmp_path):
+    """In a staged save the committing process's fastpersist saves skip their own fsyncs (every
+    fsync fails here, yet the files are written); the commit's fsync of the tree covers them: it
+    fails, and the previous directory stays as it was."""
+    import torch
+
+    import fastpersist
+    from fastpersist.testing import inject_fault
+
+    final = tmp_path / "ckpt"
+    _save(dirsave.CheckpointDir(str(final)), _writer({"model.bin": b"A"}, []))
+    written: list = []
+
+    def write(staging):  # noqa: ANN001, ANN202
+        os.makedirs(staging, exist_ok=True)  # as the framework does
+        for name in ("model.bin", "optimizer.bin"):
+            fastpersist.save({"w": torch.arange(4.0)}, os.path.join(staging, name))
+            written.append(name)
+        fastpersist.save_file({"w": torch.ones(3)}, os.path.join(staging, "model.safetensors"))
+        written.append("model.safetensors")
+        return staging
+
+    with inject_fault("fsync", 1, "EIO", count=1000), pytest.raises(OSError) as err:
+        _save(dirsave.CheckpointDir(str(final)), write)
+    assert written == ["model.bin", "optimizer.bin", "model.safetensors"]  # no save fsynced on its own
+    assert err.value.errno == 5
+    assert _tree(final) == {"model.bin": b"A"} and _leftovers(tmp_path) == []
+    # outside a staged commit a save fsyncs itself: the same fault fails it
+    with inject_fault("fsync", 1, "EIO", count=1000), pytest.raises(OSError):
+        fastpersist.save({"w": torch.arange(4.0)}, str(tmp_path / "alone.pt"))
+    # without faults: the saved files are there and load
+    written.clear()
+    _save(dirsave.CheckpointDir(str(final)), write)
+    assert torch.equal(fastpersist.load(str(final / "optimizer.bin"))["w"], torch.arange(4.0))
+    assert torch.equal(fastpersist.load_file(str(final / "model.safetensors"))["w"], torch.ones(3))
