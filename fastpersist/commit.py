@@ -496,7 +496,7 @@ _synced_later: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def synced_later(directory: str) -> Iterator[None]:
-    """In this context (this thread), blocking saves of files under ``directory`` write
+    """In this context (this thread), blocking saves of ``directory`` (a file) or of files under it write
     without their own fsyncs of the file and of its folder: the caller promises to fsync the
     whole tree (every file, then every folder) before anything counts as written, as a staged
     checkpoint directory's commit does (:func:`fastpersist.dircommit.fsync_tree`). One
@@ -516,7 +516,7 @@ def sync_deferred(path: PathLike) -> bool:
     if not roots:
         return False
     p = os.path.abspath(os.fspath(path))
-    return any(p.startswith(r) for r in roots)
+    return any(p.startswith(r) or p == r[:-1] for r in roots)
 
 
 def write_small_file(path: PathLike, data: bytes) -> None:

@@ -18,7 +18,7 @@ import os
 from typing import Any, Callable, Iterable, Optional
 
 from fastpersist.collectivedir import CollectiveDir
-from fastpersist.commit import fsync_dir
+from fastpersist.commit import fsync_dir, fsync_path, synced_later
 from fastpersist.settle import PendingSaves, settle
 
 __all__ = ["RankWrites"]
@@ -35,12 +35,14 @@ class RankWrites:
         self.stage: Optional[CollectiveDir] = None  #: where the checkpoint stages, if it does
         self.dirs: set[str] = set()  #: the directories written into (absolute)
         self.error: Optional[BaseException] = None  #: the first failed file of this checkpoint
+        self.unsynced: list[str] = []  #: files saved without their own fsyncs, fsynced by settle
 
     def begin(self, stage: Optional[CollectiveDir]) -> None:
         """Start a checkpoint, staged in ``stage`` (None: written in place)."""
         self.stage = stage
         self.dirs = set()
         self.error = None
+        self.unsynced = []
 
     def makedirs(self, path: str, exist_ok: bool = False) -> str:
         """``os.makedirs`` of ``path`` (in the staging directory where it maps there: every
@@ -63,9 +65,13 @@ class RankWrites:
 
     def write(self, path: str, save: Callable[[], Any]) -> None:
         """Run ``save()`` (which writes ``path``, or starts writing it: :meth:`track`); a
-        failure is logged and kept for :meth:`settle`, not raised."""
+        failure is logged and kept for :meth:`settle`, not raised. A blocking fastpersist
+        save of ``path`` skips its own fsyncs: :meth:`settle` fsyncs every such file, then
+        the directories (concurrent journal commits of a checkpoint's files become one)."""
         try:
-            save()
+            with synced_later(path):
+                save()
+            self.unsynced.append(path)
         except Exception as e:  # noqa: BLE001 - returned by settle, agreed by every rank
             self.logger.error("fastpersist: saving %s failed: %s", path, e)
             if self.error is None:
@@ -88,6 +94,10 @@ class RankWrites:
         self.error = None
         try:
             settle(self.pending.take(), errors=first, what=what, logger=self.logger)
+            files, self.unsynced = self.unsynced, []
+            for f in files:
+                if os.path.isfile(f):
+                    fsync_path(f)
             for d in sorted(self.dirs | {os.path.abspath(p) for p in also}, reverse=True):  # the deepest first
                 if os.path.isdir(d):
                     fsync_dir(d)

@@ -78,3 +78,26 @@ def test_unstaged_and_empty_saves(tmp_path):
     assert not os.path.exists(stage.staging) and target.is_dir()
     assert str(ELSEWHERE([1], "OSError: x")) == "test checkpoint failed on another rank: rank(s) [1]: OSError: x; " \
                                                 "nothing changed"
+
+
+def test_blocking_saves_are_fsynced_once_at_settle(tmp_path):
+    """A blocking fastpersist save through write() skips its own fsyncs (every fsync fails here,
+    yet the save succeeds); settle fsyncs the file and reports the failure as the rank's error."""
+    import torch
+
+    import fastpersist
+    from fastpersist.testing import inject_fault
+
+    w = RankWrites()
+    w.begin(None)
+    target = str(tmp_path / "mp_rank_00_model_states.pt")
+    w.path(target)
+    with inject_fault("fsync", 1, "EIO", count=1000):
+        w.write(target, lambda: fastpersist.save({"w": torch.arange(3.0)}, target))
+        assert w.error is None and w.unsynced == [target]
+        error = w.settle("checkpoint 'x'")
+    assert isinstance(error, OSError) and error.errno == 5 and target in str(error)
+    w.begin(None)
+    w.write(target, lambda: fastpersist.save({"w": torch.arange(3.0)}, target))
+    assert w.settle("checkpoint 'x'") is None and w.unsynced == []
+    assert torch.equal(fastpersist.load(target)["w"], torch.arange(3.0))
