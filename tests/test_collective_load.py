@@ -11,16 +11,14 @@ a rank last) and write their outcomes for the tests below (``test_distributed``'
 from __future__ import annotations
 
 import os
-import pickle
-import sys
-import traceback
 from typing import Any, Callable
 
 import pytest
 import torch
 
 import fastpersist
-from test_distributed import TIMEOUT, ok, outcome, rank_results, spawn_ranks  # tests/ is on sys.path
+from test_distributed import TIMEOUT, ok, outcome, rank_results, run_scenarios, spawn_ranks  # tests/ is on sys.path
+from subprocs import flip_byte  # tests/ is on sys.path
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="no gloo backend"
@@ -72,14 +70,6 @@ def _storage_ranges(obj: Any) -> list[tuple[int, int]]:
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
     return sorted(out.values())
-
-
-def _flip_in_file(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def _payload_offset_in_slice(path: str, world: int, rank: int) -> int:
@@ -260,29 +250,11 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
 
 
 def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
-    import torch.distributed as dist
-
     from fastpersist import collectiveload
 
     collectiveload.EXCHANGE_PIECE = PIECE
     _no_second_pass()
-    out = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        for i, name in enumerate(names):
-            if i:
-                dist.barrier()
-            try:
-                out[name] = ("ok", SCENARIOS[name](rank, world, d))
-            except Exception as e:  # noqa: BLE001
-                out[name] = ("error", type(e).__name__, str(e), {
-                    k: getattr(e, k) for k in ("failures", "missing") if hasattr(e, k)}, traceback.format_exc(),
-                    type(e.__cause__).__name__ if e.__cause__ is not None else "")
-            with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
-                pickle.dump(out, f)
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    run_scenarios(rank, world, port, d, names, SCENARIOS)
 
 
 def _files(d: str, world: int) -> None:
@@ -291,7 +263,7 @@ def _files(d: str, world: int) -> None:
     for name, victim in (("bad0.pt", 0), ("badlast.pt", world - 1)):
         p = os.path.join(d, name)
         fastpersist.save(state(), p)
-        _flip_in_file(p, _payload_offset_in_slice(p, world, victim))
+        flip_byte(p, _payload_offset_in_slice(p, world, victim))
 
 
 NAMES = ["exact", "private", "corrupt_slice0", "corrupt_slice_last", "bad_read_one_rank", "read_error"]

@@ -399,7 +399,14 @@ SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
 # --------------------------------------------------------------------------- launcher
 
 
-def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
+def run_scenarios(rank: int, world: int, port: int, d: str, names: list[str],
+                  scenarios: dict[str, Callable[[int, int, str], Any]]) -> None:
+    """The body of a spawned rank: joins a gloo group of ``world`` ranks and runs the
+    scenarios ``names`` of ``scenarios`` in order (each ``fn(rank, world, d)``), every rank
+    starting one when all have finished the previous one. After each, this rank's outcomes so
+    far go to ``result-{rank}.pkl`` in ``d`` (:func:`rank_results`), each ``("ok", value)`` or
+    ``("error", type name, message, {"failures"/"missing"/"elapsed" the error has},
+    traceback, type name of its cause or "")``. Ends the process (``os._exit``)."""
     import torch.distributed as dist
 
     out = {}
@@ -409,18 +416,20 @@ def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
             if i:  # a scenario starts when every rank has finished the previous one (and listed its files)
                 dist.barrier()
             try:
-                out[name] = ("ok", SCENARIOS[name](rank, world, d))
+                out[name] = ("ok", scenarios[name](rank, world, d))
             except Exception as e:  # noqa: BLE001
                 out[name] = ("error", type(e).__name__, str(e), {
                     k: getattr(e, k) for k in ("failures", "missing", "elapsed") if hasattr(e, k)},
-                    traceback.format_exc())
+                    traceback.format_exc(), type(e.__cause__).__name__ if e.__cause__ is not None else "")
             with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
                 pickle.dump(out, f)
-        with open(os.path.join(d, f"done-{rank}"), "w"):
-            pass
     finally:
         sys.stdout.flush()
         os._exit(0)  # no destroy_process_group: a killed peer could hang it
+
+
+def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
+    run_scenarios(rank, world, port, d, names, SCENARIOS)
 
 
 def _free_port() -> int:
