@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import fastpersist
-from test_distributed import TIMEOUT, ok, outcome, rank_results, run_scenarios, spawn_ranks  # tests/ is on sys.path
+import test_distributed  # tests/ is on sys.path
+from test_distributed import TIMEOUT, ok, outcome, rank_results, run_scenarios, spawn_ranks
 from subprocs import flip_byte  # tests/ is on sys.path
 
 pytestmark = pytest.mark.skipif(
@@ -29,17 +30,9 @@ PIECE = 64 << 10
 
 
 def state(seed: int = 0) -> dict:
-    """Records straddling the slices and the pieces, views sharing a storage, odd dtypes."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(400, 700, generator=g)
-    return {
-        "model": {"w": w, "w_t": w.t(), "row": w[7], "b": torch.randn(1000, generator=g).to(torch.bfloat16)},
-        "many": [torch.randn(37 * i + 1, generator=g) for i in range(12)],
-        "misc": {"mask": torch.rand(999, generator=g) > 0.5, "z": torch.zeros(()), "e": torch.empty(0, 3),
-                 "i": torch.arange(4097, dtype=torch.int16), "c": torch.randn(33, dtype=torch.complex64, generator=g)},
-        "step": 7,
-        "name": "run",
-    }
+    """test_distributed's state, larger (~1.3 MB): records straddling the slices and the pieces,
+    views sharing a storage, odd dtypes."""
+    return test_distributed.state(seed, w_shape=(400, 700), many=(12, 37))
 
 
 def cfg() -> fastpersist.Config:

@@ -34,13 +34,14 @@ TIMEOUT = 5.0  # Config.dist_timeout of the scenarios
 # --------------------------------------------------------------------------- states
 
 
-def state(seed: int = 0) -> dict:
-    """A small replicated state whose records straddle the slices of 2, 3 and 4 ranks."""
+def state(seed: int = 0, w_shape: tuple[int, int] = (300, 170), many: tuple[int, int] = (20, 17)) -> dict:
+    """A small replicated state whose records straddle the slices of 2, 3 and 4 ranks (``w`` of
+    ``w_shape``; ``many[0]`` tensors of ``many[1] * i + 1`` elements)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(300, 170, generator=g)
+    w = torch.randn(*w_shape, generator=g)
     return {
         "model": {"w": w, "w_t": w.t(), "row": w[7], "b": torch.randn(1000, generator=g).to(torch.bfloat16)},
-        "many": [torch.randn(17 * i + 1, generator=g) for i in range(20)],
+        "many": [torch.randn(many[1] * i + 1, generator=g) for i in range(many[0])],
         "misc": {"mask": torch.rand(999, generator=g) > 0.5, "z": torch.zeros(()), "e": torch.empty(0, 3),
                  "c": torch.randn(33, dtype=torch.complex64, generator=g), "i": torch.arange(4097, dtype=torch.int16)},
         "step": 1234,
