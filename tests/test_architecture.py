@@ -192,38 +192,31 @@ def test_module_level_imports_contract_catches_function_imports(toy) -> None:
     assert function_level_imports(["toypkg"], {"toypkg.high"}) == []
 
 
-def test_module_level_imports_allows_import_error_guards(tmp_path, monkeypatch) -> None:
+def _guarded_package(tmp_path, monkeypatch, name: str) -> None:
+    """A package ``name`` on sys.path whose ``b.f`` imports ``name.a`` inside an ImportError guard."""
     root = _package(tmp_path, {
-        "guarded/__init__.py": "",
-        "guarded/a.py": "x = 1\n",
-        "guarded/b.py": """
+        f"{name}/__init__.py": "",
+        f"{name}/a.py": "x = 1\n",
+        f"{name}/b.py": f"""
             def f():
                 try:
-                    from guarded import a
+                    from {name} import a
                 except ImportError:
                     return None
                 return a.x
         """,
     })
     monkeypatch.syspath_prepend(root)
+
+
+def test_module_level_imports_allows_import_error_guards(tmp_path, monkeypatch) -> None:
+    _guarded_package(tmp_path, monkeypatch, "guarded")
     assert function_level_imports(["guarded"], set()) == []
 
 
 def test_module_level_imports_guards_only_for_optional_modules(tmp_path, monkeypatch) -> None:
     """With a list of optional modules, a guard around any other module's import is reported."""
-    root = _package(tmp_path, {
-        "guarded2/__init__.py": "",
-        "guarded2/a.py": "x = 1\n",
-        "guarded2/b.py": """
-            def f():
-                try:
-                    from guarded2 import a
-                except ImportError:
-                    return None
-                return a.x
-        """,
-    })
-    monkeypatch.syspath_prepend(root)
+    _guarded_package(tmp_path, monkeypatch, "guarded2")
     assert function_level_imports(["guarded2"], set(), set()) == ["guarded2.b:4: from guarded2 import a"]
     assert function_level_imports(["guarded2"], set(), {"guarded2.a"}) == []
 

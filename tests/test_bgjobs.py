@@ -11,11 +11,13 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import pytest
 
 from fastpersist import bgjobs
+from subprocs import side_by_side  # tests/ is on sys.path
 
 WORDS = bgjobs.Wording(noun="test job(s)", collect_by="fut.wait()", kept="nothing kept", announce_wait=True)
 
@@ -236,23 +238,33 @@ def _exit_run(phase: str, scenario: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+#: the (phase, scenario) runs of EXIT_SCRIPT the tests below check
+EXIT_RUNS = [("shutdown", "pending"), ("atexit", "pending"), ("shutdown", "failed"), ("shutdown", "collected")]
+
+
+@pytest.fixture(scope="module")
+def exit_runs() -> dict:
+    """Every run of :data:`EXIT_RUNS`, each its own interpreter, side by side (each imports torch)."""
+    return dict(zip(EXIT_RUNS, side_by_side([partial(_exit_run, *run) for run in EXIT_RUNS])))
+
+
 @pytest.mark.parametrize("phase", ["shutdown", "atexit"])
-def test_exit_waits_for_a_pending_job(phase: str) -> None:
-    r = _exit_run(phase, "pending")
+def test_exit_waits_for_a_pending_job(phase: str, exit_runs: dict) -> None:
+    r = exit_runs[phase, "pending"].result()
     assert r.returncode == 0, r.stderr
     assert r.stdout == "script ends\njob finished\n", r.stdout + r.stderr
     assert "fastpersist: waiting for 1 test job(s) before exiting (job-1)" in r.stderr, r.stderr
 
 
-def test_exit_with_a_failed_job_nobody_collected_prints_it_and_exits_1() -> None:
-    r = _exit_run("shutdown", "failed")  # atexit's: tests/test_exit_abort.py (async saves)
+def test_exit_with_a_failed_job_nobody_collected_prints_it_and_exits_1(exit_runs: dict) -> None:
+    r = exit_runs["shutdown", "failed"].result()  # atexit's: tests/test_exit_abort.py (async saves)
     assert r.returncode == bgjobs.EXIT_STATUS == 1, (r.returncode, r.stderr)
     assert "fastpersist: test job job-1 failed: ValueError: boom" in r.stderr, r.stderr
     assert ("fastpersist: 1 test job(s) failed and nobody collected the error (fut.wait()); exit status 1"
             in r.stderr), r.stderr
 
 
-def test_exit_after_the_error_was_collected_keeps_the_scripts_status() -> None:
-    r = _exit_run("shutdown", "collected")
+def test_exit_after_the_error_was_collected_keeps_the_scripts_status(exit_runs: dict) -> None:
+    r = exit_runs["shutdown", "collected"].result()
     assert r.returncode == 3, r.stderr
     assert "failed" not in r.stderr, r.stderr

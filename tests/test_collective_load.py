@@ -11,16 +11,15 @@ a rank last) and write their outcomes for the tests below (``test_distributed``'
 from __future__ import annotations
 
 import os
-import pickle
-import sys
-import traceback
 from typing import Any, Callable
 
 import pytest
 import torch
 
 import fastpersist
-from test_distributed import TIMEOUT, ok, outcome, rank_results, spawn_ranks  # tests/ is on sys.path
+import test_distributed  # tests/ is on sys.path
+from test_distributed import TIMEOUT, ok, outcome, rank_results, run_scenarios, spawn_ranks
+from subprocs import flip_byte  # tests/ is on sys.path
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="no gloo backend"
@@ -31,17 +30,9 @@ PIECE = 64 << 10
 
 
 def state(seed: int = 0) -> dict:
-    """Records straddling the slices and the pieces, views sharing a storage, odd dtypes."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(400, 700, generator=g)
-    return {
-        "model": {"w": w, "w_t": w.t(), "row": w[7], "b": torch.randn(1000, generator=g).to(torch.bfloat16)},
-        "many": [torch.randn(37 * i + 1, generator=g) for i in range(12)],
-        "misc": {"mask": torch.rand(999, generator=g) > 0.5, "z": torch.zeros(()), "e": torch.empty(0, 3),
-                 "i": torch.arange(4097, dtype=torch.int16), "c": torch.randn(33, dtype=torch.complex64, generator=g)},
-        "step": 7,
-        "name": "run",
-    }
+    """test_distributed's state, larger (~1.3 MB): records straddling the slices and the pieces,
+    views sharing a storage, odd dtypes."""
+    return test_distributed.state(seed, w_shape=(400, 700), many=(12, 37))
 
 
 def cfg() -> fastpersist.Config:
@@ -72,14 +63,6 @@ def _storage_ranges(obj: Any) -> list[tuple[int, int]]:
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
     return sorted(out.values())
-
-
-def _flip_in_file(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def _payload_offset_in_slice(path: str, world: int, rank: int) -> int:
@@ -260,29 +243,11 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
 
 
 def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
-    import torch.distributed as dist
-
     from fastpersist import collectiveload
 
     collectiveload.EXCHANGE_PIECE = PIECE
     _no_second_pass()
-    out = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        for i, name in enumerate(names):
-            if i:
-                dist.barrier()
-            try:
-                out[name] = ("ok", SCENARIOS[name](rank, world, d))
-            except Exception as e:  # noqa: BLE001
-                out[name] = ("error", type(e).__name__, str(e), {
-                    k: getattr(e, k) for k in ("failures", "missing") if hasattr(e, k)}, traceback.format_exc(),
-                    type(e.__cause__).__name__ if e.__cause__ is not None else "")
-            with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
-                pickle.dump(out, f)
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    run_scenarios(rank, world, port, d, names, SCENARIOS)
 
 
 def _files(d: str, world: int) -> None:
@@ -291,7 +256,7 @@ def _files(d: str, world: int) -> None:
     for name, victim in (("bad0.pt", 0), ("badlast.pt", world - 1)):
         p = os.path.join(d, name)
         fastpersist.save(state(), p)
-        _flip_in_file(p, _payload_offset_in_slice(p, world, victim))
+        flip_byte(p, _payload_offset_in_slice(p, world, victim))
 
 
 NAMES = ["exact", "private", "corrupt_slice0", "corrupt_slice_last", "bad_read_one_rank", "read_error"]

@@ -62,8 +62,11 @@ def test_plan_records_sources_instead_of_copying():
 
 
 @pytest.mark.parametrize("pool_bytes", [2 * 4096, 1 << 20, 64 << 20])
-@pytest.mark.parametrize("delay", [0.0, 0.02])
-def test_torch_file_through_windows(tmp_path, pool_bytes, delay):
+@pytest.mark.parametrize("late", [False, True])
+def test_torch_file_through_windows(tmp_path, pool_bytes, late):
+    # late: every window's copies finish well after the next window is cut (cutting one takes
+    # microseconds), 20 ms late; 2 ms with the 4 KiB windows, which are about 700 (14 s at 20 ms)
+    delay = (0.02 if pool_bytes >= 1 << 20 else 0.002) if late else 0.0
     sd = _state()
     plan = plan_torch(sd, 4096, device_sources=lambda s: True)
     path = str(tmp_path / "x.pt")

@@ -27,6 +27,7 @@ import fastpersist
 from fastpersist import _compat, _native
 from fastpersist.dcp import FastPersistReader, FastPersistWriter
 from fastpersist.errors import ChecksumError
+from subprocs import flip_byte  # tests/ is on sys.path
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
@@ -327,21 +328,13 @@ def test_reader_loads_stock_checkpoint(tmp_path: Any) -> None:
     assert res.status == "unchecked" and not res.ok and res.bytes == 0
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x40]))
-
-
 def test_corrupt_byte_raises_checksum_error(tmp_path: Any) -> None:
     state = local_state()
     path = tmp_path / "c"
     dcp.save(state, storage_writer=FastPersistWriter(path), no_dist=True)
     md = FastPersistReader(path).read_metadata()
     (index, info), = [(k, v) for k, v in md.storage_data.items() if k.fqn == "i"]
-    _flip(os.path.join(path, info.relative_path), info.offset + info.length // 2)
+    flip_byte(os.path.join(path, info.relative_path), info.offset + info.length // 2)
     res = fastpersist.verify(path)
     assert res.status == "corrupt" and not res.ok
     assert any("i@" in p for p in res.problems), res.problems

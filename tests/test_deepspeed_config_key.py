@@ -12,15 +12,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
 pytest.importorskip("torch")
+
+from subprocs import free_ports, side_by_side  # noqa: E402 (tests/ is on sys.path)
 
 if importlib.util.find_spec("_fastpersist_startup") is None:  # pragma: no cover - source checkout
     pytest.skip("the start-up hook (fastpersist-startup.pth) is not installed in this environment",
@@ -60,52 +62,67 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(tmp_path, section, **env_extra: str) -> dict:
+def _run(d, port: int, section, **env_extra: str) -> dict:
     cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
            "zero_optimization": {"stage": 1}}
     if section is not None:
         cfg["fastpersist"] = section
-    cfg_path = tmp_path / "ds_config.json"
+    cfg_path = d / "ds_config.json"
     cfg_path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items()
            if k not in ("FASTPERSIST_DEEPSPEED", "FASTPERSIST_PATCH_TORCH_SAVE", "FASTPERSIST_ACCELERATE")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **env_extra)
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cfg_path), str(tmp_path / "ckpt"), str(_free_port())],
-                         env=env, capture_output=True, text=True, timeout=400, cwd=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(cfg_path), str(d / "ckpt"), str(port)],
+                         env=env, capture_output=True, text=True, timeout=400, cwd=str(d))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, out.stdout[-3000:] + out.stderr[-6000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def test_config_key_turns_fastpersist_on(tmp_path):
-    res = _run(tmp_path, {"enabled": True})
+#: the engines of the tests below: (config's "fastpersist" section, extra environment)
+RUNS: dict[str, tuple] = {
+    "on": ({"enabled": True}, {}),
+    "true": (True, {}),
+    "no key": (None, {}),
+    "off over env": ({"enabled": False}, {"FASTPERSIST_DEEPSPEED": "1"}),
+    "unknown field": ({"enabled": True, "decouple": True}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict:
+    """Every engine of :data:`RUNS`, each in a process and a folder of its own, run side by side
+    (a DeepSpeed start is seconds of imports); ``engines[name].result()`` is the run's
+    outcome, or raises its failure."""
+    ports = free_ports(len(RUNS))
+    calls = [partial(_run, tmp_path_factory.mktemp("ds"), port, section, **env)
+             for port, (section, env) in zip(ports, RUNS.values())]
+    return dict(zip(RUNS, side_by_side(calls)))
+
+
+def test_config_key_turns_fastpersist_on(engines):
+    res = engines["on"].result()
     assert res["engine"] == "FastPersistCheckpointEngine", res
     assert res["alignment"] == 4096, res  # written by fastpersist (torch.save writes 64)
     assert res["restored"] is True, res
 
 
-def test_config_key_true_shorthand_and_no_key_is_stock(tmp_path):
-    assert _run(tmp_path, True)["engine"] == "FastPersistCheckpointEngine"
-    res = _run(tmp_path, None)
+def test_config_key_true_shorthand_and_no_key_is_stock(engines):
+    assert engines["true"].result()["engine"] == "FastPersistCheckpointEngine"
+    res = engines["no key"].result()
     assert res["engine"] == "TorchCheckpointEngine", res
     assert res["fastpersist_imported"] is False, res  # the hook costs nothing without the key
     assert res["alignment"] == 64, res
 
 
-def test_config_key_false_wins_over_env_variable(tmp_path):
-    res = _run(tmp_path, {"enabled": False}, FASTPERSIST_DEEPSPEED="1")
+def test_config_key_false_wins_over_env_variable(engines):
+    res = engines["off over env"].result()
     assert res["engine"] == "TorchCheckpointEngine", res
 
 
-def test_config_key_unknown_field_raises(tmp_path):
-    res = _run(tmp_path, {"enabled": True, "decouple": True})
+def test_config_key_unknown_field_raises(engines):
+    res = engines["unknown field"].result()
     assert "unknown key" in res.get("error", "") and "decouple" in res["error"], res
 
 

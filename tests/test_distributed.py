@@ -34,13 +34,14 @@ TIMEOUT = 5.0  # Config.dist_timeout of the scenarios
 # --------------------------------------------------------------------------- states
 
 
-def state(seed: int = 0) -> dict:
-    """A small replicated state whose records straddle the slices of 2, 3 and 4 ranks."""
+def state(seed: int = 0, w_shape: tuple[int, int] = (300, 170), many: tuple[int, int] = (20, 17)) -> dict:
+    """A small replicated state whose records straddle the slices of 2, 3 and 4 ranks (``w`` of
+    ``w_shape``; ``many[0]`` tensors of ``many[1] * i + 1`` elements)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(300, 170, generator=g)
+    w = torch.randn(*w_shape, generator=g)
     return {
         "model": {"w": w, "w_t": w.t(), "row": w[7], "b": torch.randn(1000, generator=g).to(torch.bfloat16)},
-        "many": [torch.randn(17 * i + 1, generator=g) for i in range(20)],
+        "many": [torch.randn(many[1] * i + 1, generator=g) for i in range(many[0])],
         "misc": {"mask": torch.rand(999, generator=g) > 0.5, "z": torch.zeros(()), "e": torch.empty(0, 3),
                  "c": torch.randn(33, dtype=torch.complex64, generator=g), "i": torch.arange(4097, dtype=torch.int16)},
         "step": 1234,
@@ -399,7 +400,14 @@ SCENARIOS: dict[str, Callable[[int, int, str], Any]] = {
 # --------------------------------------------------------------------------- launcher
 
 
-def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
+def run_scenarios(rank: int, world: int, port: int, d: str, names: list[str],
+                  scenarios: dict[str, Callable[[int, int, str], Any]]) -> None:
+    """The body of a spawned rank: joins a gloo group of ``world`` ranks and runs the
+    scenarios ``names`` of ``scenarios`` in order (each ``fn(rank, world, d)``), every rank
+    starting one when all have finished the previous one. After each, this rank's outcomes so
+    far go to ``result-{rank}.pkl`` in ``d`` (:func:`rank_results`), each ``("ok", value)`` or
+    ``("error", type name, message, {"failures"/"missing"/"elapsed" the error has},
+    traceback, type name of its cause or "")``. Ends the process (``os._exit``)."""
     import torch.distributed as dist
 
     out = {}
@@ -409,18 +417,20 @@ def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
             if i:  # a scenario starts when every rank has finished the previous one (and listed its files)
                 dist.barrier()
             try:
-                out[name] = ("ok", SCENARIOS[name](rank, world, d))
+                out[name] = ("ok", scenarios[name](rank, world, d))
             except Exception as e:  # noqa: BLE001
                 out[name] = ("error", type(e).__name__, str(e), {
                     k: getattr(e, k) for k in ("failures", "missing", "elapsed") if hasattr(e, k)},
-                    traceback.format_exc())
+                    traceback.format_exc(), type(e.__cause__).__name__ if e.__cause__ is not None else "")
             with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
                 pickle.dump(out, f)
-        with open(os.path.join(d, f"done-{rank}"), "w"):
-            pass
     finally:
         sys.stdout.flush()
         os._exit(0)  # no destroy_process_group: a killed peer could hang it
+
+
+def _worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
+    run_scenarios(rank, world, port, d, names, SCENARIOS)
 
 
 def _free_port() -> int:

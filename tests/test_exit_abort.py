@@ -11,8 +11,8 @@ process ends), a failed save stops its background work before its error is
 reported, and the error nobody collected is printed and makes the process exit
 with status 1 (docs/reliability.md, "An async save that failed and nobody waited for").
 
-Each scenario runs in fresh interpreters, in a loop, with the machine loaded by CPU
-burners; ``FASTPERSIST_EXIT_RUNS`` sets the loop count (default 5, to keep the suite within
+Each scenario runs in fresh interpreters, several at a time, with the machine loaded by
+CPU burners; ``FASTPERSIST_EXIT_RUNS`` sets the loop count (default 5, to keep the suite within
 CI's time: the abort came at the first run before the fix; the bar of 50 was run by
 hand, see docs/reliability.md).
 """
@@ -24,11 +24,14 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
+
+from subprocs import side_by_side  # tests/ is on sys.path
 
 RUNS = int(os.environ.get("FASTPERSIST_EXIT_RUNS", "5"))
 
@@ -89,11 +92,15 @@ def _run(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def _loop(tmp_path: Path, code: str, check, runs: int = RUNS, *args: str) -> Counter:
-    statuses: Counter = Counter()
-    for i in range(runs):
-        d = tmp_path / f"run{i}"
+    """``runs`` fresh interpreters of ``code``, each with a folder of its own, side by side
+    (two or more at a time, with the burners: the machine stays loaded); each run checked."""
+    dirs = [tmp_path / f"run{i}" for i in range(runs)]
+    for d in dirs:
         d.mkdir()
-        r = _run(code, str(d / "c.pt"), *args)
+    done = side_by_side([partial(_run, code, str(d / "c.pt"), *args) for d in dirs])
+    statuses: Counter = Counter()
+    for i, (d, fut) in enumerate(zip(dirs, done)):
+        r = fut.result()
         statuses[r.returncode] += 1
         assert "terminate called" not in r.stderr, (i, r.returncode, r.stderr)
         assert r.returncode != -6, (i, r.stderr)  # SIGABRT

@@ -21,14 +21,13 @@ import errno
 import filecmp
 import hashlib
 import os
-import pickle
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-import traceback
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -38,6 +37,7 @@ import fastpersist
 import fastpersist.testing
 from fastpersist import _native
 from fastpersist.commit import TMP_MARKER
+from test_distributed import launch, ok, outcome, run_scenarios  # tests/ is on sys.path
 
 ENGINES = [e for e in _native.available_engines() if e in ("aio", "psync")]
 CHUNK = 64 << 10
@@ -688,24 +688,11 @@ GROUP_SCENARIOS = {n[3:]: f for n, f in list(globals().items()) if n.startswith(
 
 
 def _group_worker(rank: int, world: int, port: int, d: str, names: list[str]) -> None:
-    import torch.distributed as dist
+    run_scenarios(rank, world, port, d, names, {n: partial(_without_world, f) for n, f in GROUP_SCENARIOS.items()})
 
-    out: dict = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        for i, name in enumerate(names):
-            if i:
-                dist.barrier()
-            try:
-                out[name] = ("ok", GROUP_SCENARIOS[name](rank, d))
-            except Exception as e:  # noqa: BLE001
-                out[name] = ("error", type(e).__name__, str(e), dict(getattr(e, "failures", None) or {}),
-                             traceback.format_exc())
-            with open(os.path.join(d, f"result-{rank}.pkl"), "wb") as f:
-                pickle.dump(out, f)
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+
+def _without_world(fn: Callable[[int, str], Any], rank: int, world: int, d: str) -> Any:
+    return fn(rank, d)
 
 
 @pytest.fixture(scope="module")
@@ -715,26 +702,10 @@ def group2(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("group2"))
     fastpersist.save(_gstate(), os.path.join(d, "ref.pt"), config=_gcfg())
     fastpersist.save(_gstate(), os.path.join(d, "prev.pt"), config=_gcfg())
-    from test_distributed import launch
 
     names = ["eio_rank1", "short", "eintr", "pwrite_eio", "pwrite_short", "commit_faults", "temps"]
     results = launch(2, d, names, limit=120, target=_group_worker)
     return d, results
-
-
-def _outcome(results, name, rank) -> tuple:
-    got = results[rank].get(name)
-    assert got is not None, f"rank {rank} has no result for {name!r}: {results[rank]}"
-    return got
-
-
-def _ok(results, name) -> list:
-    vals = []
-    for rank in range(2):
-        got = _outcome(results, name, rank)
-        assert got[0] == "ok", f"rank {rank} {name}: {got[1]}: {got[2]}\n{got[4]}"
-        vals.append(got[1])
-    return vals
 
 
 @pytest.mark.parametrize("name,words", [("eio_rank1", "Input/output error"),
@@ -742,27 +713,27 @@ def _ok(results, name) -> list:
 def test_group_save_failure_on_rank1_fails_every_rank_keeps_previous(group2, name, words):
     d, results = group2
     for rank in range(2):
-        got = _outcome(results, name, rank)
+        got = outcome(results, name, rank)
         assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
         assert "rank 1" in got[2] and words in got[2], got[2]
-        assert list(got[3]) == [1], got
+        assert list(got[3].get("failures", {})) == [1], got
     assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, "prev.pt"), shallow=False)
     from conftest import assert_same_object
 
     assert_same_object(torch.load(os.path.join(d, "prev.pt"), weights_only=True), _gstate())
-    assert _ok(results, "temps") == [[], []]
+    assert ok(results, "temps") == [[], []]
 
 
 @pytest.mark.parametrize("name", ["short", "eintr"])
 def test_group_save_short_and_eintr_writes_are_exact(group2, name):
     d, results = group2
-    assert _ok(results, name) == [3, 3]  # every rank's injected faults were hit and retried
+    assert ok(results, name) == [3, 3]  # every rank's injected faults were hit and retried
     assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, f"{name}.pt"), shallow=False)
 
 
 def test_group_save_short_crc_field_pwrites_are_exact(group2):
     d, results = group2
-    calls = _ok(results, "pwrite_short")
+    calls = ok(results, "pwrite_short")
     # rank 1's slice holds the central directory's CRC fields: its short writes were retried
     assert calls[1] >= 2, calls
     assert filecmp.cmp(os.path.join(d, "ref.pt"), os.path.join(d, "pshort.pt"), shallow=False)
@@ -1080,11 +1051,11 @@ def test_every_syscall_of_a_directory_commit_is_a_fault_point(tmp_path):
 
 def test_every_syscall_of_a_collective_save_is_a_fault_point(group2):
     d, results = group2
-    got = _outcome(results, "commit_faults", 0)
+    got = outcome(results, "commit_faults", 0)
     assert got[0] == "ok", got
     by_op: dict = {}
-    for op, _nth, outcome in got[1]:
-        by_op.setdefault(op, []).append(outcome)
+    for op, _nth, verdict in got[1]:
+        by_op.setdefault(op, []).append(verdict)
     for op in ("fsync", "rename", "open"):
         assert by_op.get(op), f"no {op} of the collective save reached by fault injection: {got[1]}"
     bad = [(op, n, o) for op, n, o in got[1] if o not in ("raised", "dirsync")]

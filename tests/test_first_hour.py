@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fastpersist
+from subprocs import run_all  # tests/ is on sys.path
 
 
 def _fresh(code: str) -> str:
@@ -82,43 +83,55 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fastpersist", *args], capture_output=True, text=True, timeout=300)
 
 
+def _cli_all(commands: list[tuple[str, ...]]) -> list[subprocess.CompletedProcess]:
+    """:func:`_cli` of each command, side by side (independent commands only)."""
+    return run_all([[sys.executable, "-m", "fastpersist", *c] for c in commands], capture_output=True, text=True,
+                   timeout=300)
+
+
 def test_info_describes_checkpoint_files_and_folders(tmp_path):
     """``fastpersist info FILE`` answered "benchmark directory ... does not exist"; it now
     describes the checkpoint: format, writer, tensors, bytes, dtypes, checksum state; every
     line within 100 columns, the machine lines included."""
+    good = tmp_path / "good"  # three checkpoints, described one by one and as a folder
+    good.mkdir()
     sd = {"w": torch.randn(64, 32), "b": torch.zeros(10, dtype=torch.bfloat16), "i": torch.arange(3)}
-    torch.save(sd, tmp_path / "t.pt")
-    fastpersist.save(sd, tmp_path / "f.pt")
-    fastpersist.save(sd, tmp_path / "f.safetensors")
+    torch.save(sd, good / "t.pt")
+    fastpersist.save(sd, good / "f.pt")
+    fastpersist.save(sd, good / "f.safetensors")
     want = {"t.pt": ("torch zip, written by torch.save", "OK"), "f.pt": ("torch zip, written by fastpersist", "OK"),
             "f.safetensors": ("safetensors, written by fastpersist", "OK")}
-    for name, (fmt, status) in want.items():
-        r = _cli("info", str(tmp_path / name))
+    # a damaged file
+    from fastpersist.formats.zipindex import read_zip_index
+
+    e = next(e for e in read_zip_index(good / "f.pt").entries if e.name.endswith("data/0"))
+    raw = bytearray((good / "f.pt").read_bytes())
+    raw[e.data_offset + 5] ^= 0xFF  # a tensor byte
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "bad.pt").write_bytes(raw)
+    # the commands read and write nothing in common: they run side by side
+    runs = _cli_all([("info", str(good / name)) for name in want] + [
+        ("info", "--json", str(good / "f.pt")), ("info", str(good)), ("info", str(tmp_path / "damaged" / "bad.pt"))])
+    for (name, (fmt, status)), r in zip(want.items(), runs):
         assert r.returncode == 0, r.stdout + r.stderr
         lines = r.stdout.splitlines()
-        assert lines[0] == f"Checkpoint : {tmp_path / name}"
+        assert lines[0] == f"Checkpoint : {good / name}"
         assert lines[1].startswith(f"Format     : {fmt};")
         assert "Tensors    : 3, 8.04 KiB" in lines, lines  # 8192 + 20 + 24 bytes
         assert any(ln.startswith("Dtypes     : float32 1 (8") for ln in lines), lines
         assert lines[-1].startswith(f"Checksums  : {status}")
         assert all(len(ln) <= 100 for ln in lines)
-    r = _cli("info", "--json", str(tmp_path / "f.pt"))
+    r = runs[3]
     data = __import__("json").loads(r.stdout)["checkpoints"][0]
     assert (data["writer"], data["tensors"], data["status"]) == ("fastpersist", 3, "ok")
     assert data["dtypes"] == {"float32": [1, 8192], "bfloat16": [1, 20], "int64": [1, 24]}
     # a folder: the storage lines, then each checkpoint from its index (checksums only with --verify)
-    r = _cli("info", str(tmp_path))
+    r = runs[4]
     assert r.returncode == 0, r.stderr
     assert "Directory  :" in r.stdout and r.stdout.count("Checkpoint : ") == 3 and "not checked" in r.stdout
     assert all(len(ln) <= 100 for ln in r.stdout.splitlines()), [ln for ln in r.stdout.splitlines() if len(ln) > 100]
-    # a damaged file: CORRUPT, exit status 1
-    from fastpersist.formats.zipindex import read_zip_index
-
-    e = next(e for e in read_zip_index(tmp_path / "f.pt").entries if e.name.endswith("data/0"))
-    raw = bytearray((tmp_path / "f.pt").read_bytes())
-    raw[e.data_offset + 5] ^= 0xFF  # a tensor byte
-    (tmp_path / "bad.pt").write_bytes(raw)
-    r = _cli("info", str(tmp_path / "bad.pt"))
+    # the damaged file: CORRUPT, exit status 1
+    r = runs[5]
     assert r.returncode == 1 and "CORRUPT" in r.stdout, r.stdout + r.stderr
 
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from functools import partial
 
 import pytest
 
@@ -30,6 +31,7 @@ accelerate = pytest.importorskip("accelerate")
 torch = pytest.importorskip("torch")
 
 import fastpersist  # noqa: E402
+from subprocs import side_by_side  # noqa: E402 (tests/ is on sys.path)
 
 HERE = os.path.abspath(__file__)
 EXPECTED_FILES = {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"}
@@ -718,10 +720,13 @@ def test_accelerate_launch_config_file_and_the_variable(tmp_path):
 
     if importlib.util.find_spec("_fastpersist_startup") is None:
         pytest.skip("the start-up hook (fastpersist-startup.pth) is not installed in this environment")
-    out = _accelerate_launch(tmp_path, ACCELERATE_YAML, FASTPERSIST_ACCELERATE="1")
+    (tmp_path / "fp").mkdir()
+    (tmp_path / "stock").mkdir()
+    out, stock = (f.result() for f in side_by_side([  # each in a folder of its own, side by side
+        partial(_accelerate_launch, tmp_path / "fp", ACCELERATE_YAML, FASTPERSIST_ACCELERATE="1"),
+        partial(_accelerate_launch, tmp_path / "stock", ACCELERATE_YAML)]))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert "ALIGNMENT 4096" in out.stdout, out.stdout[-3000:]  # fastpersist wrote optimizer.bin
-    stock = _accelerate_launch(tmp_path, ACCELERATE_YAML)
     assert stock.returncode == 0 and "ALIGNMENT 64" in stock.stdout, stock.stdout[-3000:] + stock.stderr[-3000:]
 
 

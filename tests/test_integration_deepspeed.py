@@ -25,11 +25,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+from functools import partial
 
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
 torch = pytest.importorskip("torch")
+
+from subprocs import free_ports, side_by_side  # noqa: E402 (tests/ is on sys.path)
 
 HERE = os.path.abspath(__file__)
 STAGES = [0, 1, 2, 3]  # all four run on CPU with DeepSpeed 0.19 (gloo, torch Adam)
@@ -56,19 +59,35 @@ def _run(cmd: list, env: dict, cwd: str, timeout: int = 500) -> subprocess.Compl
     return out
 
 
-def _stock_checks(root: str, stage: int, ckpt: str) -> None:
+def _stock_checks(root: str, stage: int, ckpt: str, port: int = 0) -> None:
     """Stock DeepSpeed and zero_to_fp32.py, in a process without fastpersist."""
-    out = _run([sys.executable, "-c", STOCK_LOAD, root, str(stage), ckpt, str(_free_port())], _env(), root)
+    out = _run([sys.executable, "-c", STOCK_LOAD, root, str(stage), ckpt, str(port or _free_port())], _env(), root)
     assert "STOCK-OK" in out.stdout, out.stdout[-3000:]
 
 
+def _one_process(stage: int, root: str, ports: tuple[int, int]) -> dict:
+    """The single-process worker of ``stage`` in ``root``, then the stock checks of its checkpoint;
+    the worker's results."""
+    _run([sys.executable, HERE, "--worker", "single", str(stage), root, str(ports[0])], _env(), root)
+    with open(os.path.join(root, "rank0.json")) as f:
+        res = json.load(f)
+    _stock_checks(root, stage, os.path.join(root, "fp"), ports[1])
+    return res
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory) -> dict:
+    """:func:`_one_process` of every stage, each in a folder of its own, side by side (a DeepSpeed
+    start is seconds of imports); ``one_process_runs[stage].result()``."""
+    ports = free_ports(2 * len(STAGES))
+    calls = [partial(_one_process, stage, str(tmp_path_factory.mktemp(f"stage{stage}")), tuple(ports[2 * i:2 * i + 2]))
+             for i, stage in enumerate(STAGES)]
+    return dict(zip(STAGES, side_by_side(calls)))
+
+
 @pytest.mark.parametrize("stage", STAGES)
-def test_one_process(stage, tmp_path):
-    root = str(tmp_path)
-    _run([sys.executable, HERE, "--worker", "single", str(stage), root, str(_free_port())], _env(), root)
-    res = json.loads((tmp_path / "rank0.json").read_text())
-    _check_results(res, stage, world=1)
-    _stock_checks(root, stage, os.path.join(root, "fp"))
+def test_one_process(stage, one_process_runs):
+    _check_results(one_process_runs[stage].result(), stage, world=1)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -432,12 +451,12 @@ def _leftovers(directory) -> list:
     return sorted(n for n in os.listdir(directory) if n.startswith(".fastpersist-"))
 
 
-def _run_killed(root: str, route: str) -> None:
+def _run_killed(root: str, route: str, port: int = 0) -> None:
     """Run the 'kill' child: it saves A, then blocks inside the next save into the same tag (the
     model-states file of B written, the ZeRO partition about to be); SIGKILL it there."""
     from subprocess_kill import sigkill_when_blocked  # tests/ is on sys.path (rootdir conftest)
 
-    sigkill_when_blocked([sys.executable, HERE, "--overwrite", "kill", route, root, str(_free_port())], root,
+    sigkill_when_blocked([sys.executable, HERE, "--overwrite", "kill", route, root, str(port or _free_port())], root,
                          _env(), 400)
 
 
@@ -446,26 +465,54 @@ def _ckpt_of(root: str, route: str) -> tuple:
     return (os.path.join(root, "last.ckpt"), "checkpoint") if route == "lightning" else (os.path.join(root, "ck"), "last")
 
 
+def _killed_then_resumed(route: str, root: str, ports: tuple) -> dict:
+    """The 'kill' child of ``route`` in ``root``; what it left (the tag's file hashes, ``latest``,
+    the hidden staging names), then the 'resume' child's results."""
+    _run_killed(root, route, ports[0])
+    save_dir, tag = _ckpt_of(root, route)
+    with open(os.path.join(save_dir, "latest")) as f:
+        left = {"hashes": _tree_hashes(os.path.join(save_dir, tag)), "latest": f.read(),
+                "staged": _leftovers(save_dir)}  # the killed save's files, hidden; the next save removes them
+    _run([sys.executable, HERE, "--overwrite", "resume", route, root, str(ports[1])], _env(), root)
+    with open(os.path.join(root, "resume.json")) as f:
+        left["resume"] = json.load(f)
+    return left
+
+
+@pytest.fixture(scope="module")
+def overwrite_routes(tmp_path_factory) -> dict:
+    """:func:`_killed_then_resumed` of each route (Lightning's where it is installed), each in a
+    folder of its own, side by side; ``overwrite_routes[route]`` is (folder, future)."""
+    import importlib.util
+
+    routes = ["engine"] + (["lightning"] if importlib.util.find_spec("lightning") is not None else [])
+    roots = [str(tmp_path_factory.mktemp(f"overwrite-{r}")) for r in routes]
+    ports = free_ports(2 * len(routes))
+    calls = [partial(_killed_then_resumed, r, root, tuple(ports[2 * i:2 * i + 2]))
+             for i, (r, root) in enumerate(zip(routes, roots))]
+    return dict(zip(routes, zip(roots, side_by_side(calls))))
+
+
 @pytest.mark.parametrize("route", ["engine", "lightning"])
-def test_sigkill_during_save_into_existing_tag(route, tmp_path):
+def test_sigkill_during_save_into_existing_tag(route, overwrite_routes):
     """Two saves under one tag (a fixed tag; or Lightning's DeepSpeedStrategy.save_checkpoint, tag
     'checkpoint'), the second SIGKILLed part-way: the tag directory holds exactly the first save's
     files, byte for byte; load_checkpoint restores the first save's values; the next save under the
     tag succeeds, leaves no staging directory and loads back."""
     if route == "lightning":
         pytest.importorskip("lightning", reason="lightning is not installed")
-    root = str(tmp_path)
-    _run_killed(root, route)
-    save_dir, tag = _ckpt_of(root, route)
-    a = json.loads((tmp_path / "a.json").read_text())
-    assert _tree_hashes(os.path.join(save_dir, tag)) == a["hashes"]
-    assert open(os.path.join(save_dir, "latest")).read() == tag
+    root, fut = overwrite_routes[route]
+    left = fut.result()
+    _save_dir, tag = _ckpt_of(root, route)
+    with open(os.path.join(root, "a.json")) as f:
+        a = json.load(f)
+    assert left["hashes"] == a["hashes"]
+    assert left["latest"] == tag
     from fastpersist import dircommit
 
-    staged = _leftovers(save_dir)  # the killed save's files, hidden; the next save removes them
+    staged = left["staged"]
     assert len(staged) == 1 and staged[0].startswith(dircommit.staging_name(tag, "")), staged
-    _run([sys.executable, HERE, "--overwrite", "resume", route, root, str(_free_port())], _env(), root)
-    res = json.loads((tmp_path / "resume.json").read_text())
+    res = left["resume"]
     assert res == {"loaded_a": True, "leftovers_after": [], "files": a["files"], "loaded_c": True,
                    "hashes_changed": True}, res
 

@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ pytest.importorskip("boto3", reason="the s3 extra is not installed: pip install 
 
 from conftest import assert_same_object  # noqa: E402
 from s3fixtures import boto, bucket, five_mib_parts, s3_env, s3_server  # noqa: E402,F401 (fixtures)
+from subprocs import run_all, side_by_side  # noqa: E402
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -80,19 +82,24 @@ def test_load_state_dict_names_the_url_on_mismatch(boto, bucket):  # noqa: ANN00
 def test_cli_verify_and_info(boto, bucket, s3_env):  # noqa: ANN001
     url = f"s3://{bucket}/dir/v.safetensors"
     fastpersist.save({"a": torch.arange(1000.0)}, url)
-    r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", url], capture_output=True, text=True)
-    assert r.returncode == 0 and r.stdout.startswith(f"OK: {url}"), r.stdout + r.stderr
     fastpersist.save({"b": torch.ones(3)}, f"s3://{bucket}/dir/b.pt")
-    r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", url, f"s3://{bucket}/dir/b.pt",
-                        f"s3://{bucket}/dir/missing.pt"], capture_output=True, text=True)
+    up = boto.create_multipart_upload(Bucket=bucket, Key="dir/left.pt")["UploadId"]  # as a killed save leaves
+    # these commands only read: they run side by side
+    cli = [sys.executable, "-m", "fastpersist"]
+    one, three, missing, info, no_bucket = run_all([
+        [*cli, "verify", url],
+        [*cli, "verify", url, f"s3://{bucket}/dir/b.pt", f"s3://{bucket}/dir/missing.pt"],
+        [*cli, "verify", f"s3://{bucket}/dir/missing.pt"],
+        [*cli, "info", f"s3://{bucket}/dir/", "--json"],
+        [*cli, "info", "s3://no-such-bucket-fp/x"]], capture_output=True, text=True)
+    r = one
+    assert r.returncode == 0 and r.stdout.startswith(f"OK: {url}"), r.stdout + r.stderr
+    r = three
     assert r.returncode == 2, r.stdout + r.stderr  # two OK, one that cannot be read
     assert r.stdout.count("OK: s3://") == 2 and f"ERROR: s3://{bucket}/dir/missing.pt" in r.stdout, r.stdout
-    r = subprocess.run([sys.executable, "-m", "fastpersist", "verify", f"s3://{bucket}/dir/missing.pt"],
-                       capture_output=True, text=True)
+    r = missing
     assert r.returncode == 2 and "no object" in r.stdout + r.stderr, r.stdout + r.stderr
-    up = boto.create_multipart_upload(Bucket=bucket, Key="dir/left.pt")["UploadId"]  # as a killed save leaves
-    r = subprocess.run([sys.executable, "-m", "fastpersist", "info", f"s3://{bucket}/dir/", "--json"],
-                       capture_output=True, text=True)
+    r = info
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     assert data["bucket"] == "reachable" and data["addressing_style"] == "path"
@@ -102,8 +109,7 @@ def test_cli_verify_and_info(boto, bucket, s3_env):  # noqa: ANN001
                        capture_output=True, text=True)
     assert r.returncode == 0 and "(aborted)" in r.stdout, r.stdout + r.stderr
     assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
-    r = subprocess.run([sys.executable, "-m", "fastpersist", "info", "s3://no-such-bucket-fp/x"],
-                       capture_output=True, text=True)
+    r = no_bucket
     assert r.returncode == 2 and "does not exist" in r.stdout
 
 
@@ -159,9 +165,41 @@ def _s3_examples(path: str) -> list[str]:
     return [b for b in re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE) if "s3://" in b]
 
 
+def _lanes(blocks: list[str]) -> list[list[int]]:
+    """The blocks' indices in lanes that can run side by side: two blocks that name the same
+    s3:// URL, or one URL inside the other's folder, are in one lane, in their order."""
+    import re
+
+    urls = [set(re.findall(r"s3://[^\s\"']+", b)) for b in blocks]
+
+    def touch(x: set, y: set) -> bool:
+        return any(u == v or u.startswith(v.rstrip("/") + "/") or v.startswith(u.rstrip("/") + "/")
+                   for u in x for v in y)
+
+    lane_of = list(range(len(blocks)))  # union-find over blocks that touch
+    def root(i: int) -> int:
+        while lane_of[i] != i:
+            i = lane_of[i]
+        return i
+    for i in range(len(blocks)):
+        for j in range(i):
+            if touch(urls[i], urls[j]):
+                lane_of[root(i)] = root(j)
+    lanes: dict[int, list[int]] = {}
+    for i in range(len(blocks)):
+        lanes.setdefault(root(i), []).append(i)
+    return list(lanes.values())
+
+
+def test_lanes_keep_blocks_that_share_a_url_together() -> None:
+    assert _lanes(['"s3://b/run-1/a.pt"', '"s3://b/other"', '"s3://b/run-1/a.pt" "s3://b/x"', "'s3://b/x/y'",
+                   '"s3://b/run-1/a"']) == [[0, 2, 3], [1], [4]]
+
+
 @pytest.mark.parametrize("doc", ["README.md", "docs/objectstore.md"])
 def test_doc_examples_run_against_the_server(boto, s3_env, tmp_path, doc):  # noqa: ANN001
-    """The s3:// examples of README.md and docs/objectstore.md run as written (bucket my-bucket)."""
+    """The s3:// examples of README.md and docs/objectstore.md run as written (bucket my-bucket);
+    examples that share no object run side by side, those that do one after the other."""
     blocks = _s3_examples(doc)
     assert blocks, f"{doc} has no s3:// example"
     try:
@@ -171,10 +209,17 @@ def test_doc_examples_run_against_the_server(boto, s3_env, tmp_path, doc):  # no
     except Exception as e:  # noqa: BLE001 - s3proxy answers BucketAlreadyExists
         assert "BucketAlready" in type(e).__name__ or "BucketAlready" in str(e), e
     for i, block in enumerate(blocks):
-        script = tmp_path / f"example_{i}.py"
-        script.write_text(block, encoding="utf-8")
-        r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, f"{doc} example {i} failed:\n{block}\n{r.stderr}"
+        (tmp_path / f"example_{i}").mkdir()  # a working directory each (ckpt-tier/, lightning_logs/)
+        (tmp_path / f"example_{i}" / "example.py").write_text(block, encoding="utf-8")
+
+    def run_lane(lane: list[int]) -> list[tuple[int, subprocess.CompletedProcess]]:
+        return [(i, subprocess.run([sys.executable, "example.py"], cwd=tmp_path / f"example_{i}", capture_output=True,
+                                   text=True, timeout=600)) for i in lane]
+
+    done = sorted(r for f in side_by_side([partial(run_lane, lane) for lane in _lanes(blocks)]) for r in f.result())
+    assert [i for i, _ in done] == list(range(len(blocks)))
+    for i, r in done:
+        assert r.returncode == 0, f"{doc} example {i} failed:\n{blocks[i]}\n{r.stderr}"
 
 
 def test_endpoint_and_credentials_from_a_profile(boto, bucket, s3_env, tmp_path, monkeypatch):  # noqa: ANN001

@@ -241,13 +241,21 @@ def test_exit_waits_for_the_drain_and_the_direct_upload(boto, bucket, faulty, tm
     come before that)."""
     root = str(tmp_path / "tier")
     faulty.stall_s = 3.0
-    faulty.arm(Fault("stall", method="PUT", query="partNumber=", count=4))
+    # One stall for each upload: the direct one's first part PUT (its save runs first: the
+    # drain starts after it), then, its retry let through, the drain's first part PUT. (Four
+    # stalls in a row all went to the direct upload's one part: four timeouts and botocore's
+    # growing backoffs before the drain began, which never stalled.)
+    faulty.arm(Fault("stall", method="PUT", query="partNumber="),
+               Fault("stall", method="PUT", query="partNumber=", nth=2))
     env = dict(os.environ, FASTPERSIST_S3_PART_SIZE="5M", FASTPERSIST_S3_LOCAL_DIR=root, FASTPERSIST_S3_TIMEOUT="1")
     r = subprocess.run([sys.executable, "-c", _EXIT_WAITS, f"s3://{bucket}"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "durable at exit: False" in r.stdout
     assert "waiting for 1 drain(s)" in r.stderr
+    parts = [t.split("?")[0] for m, t in faulty.requests if m == "PUT" and "partNumber=" in t]
+    # each upload had a part PUT stalled and sent again: the direct one's part, the drain's 3 parts
+    assert parts.count(f"/{bucket}/direct.pt") >= 2 and parts.count(f"/{bucket}/e.pt") >= 4, parts
     with open(os.path.join(root, bucket, "e.pt"), "rb") as f:
         assert _remote_bytes(boto, bucket, "e.pt") == f.read()
     direct = torch.load(io.BytesIO(_remote_bytes(boto, bucket, "direct.pt")), weights_only=True)

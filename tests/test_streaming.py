@@ -21,6 +21,7 @@ accelerate = pytest.importorskip("accelerate")
 import fastpersist  # noqa: E402
 from fastpersist.errors import CheckpointFormatError, ChecksumError  # noqa: E402
 from fastpersist.streaming import StreamingError, find_blocks, streamer_of  # noqa: E402
+from subprocs import flip_byte  # noqa: E402
 
 
 def _llama_config(layers: int = 4, hidden: int = 64, inter: int = 128, vocab: int = 128) -> object:
@@ -136,21 +137,13 @@ def _record_bytes(path: str, name: str) -> tuple[int, int]:
     return info.file_offset, info.nbytes
 
 
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 @pytest.mark.parametrize("kind", ["torch", "safetensors"])
 def test_flipped_byte_in_a_block_raises_before_the_block_computes(tmp_path, kind: str) -> None:
     ref = _reference("llama")
     path = _write(ref, kind, str(tmp_path))
     name = "model.layers.2.mlp.up_proj.weight"
     off, n = _record_bytes(path, name)
-    _flip(path, off + n // 2)
+    flip_byte(path, off + n // 2, 0x10)
     model = fastpersist.stream_weights(_empty("llama"), path, prefetch=1)
     ran = []
     model.model.layers[2].register_forward_hook(lambda *a: ran.append(2))
@@ -165,7 +158,7 @@ def test_flipped_byte_in_the_resident_part_raises_at_setup(tmp_path) -> None:
     ref = _reference("llama")
     path = _write(ref, "torch", str(tmp_path))
     off, n = _record_bytes(path, "model.embed_tokens.weight")
-    _flip(path, off + 5)
+    flip_byte(path, off + 5, 0x10)
     with pytest.raises(ChecksumError):
         fastpersist.stream_weights(_empty("llama"), path)
 

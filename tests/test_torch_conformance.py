@@ -25,6 +25,7 @@ import torch
 import fastpersist
 from fastpersist import _compat
 from fastpersist.errors import ChecksumError
+from subprocs import flip_byte  # tests/ is on sys.path
 
 stock_save = torch.serialization.save
 stock_load = torch.serialization.load
@@ -75,14 +76,6 @@ def umask(mask: int) -> Iterator[None]:
 
 def _record_offset(path: Path, short: str) -> int:
     return torch._C.PyTorchFileReader(str(path)).get_record_offset(short)
-
-
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 # --------------------------------------------------------------------------- case 7: torch's own files load
@@ -144,7 +137,7 @@ def test_map_shared_release_keeps_the_archive_consistent(tmp_path: Path, switch:
 def test_corruption_in_a_file_fastpersist_wrote_is_still_caught(tmp_path: Path, switch: None) -> None:
     p = tmp_path / "ours.pt"
     torch.save(_state(), p)
-    _flip(p, _record_offset(p, "data/0") + 10)
+    flip_byte(p, _record_offset(p, "data/0") + 10, 0x01)
     with pytest.raises(ChecksumError):
         torch.load(p)
     with pytest.raises(ChecksumError):
@@ -159,7 +152,7 @@ def test_corrupt_pickle_of_a_torch_file_is_still_caught(tmp_path: Path, switch: 
     stock_save({"note": "x" * 200, "t": torch.ones(4)}, p)
     pkl = _record_offset(p, "data.pkl")
     raw = p.read_bytes()
-    _flip(p, raw.index(b"xxxx", pkl) + 5)
+    flip_byte(p, raw.index(b"xxxx", pkl) + 5, 0x01)
     with pytest.raises(ChecksumError):
         fastpersist.load(p, weights_only=False)
 
@@ -484,7 +477,7 @@ def test_every_fastpersist_writer_marks_its_files(tmp_path: Path) -> None:
         dist.destroy_process_group()
     for name in ("async.pt", "group.pt"):
         p = tmp_path / name
-        _flip(p, _record_offset(p, "data/0") + 3)
+        flip_byte(p, _record_offset(p, "data/0") + 3, 0x01)
         with pytest.raises(ChecksumError):
             fastpersist.load(p)
 
