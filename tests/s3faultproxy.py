@@ -46,6 +46,8 @@ class Fault:
     query: Optional[str] = None
     nth: int = 1
     count: int = 1
+    #: a substring of the request's path (e.g. ``"/e.pt"``); None: any
+    path: Optional[str] = None
     seen: int = 0
     fired: int = 0
     #: Called (on the proxy's thread) each time the fault fires, before it acts.
@@ -54,8 +56,10 @@ class Fault:
     def matches(self, method: str, target: str) -> bool:
         if self.method is not None and method != self.method:
             return False
-        q = urlsplit(target).query
-        if self.query is not None and self.query not in q:
+        parts = urlsplit(target)
+        if self.query is not None and self.query not in parts.query:
+            return False
+        if self.path is not None and self.path not in parts.path:
             return False
         self.seen += 1
         if self.seen < self.nth:

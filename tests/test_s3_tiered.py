@@ -229,24 +229,21 @@ import sys, torch, fastpersist
 state = {"w": torch.ones(3 * (1 << 20)), "seed": 1}
 fastpersist.save_async(state, sys.argv[1] + "/direct.pt", config=fastpersist.Config(s3_local_dir=None))
 fut = fastpersist.save_async(state, sys.argv[1] + "/e.pt")  # tiered (FASTPERSIST_S3_LOCAL_DIR)
-fut.wait()
+fut.wait()  # async saves run in call order: the direct upload is done, the drain starts now
 print("durable at exit:", fut.durable(), flush=True)
 """
 
 
 def test_exit_waits_for_the_drain_and_the_direct_upload(boto, bucket, faulty, tmp_path):  # noqa: ANN001
-    """The interpreter exits with a drain and a direct-mode async upload running (their
-    first parts stall past the 1 s timeout, then are retried): both are finished first
-    (the uploads' thread pools refuse new work once the shutdown has begun, so the waits
-    come before that)."""
+    """A direct-mode async upload, then a tiered save whose drain is still running when the
+    interpreter exits (a part of each upload stalls past the 1 s timeout and is retried): the
+    exit waits for the drain (the uploads' thread pools refuse new work once the shutdown has
+    begun, so the wait comes before that); both objects are complete, no upload is left."""
     root = str(tmp_path / "tier")
     faulty.stall_s = 3.0
-    # One stall for each upload: the direct one's first part PUT (its save runs first: the
-    # drain starts after it), then, its retry let through, the drain's first part PUT. (Four
-    # stalls in a row all went to the direct upload's one part: four timeouts and botocore's
-    # growing backoffs before the drain began, which never stalled.)
-    faulty.arm(Fault("stall", method="PUT", query="partNumber="),
-               Fault("stall", method="PUT", query="partNumber=", nth=2))
+    # One stall for each upload: the direct upload's first part PUT and the drain's.
+    faulty.arm(Fault("stall", method="PUT", query="partNumber=", path="/e.pt"),
+               Fault("stall", method="PUT", query="partNumber=", path="/direct.pt"))
     env = dict(os.environ, FASTPERSIST_S3_PART_SIZE="5M", FASTPERSIST_S3_LOCAL_DIR=root, FASTPERSIST_S3_TIMEOUT="1")
     r = subprocess.run([sys.executable, "-c", _EXIT_WAITS, f"s3://{bucket}"], env=env, capture_output=True,
                        text=True, timeout=300)
