@@ -13,12 +13,13 @@
 # Usage: bash tools/compat/dcp.sh SCRATCH MODE   (MODE: stock | fastpersist)
 # fastpersist: tools/compat/dcp_plugin.py (pytest -p) replaces FileSystemWriter/FileSystemReader
 # by fastpersist.dcp.FastPersistWriter/FastPersistReader, in the pytest process and (through
-# tools/compat/dcp_spawn/sitecustomize.py on PYTHONPATH) in the ranks the 2-rank tests spawn.
+# compat_plugins, tools/compat/plugins.sh) in the ranks the 2-rank tests spawn.
 # Writes SCRATCH/results/dcp-MODE.xml.
 set -euo pipefail
 SCRATCH=${1:?usage: dcp.sh SCRATCH stock|fastpersist}
 MODE=${2:?usage: dcp.sh SCRATCH stock|fastpersist}
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/plugins.sh"
 FILE=test/distributed/checkpoint/test_file_system_checkpoint_cpu.py
 SRC="$SCRATCH/dcp"
 if [ ! -f "$SRC/test_file_system_checkpoint_cpu.py" ]; then
@@ -35,9 +36,9 @@ mkdir -p "$SCRATCH/results"
 PLUGIN=()
 case "$MODE" in
   stock) ;;
-  # dcp_spawn/sitecustomize.py applies the same substitution in the ranks the 2-rank tests
-  # spawn (fresh interpreters: no pytest plugin reaches them)
-  fastpersist) PLUGIN=(-p dcp_plugin); export PYTHONPATH="$HERE/dcp_spawn:$HERE${PYTHONPATH:+:$PYTHONPATH}" ;;
+  # compat_plugins: the same substitution in the ranks the 2-rank tests spawn (fresh
+  # interpreters: no pytest plugin reaches them)
+  fastpersist) PLUGIN=(-p dcp_plugin); compat_plugins dcp_plugin ;;
   *) echo "unknown MODE $MODE (stock | fastpersist)" >&2; exit 2 ;;
 esac
 export FASTPERSIST_PATCH_TORCH_SAVE=0 CUDA_VISIBLE_DEVICES=""

@@ -8,6 +8,9 @@
 # (git archive of tests/ trips over missing LFS blobs in some mirrors).
 # Extra test packages: cloudpickle pytest-rerunfailures tensorboard "jsonargparse[signatures]".
 #
+# fastpersist modes: tools/compat/lightning_plugin.py, in the pytest process (-p) and, through
+# compat_plugins (tools/compat/plugins.sh), in the workers ddp_spawn Trainers start.
+#
 # Usage: bash tools/compat/lightning.sh SCRATCH MODE
 #   MODE: stock | fastpersist (async saves, the default) | fastpersist-sync (async_save=False)
 # Writes SCRATCH/results/lightning-MODE.xml.
@@ -16,6 +19,7 @@ SCRATCH=${1:?usage: lightning.sh SCRATCH stock|fastpersist|fastpersist-sync}
 MODE=${2:?usage: lightning.sh SCRATCH stock|fastpersist|fastpersist-sync}
 REF=2.6.5
 HERE=$(cd "$(dirname "$0")" && pwd)
+. "$HERE/plugins.sh"
 SRC="$SCRATCH/lightning"
 if [ ! -f "$SRC/tests/tests_pytorch/conftest.py" ]; then
   mkdir -p "$SRC"
@@ -38,8 +42,9 @@ TESTS=(tests/tests_pytorch/checkpointing/ tests/tests_pytorch/plugins/test_check
 ARGS=(-q -p no:cacheprovider --junitxml="$SCRATCH/results/lightning-$MODE.xml")
 case "$MODE" in
   stock) ;;
-  fastpersist) export FASTPERSIST_COMPAT_LIGHTNING=async; ARGS+=(-p lightning_plugin) ;;
-  fastpersist-sync) export FASTPERSIST_COMPAT_LIGHTNING=sync; ARGS+=(-p lightning_plugin) ;;
+  # compat_plugins: the plugin also in the workers of ddp_spawn Trainers (fresh interpreters)
+  fastpersist) export FASTPERSIST_COMPAT_LIGHTNING=async; ARGS+=(-p lightning_plugin); compat_plugins lightning_plugin ;;
+  fastpersist-sync) export FASTPERSIST_COMPAT_LIGHTNING=sync; ARGS+=(-p lightning_plugin); compat_plugins lightning_plugin ;;
   *) echo "MODE must be stock, fastpersist or fastpersist-sync" >&2; exit 2 ;;
 esac
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
