@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 __all__ = ["load", "last_load_phases"]
 
 _HASH_SPAN = 64 << 10
+_TAIL_SPAN = 128 << 10
 
 
 def load(
@@ -118,13 +119,15 @@ def last_load_phases() -> list[tuple[str, float, float]]:
 
 
 def _fingerprint(fspath: str) -> tuple[int, str, bytes]:
-    """(size, hash of the first and last 64 KiB, the last 64 KiB) of the file."""
+    """(size, hash of the first and last 64 KiB, the last 128 KiB) of the file (the tail
+    holds a zip file's end records, which may be 64 KiB away from its end, and its
+    central directory if it is small)."""
     with open(fspath, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         h = hashlib.blake2b(digest_size=16)
         h.update(pread_full(f.fileno(), _HASH_SPAN, 0, fspath))
-        tail = bytes(pread_full(f.fileno(), _HASH_SPAN, max(0, size - _HASH_SPAN), fspath))
-        h.update(tail)
+        tail = bytes(pread_full(f.fileno(), _TAIL_SPAN, max(0, size - _TAIL_SPAN), fspath))
+        h.update(tail[-_HASH_SPAN:])
     return size, h.hexdigest(), tail
 
 
@@ -202,7 +205,24 @@ def _load_slices(co: Coordinator, fspath: str, cfg: Any, req: registry.LoadReque
 
 
 def _pieces(lo: int, hi: int) -> list[tuple[int, int]]:
-    return [(a, min(hi, a + EXCHANGE_PIECE)) for a in range(lo, hi, EXCHANGE_PIECE)]
+    """The pieces of the slice ``[lo, hi)``: :data:`EXCHANGE_PIECE` bytes each, then the
+    last two pieces' worth in halves down to a sixteenth of a piece, so that what is left
+    to broadcast after the slice's last read is small (the pipeline's tail)."""
+    piece, page = EXCHANGE_PIECE, 4096
+    least = max(page, piece // 16 // page * page)
+    out = []
+    a = lo
+    while a < hi:
+        left = hi - a
+        if left > 2 * piece:
+            n = piece
+        elif left > least:
+            n = max(least, (left // 2 + page - 1) // page * page)
+        else:
+            n = left
+        out.append((a, a + n))
+        a += n
+    return out
 
 
 def _read_and_exchange(co: Coordinator, loc: Local, fspath: str, cfg: Any, buf: torch.Tensor,
