@@ -10,7 +10,13 @@ tensors; NCCL: through CUDA tensors) while it reads the next. Every rank then ho
 whole file in memory and loads it there: a torch zip file's tensors are built over
 those bytes (a private mapping of the memory file: no second copy, and a write to a
 tensor stays in its process), every record's local header and CRC-32 checked in place
-before the result is returned, with the checks of an ordinary load. Each tensor has a
+before the result is returned, with the checks of an ordinary load. The CRC-32s are
+computed as the pieces arrive, on a thread that overlaps the next broadcasts
+(:class:`~fastpersist.formats.piececrc.PieceCrcs`, from the zip central directory in the
+file's last 128 KiB, which the ranks read to compare the file); a record not covered so
+(a central directory beyond that tail, an unreadable local header) is checked over the
+assembled bytes after the exchange. The last pieces of each slice are smaller (halves
+down to a sixteenth of a piece), so little is left to broadcast after the last read. Each tensor has a
 storage of its own, as with ``torch.load``, but together they keep the file's memory
 alive, as a ``torch.load(mmap=True)`` result keeps its mapping. A corrupt byte in any
 rank's slice reaches every rank, so every rank raises. Safetensors files, legacy torch
