@@ -164,6 +164,70 @@ class _FlippingHandle:
         return getattr(self.real, name)
 
 
+def _spanning_offset(path: str, world: int) -> tuple[int, int, int]:
+    """(data offset, size, a byte) of a payload record that starts in rank 0's slice and
+    ends in rank 1's: the byte is in rank 1's part of it."""
+    from fastpersist.formats import split
+    from fastpersist.formats.zipindex import parse_zip_index
+
+    size = os.path.getsize(path)
+    cut = split.slice_bounds(size, world, 4096)[1][0]
+    with open(path, "rb") as f:
+        index = parse_zip_index(lambda off, n: os.pread(f.fileno(), n, off), size, path)
+    for e in index.entries:
+        if "/data/" in e.name and e.data_offset < cut < e.data_offset + e.compressed_size - 2 * PIECE:
+            return e.data_offset, e.compressed_size, cut + PIECE + 123
+    raise AssertionError(f"no record across offset {cut}")
+
+
+def _with_piece_crcs(load: Callable[[], Any]) -> tuple[Any, dict]:
+    """Run ``load``; (its result or the exception, the CRC-32s computed as the pieces arrived)."""
+    from fastpersist import collectiveload
+
+    real = collectiveload.PieceCrcs.finish
+    seen: dict = {}
+
+    def finish(self: Any) -> dict:
+        seen.update(real(self))
+        return seen
+
+    collectiveload.PieceCrcs.finish = finish
+    try:
+        return load(), seen
+    except Exception as e:  # noqa: BLE001
+        return e, seen
+    finally:
+        collectiveload.PieceCrcs.finish = real
+
+
+def sc_early_crcs(rank: int, world: int, d: str) -> Any:
+    """Every payload record's CRC-32 is computed as the pieces arrive (records across
+    pieces and ranks included), equal to zlib's over the file's bytes."""
+    import zlib
+
+    from conftest import assert_same_object
+    from fastpersist.formats.zipindex import read_zip_index
+
+    p = os.path.join(d, "fp.pt")
+    got, seen = _with_piece_crcs(lambda: _group_load(rank, world, d, "fp.pt"))
+    assert_same_object(got, torch.load(p, weights_only=True))
+    data = open(p, "rb").read()
+    want = {(e.data_offset, e.compressed_size): zlib.crc32(data[e.data_offset : e.data_offset + e.compressed_size])
+            for e in read_zip_index(p).entries if e.compressed_size}
+    assert seen == want, (len(seen), len(want), sorted(set(want) ^ set(seen))[:5], [k for k in seen if seen[k] != want.get(k)][:5])
+    return True
+
+
+def sc_corrupt_spanning(rank: int, world: int, d: str) -> Any:
+    """A flipped byte in rank 1's part of a record that starts in rank 0's slice: its CRC,
+    computed as the pieces arrived, differs; every rank raises."""
+    got, seen = _with_piece_crcs(lambda: _group_load(rank, world, d, "badspan.pt"))
+    start, n, _byte = _spanning_offset(os.path.join(d, "fp.pt"), world)
+    assert (start, n) in seen, "the spanning record's CRC was not computed as the pieces arrived"
+    assert isinstance(got, Exception), "a corrupt record was loaded"
+    return type(got).__name__, str(got), sorted(getattr(got, "failures", {}))
+
+
 def sc_bad_read_one_rank(rank: int, world: int, d: str) -> Any:
     """Rank 1's reads return a flipped byte (the file is fine): no rank returns tensors."""
     from fastpersist import collectiveload, handles
@@ -257,9 +321,13 @@ def _files(d: str, world: int) -> None:
         p = os.path.join(d, name)
         fastpersist.save(state(), p)
         flip_byte(p, _payload_offset_in_slice(p, world, victim))
+    p = os.path.join(d, "badspan.pt")
+    fastpersist.save(state(), p)
+    flip_byte(p, _spanning_offset(p, world)[2])
 
 
-NAMES = ["exact", "private", "corrupt_slice0", "corrupt_slice_last", "bad_read_one_rank", "read_error"]
+NAMES = ["exact", "private", "corrupt_slice0", "corrupt_slice_last", "early_crcs", "corrupt_spanning",
+         "bad_read_one_rank", "read_error"]
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -290,6 +358,20 @@ def test_a_corrupt_byte_in_any_slice_fails_every_rank(world: tuple, name: str) -
         assert got[0] == "error" and got[1] == "DistributedCheckpointError", got
         assert "ChecksumError" in got[2] and "CRC-32 mismatch" in got[2], got[2]
         assert sorted(got[3]["failures"]) == list(range(n)), got[3]  # every rank found it
+
+
+def test_crcs_are_computed_as_the_pieces_arrive(world: tuple) -> None:
+    n, results = world
+    assert ok(results, "early_crcs") == [True] * n
+
+
+def test_a_corrupt_byte_in_a_record_across_two_ranks_fails_every_rank(world: tuple) -> None:
+    n, results = world
+    for rank in range(n):
+        kind, message, failures = ok(results, "corrupt_spanning")[rank]
+        assert kind == "DistributedCheckpointError", message
+        assert "ChecksumError" in message and "CRC-32 mismatch" in message, message
+        assert failures == list(range(n)), failures  # every rank found it
 
 
 def test_a_failed_read_fails_every_rank_naming_it(world: tuple) -> None:

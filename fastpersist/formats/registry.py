@@ -27,7 +27,7 @@ import os
 import pickle
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -166,11 +166,13 @@ def _load_torch(fspath: str, cfg: Any, req: LoadRequest) -> Any:
         return req.torch_load()
 
 
-def load_torch_in_memory(fspath: str, fd: int, memory: Any, cfg: Any, req: LoadRequest) -> Any:
+def load_torch_in_memory(fspath: str, fd: int, memory: Any, cfg: Any, req: LoadRequest,
+                         checked_crcs: Optional[Mapping[tuple[int, int], int]] = None) -> Any:
     """The fast load of a torch zip file whose bytes are all in ``memory`` already, and
     readable through ``fd`` (the collective load's assembled file, see
     :func:`fastpersist.formats.torchload.load_torch` with ``memory``): the storages are built over
     ``memory``, with the same checks as a load from the file. ``fspath`` names the file.
+    ``checked_crcs``: CRC-32s of ranges of ``memory`` computed already (``load_torch``).
 
     Raises:
         UnsupportedLayoutError: a load this path does not take (what ``fastpersist.load``
@@ -195,7 +197,8 @@ def load_torch_in_memory(fspath: str, fd: int, memory: Any, cfg: Any, req: LoadR
     pickle_load_args.setdefault("encoding", "utf-8")
     try:
         return torchload.load_torch(fspath, handles.handle_for(cfg, read=True), req.map_location, module,
-                                    weights_only=wo, checksum=cfg.checksum, memory=memory, fd=fd, **pickle_load_args)
+                                    weights_only=wo, checksum=cfg.checksum, memory=memory, fd=fd,
+                                    checked_crcs=checked_crcs, **pickle_load_args)
     except pickle.UnpicklingError as e:
         if not wo:
             raise

@@ -39,7 +39,7 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -256,6 +256,8 @@ class LoadState:
         #: the whole file's bytes, already in memory (``load_torch(memory=...)``): a writable
         #: buffer of ``size`` bytes that the storages are built over; None: read from ``fd``
         self.memory = memory
+        #: ``(data offset, length) -> CRC-32`` of ranges of :attr:`memory` computed already
+        self.checked_crcs: Mapping[tuple[int, int], int] = {}
         self.records: list[_Record] = []
         self.by_short: dict[str, _Record] = {}
         self.arena = _Arena()
@@ -553,6 +555,7 @@ def load_torch(
     checksum: bool = True,
     memory: Any = None,
     fd: Optional[int] = None,
+    checked_crcs: Optional[Mapping[tuple[int, int], int]] = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load the torch zip checkpoint at ``path`` (see the module docstring).
@@ -569,7 +572,12 @@ def load_torch(
     two overlap, none can grow), and together they keep ``memory`` alive, as a
     ``torch.load(mmap=True)`` result keeps its mapping. Every record the load uses has
     its local header checked and its CRC-32 computed in place (on ``handle``'s threads)
-    and compared before the result is returned.
+    and compared before the result is returned. ``checked_crcs`` (with ``memory``) maps
+    ``(data offset, length)`` to the CRC-32 of those bytes of ``memory``, computed
+    already (as the collective load's pieces arrived,
+    :class:`fastpersist.formats.piececrc.PieceCrcs`): a record whose bytes are exactly such
+    a range is compared with that value instead of being read again; every other record
+    is computed here.
 
     Raises:
         UnsupportedLayoutError: not something this reader loads (not a zip file,
@@ -590,11 +598,13 @@ def load_torch(
     def load_from(fd: int, size: int) -> Any:
         try:
             return _load_fd(path, fd, size, handle, map_location, pickle_module, private_load, memory=memory,
-                            weights_only=weights_only, checksum=checksum, **pickle_load_args)
+                            checked_crcs=checked_crcs, weights_only=weights_only, checksum=checksum,
+                            **pickle_load_args)
         except HeaderMismatch:
             log.debug("%s: predicted record offsets were wrong; loading with every local header read", path)
             return _load_fd(path, fd, size, handle, map_location, pickle_module, private_load, exact=True,
-                            memory=memory, weights_only=weights_only, checksum=checksum, **pickle_load_args)
+                            memory=memory, checked_crcs=checked_crcs, weights_only=weights_only, checksum=checksum,
+                            **pickle_load_args)
 
     if fd is not None:
         size = os.fstat(fd).st_size
@@ -653,10 +663,13 @@ def _fast_unpickle_allowed(marked_native: bool, map_location: Any, pickle_module
 
 def _load_fd(
     path: str, fd: int, size: int, handle: Any, map_location: Any, pickle_module: Any, private_load: Any, *,
-    weights_only: bool, checksum: bool, exact: bool = False, memory: Any = None, **pickle_load_args: Any,
+    weights_only: bool, checksum: bool, exact: bool = False, memory: Any = None,
+    checked_crcs: Optional[Mapping[tuple[int, int], int]] = None, **pickle_load_args: Any,
 ) -> Any:
 
     load = LoadState(path, fd, size, checksum, _wants_pinned(map_location), memory)
+    if memory is not None and checked_crcs:
+        load.checked_crcs = checked_crcs
     load.index(exact)
     result = _load_records(load, path, fd, handle, map_location, pickle_module, private_load,
                            weights_only=weights_only, **pickle_load_args)
@@ -816,11 +829,18 @@ def _memory_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]]) -> tu
     def finish(only: Optional[Callable[[_Record], bool]] = None) -> None:
         chosen = [r for r in bulk if only is None or only(r)]
         got: dict[int, int] = {}
+        if load.checksum:
+            done = load.checked_crcs
+            for r in chosen:
+                c = done.get((r.data_offset, r.size))
+                if c is not None:
+                    got[id(r)] = c
+            chosen = [r for r in chosen if id(r) not in got]
         if load.checksum and chosen:
             keep = torch.frombuffer(load.memory, dtype=torch.uint8)  # the address; holds the buffer meanwhile
             base = keep.data_ptr()
             crcs = handle.crc32_ranges([(base + r.data_offset, r.size) for r in chosen])
-            got = {id(r): c for r, c in zip(chosen, crcs)}
+            got.update({id(r): c for r, c in zip(chosen, crcs)})
             del keep
         load.check_bulk(bulk, [got.get(id(r), r.entry.crc32) for r in bulk], only)
 
