@@ -17,17 +17,8 @@ pytest.importorskip("boto3", reason="the s3 extra is not installed: pip install 
 from fastpersist import s3folder, s3foldersave  # noqa: E402
 
 from s3faultproxy import Fault  # noqa: E402
+from test_collectivedir import _tree  # noqa: E402 (tests/ is on sys.path)
 from s3fixtures import boto, bucket, fault_proxy, s3_env, s3_server  # noqa: E402,F401 (fixtures)
-
-
-def _tree(directory: str) -> dict:
-    out = {}
-    for base, _dirs, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(base, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, directory)] = f.read()
-    return out
 
 
 def _writer(rank: int, data: bytes, fail: bool = False):  # noqa: ANN202
