@@ -7,7 +7,7 @@ is marked (``MARK``) so that a second install is a no-op, static methods stay st
 aliases of a module-level function that other modules imported by name are rebound too
 (``from cloud_io import _load as pl_load``), and :meth:`Wrappers.undo` restores every
 original in reverse order. :func:`calling_first` makes the common wrapper: run a hook with
-the call's arguments, then the original. :class:`ModuleWith` stands for a module inside one
+the call's arguments, then the original (:func:`calling_after`: the original, then the hook). :class:`ModuleWith` stands for a module inside one
 other module (``accelerate.checkpointing``'s ``torch``) with some of its functions replaced
 there only.
 """
@@ -18,7 +18,7 @@ import functools
 import sys
 from typing import Any, Callable
 
-__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_first"]
+__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first"]
 
 #: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
 MARK = "_fastpersist_guard"
@@ -37,6 +37,20 @@ def calling_first(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Ca
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             hook(*args, **kwargs)
             return original(*args, **kwargs)
+        return wrapper
+    return make
+
+
+def calling_after(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``make`` whose wrapper calls the original, then ``hook`` with the call's arguments
+    (``self`` included for a method; not when the original raised); it returns the
+    original's result."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            hook(*args, **kwargs)
+            return result
         return wrapper
     return make
 

@@ -23,15 +23,14 @@ from typing import Any, Optional
 
 import fastpersist
 from fastpersist import s3folder, s3foldersave
-from fastpersist.adaptersettings import parse_section
-from fastpersist.collectivedir import CollectiveDir, WorldExchange, conclude, failed_elsewhere
-from fastpersist.commit import fsync_path, write_small_file
-from fastpersist.dircommit import StagedDir
+from fastpersist.adaptersettings import find_section
+from fastpersist.collectivedir import WorldExchange
 from fastpersist.envflags import adapter_enabled
+from fastpersist.methodswitch import wrap_once
 from fastpersist.ranks import global_rank, world_size
-from fastpersist.replicated import save_replicated
-from fastpersist.rankwrites import RankWrites
 from fastpersist.s3url import is_s3_url
+from fastpersist.tagwrites import TagWrites, sync_pointer
+from fastpersist.wrappers import calling_after
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]
@@ -42,7 +41,6 @@ ENV_VAR = "FASTPERSIST_DEEPSPEED"
 #: Top-level key of the DeepSpeed config (JSON file or dict) read by :func:`apply_config`.
 CONFIG_KEY = "fastpersist"
 ENGINE_NAME = "FastPersistCheckpointEngine"
-_MARK = "_fastpersist_original"
 _REPLICATED = re.compile(r"mp_rank_\d+_model_states\.pt")
 # Entries of a DeepSpeed tag directory (model states, ZeRO/expert optimizer files, the NVMe-offload copy)
 _DS_ENTRY_RE = re.compile(r".*(model|optim)_states\.pt|offloaded_tensors", re.DOTALL)
@@ -69,10 +67,11 @@ def _make_engine_class() -> type:
             self.config = config
             self.decoupled = bool(decoupled) and hasattr(fastpersist, "save_async")
             self.replica_group = replica_group
-            self._writes = RankWrites(log)  # this rank's files of the checkpoint being written
+            # this rank's files of the checkpoint being written
+            self._writes = TagWrites(is_checkpoint_entry=_DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
+                                     operation="save_checkpoint", logger=log)
             self._pending = self._writes.pending  # its background saves
             self._commit_info: Any = None
-            self._stage_key: tuple = ()  # (save_dir, tag) of the checkpoint being written
             # set by enable() from the engine
             self.node_local = bool(getattr(config_params, "use_node_local_storage", False))
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -85,15 +84,10 @@ def _make_engine_class() -> type:
                 self.commit(self._commit_info)  # the previous decoupled checkpoint, not committed yet
             self._commit_info = info
             self.saved = []
-            self._writes.begin(None)
             # staged where the tag directory exists on some rank and no rank sees a reason not to
-            self._stage_key = (os.fspath(info.save_dir), str(info.tag))
             veto = "DeepSpeed copies the NVMe-offload files into the tag directory itself" if self.nvme_offload else None
             committer = self.local_rank == 0 if self.node_local else global_rank() == 0
-            self._writes.begin(CollectiveDir.open(
-                StagedDir(_tag_dir(info)), rank=global_rank(), committer=committer, veto=veto, existing_only=True,
-                is_checkpoint_entry=_DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
-                operation="save_checkpoint", logger=log))
+            self._writes.open(info.save_dir, info.tag, rank=global_rank(), committer=committer, veto=veto)
 
         def makedirs(self, path: str, exist_ok: bool = False) -> None:
             self._writes.makedirs(path, exist_ok)
@@ -103,43 +97,27 @@ def _make_engine_class() -> type:
 
         def save(self, state_dict: Any, path: str) -> None:
             self.saved.append(os.fspath(path))
-            path = self._writes.path(path)
-            self._writes.write(path, lambda: self._save(state_dict, path))  # a failure: raised by commit
-
-        def _save(self, state_dict: Any, path: str) -> None:
-            if self.replica_group is not None and _REPLICATED.fullmatch(os.path.basename(path)):
-                import torch.distributed as dist
-
-                writer = dist.get_rank(self.replica_group) == 0
-                save_replicated(state_dict, path, group=self.replica_group, writer=writer, format="torch",
-                                config=self.config, save=fastpersist.save)
-            elif self.decoupled:
-                self._writes.track(fastpersist.save_async(state_dict, path, config=self.config, format="torch"))
-            else:
-                fastpersist.save(state_dict, path, config=self.config, format="torch")
+            # the model-states file by the replica group together; a failure: raised by commit
+            group = self.replica_group if _REPLICATED.fullmatch(os.path.basename(path)) else None
+            self._writes.save(state_dict, path, save=fastpersist.save, group=group, config=self.config,
+                              save_async=fastpersist.save_async if self.decoupled else None)
 
         def load(self, path: str, map_location: Any = None) -> Any:
             return fastpersist.load(path, map_location=map_location, weights_only=False, config=self.config)
 
         def commit(self, info: Any) -> bool:
-            stage = self._writes.stage if self._stage_key == (os.fspath(info.save_dir), str(info.tag)) else None
-            # every pending save settles (none may still rename files of this tag afterwards), then fsyncs
-            error = self._writes.settle(f"checkpoint {info.tag!r}", also=(_tag_dir(info), info.save_dir))
             self._commit_info = None
-            self._writes.begin(None)
-            elsewhere = failed_elsewhere(f"checkpoint {info.tag!r} in {info.save_dir!r}",
-                                         after="'latest' was not updated")
             # with no file of this save in the staging directory (save_16bit_model) it is removed
-            conclude(stage, error, elsewhere, per_node=self.node_local and world_size() > 1, missing_ok=True)
-            if getattr(info, "save_latest", False) and global_rank() == 0:
-                write_small_file(os.path.join(info.save_dir, "latest"), str(info.tag).encode())
+            self._writes.commit(info.save_dir, info.tag, rank=global_rank(), pointer="latest",
+                                per_node=self.node_local and world_size() > 1,
+                                update_pointer=getattr(info, "save_latest", False))
             return True
 
         def _abandon(self, error: BaseException) -> None:
             """``save_checkpoint`` raised: never committed (decoupled: DeepSpeed's next commit fails)."""
             if not self.decoupled:
                 self._commit_info = None
-                self._writes.begin(None)  # its staging directory goes with the next save into this tag
+                self._writes.drop()  # its staging directory goes with the next save into this tag
             elif self._commit_info is not None:
                 self._writes.fail(error)
 
@@ -158,10 +136,6 @@ def _make_engine_class() -> type:
 
     FastPersistCheckpointEngine.__module__ = __name__
     return FastPersistCheckpointEngine
-
-
-def _tag_dir(info: Any) -> str:
-    return os.path.abspath(os.path.join(os.fspath(info.save_dir), str(info.tag)))
 
 
 def __getattr__(name: str) -> Any:
@@ -196,10 +170,8 @@ def _attach(engine: Any, *, config: Any = None, decoupled: bool = False, split_r
     engine.checkpoint_engine = ce
     if group is not None:
         engine.save_non_zero_checkpoint = True  # every data-parallel rank takes part in the model-states file
-    if not hasattr(engine.save_checkpoint, _MARK):
-        engine.save_checkpoint = _with_durable_latest(engine, engine.save_checkpoint)
-    if not hasattr(engine.load_checkpoint, _MARK):
-        engine.load_checkpoint = _with_s3_loads(engine, engine.load_checkpoint)
+    wrap_once(engine, "save_checkpoint", functools.partial(_with_durable_latest, engine))
+    wrap_once(engine, "load_checkpoint", functools.partial(_with_s3_loads, engine))
     return ce
 
 
@@ -217,12 +189,10 @@ def _with_durable_latest(engine: Any, original: Any) -> Any:
             if abandon is not None:
                 abandon(e)
             raise
-        latest = os.path.join(save_dir, "latest")
-        if engine.global_rank == 0 and os.path.isfile(latest) and not engine.checkpoint_engine.is_decoupled():
-            fsync_path(latest)
+        if engine.global_rank == 0 and not engine.checkpoint_engine.is_decoupled():
+            sync_pointer(save_dir, "latest")
         return result
 
-    setattr(save_checkpoint, _MARK, original)
     return save_checkpoint
 
 
@@ -267,9 +237,8 @@ def _with_s3_loads(engine: Any, original: Any) -> Any:
                 return None, None
             local_dir, tag = found
             path, client = original(local_dir, tag, *args[1:], **rest)
-            return (s3folder.join(url, os.path.relpath(path, local_dir)) if isinstance(path, str) else path), client
+            return s3foldersave.url_of(url, local_dir, path), client
 
-    setattr(load_checkpoint, _MARK, original)
     return load_checkpoint
 
 
@@ -293,21 +262,16 @@ def enable(engine: Any = None, *, config: Any = None, decoupled: bool = False, s
     _default_settings = settings
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    if not hasattr(DeepSpeedEngine._configure_checkpointing, _MARK):
-        original = DeepSpeedEngine._configure_checkpointing
-
-        @functools.wraps(original)
-        def _configure_checkpointing(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            if config_settings(self) is not None:  # the engine's own config decides
-                apply_config(self)
-            elif _default_settings is not None:
-                _attach(self, **_default_settings)
-            return result
-
-        setattr(_configure_checkpointing, _MARK, original)
-        DeepSpeedEngine._configure_checkpointing = _configure_checkpointing
+    wrap_once(DeepSpeedEngine, "_configure_checkpointing", calling_after(_configured))
     return None
+
+
+def _configured(engine: Any, *args: Any, **kwargs: Any) -> None:
+    """After ``DeepSpeedEngine._configure_checkpointing``: the engine's own config decides, else enable()'s."""
+    if config_settings(engine) is not None:
+        apply_config(engine)
+    elif _default_settings is not None:
+        _attach(engine, **_default_settings)
 
 
 def disable() -> None:
@@ -336,12 +300,9 @@ def install_from_env() -> bool:
 def config_settings(engine_or_config: Any) -> Optional[dict]:
     """The ``"fastpersist"`` section of a DeepSpeed config (a ``DeepSpeedEngine``, a
     ``DeepSpeedConfig`` or the config dict), checked
-    (:func:`fastpersist.adaptersettings.parse_section`); None when the config has none."""
+    (:func:`fastpersist.adaptersettings.find_section`); None when the config has none."""
     params = getattr(engine_or_config, "_config", engine_or_config)
-    params = getattr(params, "_param_dict", params)
-    if not isinstance(params, dict) or CONFIG_KEY not in params:
-        return None
-    return parse_section(params[CONFIG_KEY], key=CONFIG_KEY, where="DeepSpeed config")
+    return find_section(getattr(params, "_param_dict", params), key=CONFIG_KEY, where="DeepSpeed config")
 
 
 def apply_config(engine: Any) -> Optional[Any]:

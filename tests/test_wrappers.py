@@ -87,3 +87,25 @@ def test_calling_first_runs_the_hook_then_the_original():
     assert seen == [("static", "a", {"flag": True}), ("method", "b")]
     w.undo()
     assert not is_wrapper(Owner.static) and Owner().method("c") == ("method", "c") and len(seen) == 2
+
+
+def test_calling_after_runs_the_original_then_the_hook():
+    from fastpersist.wrappers import calling_after
+
+    seen = []
+
+    def configure(self, n):  # noqa: ANN001, ANN202
+        seen.append(("original", n))
+        if n < 0:
+            raise ValueError("bad")
+        return n * 2
+
+    wrapped = calling_after(lambda self, n: seen.append(("hook", n)))(configure)
+    assert wrapped("engine", 3) == 6 and seen == [("original", 3), ("hook", 3)]
+    assert wrapped.__name__ == "configure"
+    seen.clear()
+    try:
+        wrapped("engine", -1)
+    except ValueError:
+        pass
+    assert seen == [("original", -1)]  # the original raised: no hook
