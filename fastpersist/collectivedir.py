@@ -46,7 +46,8 @@ from typing import Any, Callable, Optional, Protocol
 from fastpersist import ranks
 from fastpersist.dircommit import StagedDir, fsync_tree, rebase
 
-__all__ = ["CollectiveDir", "Exchange", "ListExchange", "WorldExchange", "agree", "conclude", "describe", "failed_elsewhere"]
+__all__ = ["CollectiveDir", "Exchange", "ListExchange", "WorldExchange", "agree", "conclude", "describe",
+           "failed_elsewhere"]
 
 log = logging.getLogger(__name__)
 

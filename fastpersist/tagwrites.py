@@ -17,7 +17,10 @@ that hands the adapter each file separately before asking it to commit (its
 - :meth:`TagWrites.commit` (every rank): every save settled and fsynced, the ranks'
   outcomes agreed, the staging directory swapped in
   (:func:`fastpersist.collectivedir.conclude`), and only then the pointer file written
-  (atomic and durable), so that it never names a tag that is not whole.
+  (atomic and durable), so that it never names a tag that is not whole;
+- :meth:`TagWrites.abandon`: the framework's save raised before its commit. A commit
+  that comes later (deferred: DeepSpeed's decoupled engine commits at the next step
+  boundary) fails then; any other is forgotten.
 """
 
 from __future__ import annotations
@@ -65,12 +68,16 @@ class TagWrites(RankWrites):
         self.what = what
         self.operation = operation
         self.key: Optional[tuple[str, str]] = None  #: (save_dir, tag) of the tag directory being written
+        self.uncommitted: Any = None  #: the framework's handle of the tag directory opened, not committed yet
 
-    def open(self, save_dir: Any, tag: Any, *, rank: int, committer: bool, veto: Optional[str] = None) -> None:
+    def open(self, save_dir: Any, tag: Any, *, rank: int, committer: bool, veto: Optional[str] = None,
+             handle: Any = None) -> None:
         """Every rank: start writing ``SAVE_DIR/TAG``, staged where the directory exists on
         some rank and no rank gives a reason not to (``veto``: this rank's). ``committer``:
         whether this rank swaps the staging directory in (rank 0; per node, each node's
-        local rank 0)."""
+        local rank 0). ``handle``: the framework's record of this save, :attr:`uncommitted`
+        until :meth:`commit`."""
+        self.uncommitted = handle
         self.begin(None)
         self.key = (os.fspath(save_dir), str(tag))
         self.begin(CollectiveDir.open(
@@ -102,8 +109,17 @@ class TagWrites(RankWrites):
     def drop(self) -> None:
         """Forget the tag directory being written, uncommitted (its staging directory goes with
         the next save into the tag)."""
+        self.uncommitted = None
         self.key = None
         self.begin(None)
+
+    def abandon(self, error: BaseException, *, deferred: bool) -> None:
+        """The framework's save raised ``error`` before its commit: :meth:`drop`, or, where its
+        commit is ``deferred`` (comes later) and still to come, that commit raises ``error``."""
+        if not deferred:
+            self.drop()
+        elif self.uncommitted is not None:
+            self.fail(error)
 
     def commit(self, save_dir: Any, tag: Any, *, rank: int, per_node: bool = False, pointer: str = "latest",
                update_pointer: bool = True) -> None:
@@ -112,6 +128,7 @@ class TagWrites(RankWrites):
         in (``per_node``: by each node's committer too; with no file of this save in it, it is
         removed); then, ``update_pointer``, rank 0 writes the file ``SAVE_DIR/POINTER`` holding
         the tag. A failure on any rank raises on every rank, the pointer not updated."""
+        self.uncommitted = None
         stage = self.stage if self.key == (os.fspath(save_dir), str(tag)) else None
         # every pending save settles (none may still rename files of this tag afterwards), then fsyncs
         error = self.settle(f"checkpoint {tag!r}", also=(tag_dir(save_dir, tag), save_dir))

@@ -7,9 +7,9 @@ is marked (``MARK``) so that a second install is a no-op, static methods stay st
 aliases of a module-level function that other modules imported by name are rebound too
 (``from cloud_io import _load as pl_load``), and :meth:`Wrappers.undo` restores every
 original in reverse order. :func:`calling_first` makes the common wrapper: run a hook with
-the call's arguments, then the original (:func:`calling_after`: the original, then the hook). :class:`ModuleWith` stands for a module inside one
-other module (``accelerate.checkpointing``'s ``torch``) with some of its functions replaced
-there only.
+the call's arguments, then the original (:func:`calling_after`: the original, then the
+hook). :class:`ModuleWith` stands for a module inside one other module
+(``accelerate.checkpointing``'s ``torch``) with some of its functions replaced there only.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ imported). What it does: docs/integrations.md (Accelerate), docs/objectstore.md 
 
 This module only translates. :mod:`accelerate.checkpointing` calls its module globals
 ``save``, ``load``, ``load_model`` and ``torch.save`` for every file: :func:`install`
-replaces them *in that module only* with routers that call fastpersist while an enabled
-Accelerator's ``save_state``/``load_state`` runs. The wrapped ``save_state`` is
-:func:`fastpersist.dirsave.save_directory` (``s3://``:
+replaces them *in that module only* with routers (:class:`fastpersist.routing.Routes`) that
+call fastpersist while an enabled Accelerator's ``save_state``/``load_state`` runs. The
+wrapped ``save_state`` (:class:`fastpersist.methodswitch.MethodSwitch`) is
+:func:`fastpersist.dirsave.save_directory` (automatic naming:
+:class:`fastpersist.numbered.NumberedDirs`; ``s3://``:
 :func:`fastpersist.s3foldersave.save_collective`) around stock ``save_state``.
 """
 
@@ -69,7 +71,8 @@ def _replica_file(name: str) -> bool:
 def _save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: bool = False) -> None:
     s = _routes.settings()
     if s is None or not isinstance(f, (str, os.PathLike)):
-        return _routes.original("save")(obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
+        return _routes.original("save")(obj, f, save_on_each_node=save_on_each_node,
+                                        safe_serialization=safe_serialization)
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
     from accelerate.utils.other import clean_state_dict_for_safetensors

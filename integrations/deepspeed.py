@@ -5,11 +5,11 @@ Turn it on with ``enable(engine)`` after ``deepspeed.initialize``, ``enable()`` 
 DeepSpeed config's ``"fastpersist"`` key (:func:`apply_config`). What it does:
 docs/integrations.md (DeepSpeed), docs/objectstore.md (DeepSpeed).
 
-This module only translates DeepSpeed's ``CheckpointEngine`` contract: ``create`` plans the
-tag directory's staging (:class:`fastpersist.collectivedir.CollectiveDir`), ``makedirs`` and
-``save`` write each file (:class:`fastpersist.rankwrites.RankWrites`), ``commit`` settles,
-fsyncs, agrees with every rank and swaps the directory in before ``latest`` is written. An
-``s3://`` save_dir: :func:`fastpersist.s3foldersave.save_collective` around DeepSpeed's save.
+This module only translates DeepSpeed's ``CheckpointEngine`` contract onto
+:class:`fastpersist.tagwrites.TagWrites`: ``create`` plans the tag directory's staging,
+``makedirs`` and ``save`` write each file, ``commit`` settles, fsyncs, agrees with every
+rank and swaps the directory in before ``latest`` is written. An ``s3://`` save_dir:
+:func:`fastpersist.s3foldersave.save_tag` around DeepSpeed's save.
 """
 
 from __future__ import annotations
@@ -71,7 +71,6 @@ def _make_engine_class() -> type:
             self._writes = TagWrites(is_checkpoint_entry=_DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
                                      operation="save_checkpoint", logger=log)
             self._pending = self._writes.pending  # its background saves
-            self._commit_info: Any = None
             # set by enable() from the engine
             self.node_local = bool(getattr(config_params, "use_node_local_storage", False))
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -80,14 +79,13 @@ def _make_engine_class() -> type:
 
         # -- the contract
         def create(self, info: Any) -> None:
-            if self.decoupled and self._commit_info is not None:
-                self.commit(self._commit_info)  # the previous decoupled checkpoint, not committed yet
-            self._commit_info = info
+            if self.decoupled and self._writes.uncommitted is not None:
+                self.commit(self._writes.uncommitted)  # the previous decoupled checkpoint, not committed yet
             self.saved = []
             # staged where the tag directory exists on some rank and no rank sees a reason not to
             veto = "DeepSpeed copies the NVMe-offload files into the tag directory itself" if self.nvme_offload else None
             committer = self.local_rank == 0 if self.node_local else global_rank() == 0
-            self._writes.open(info.save_dir, info.tag, rank=global_rank(), committer=committer, veto=veto)
+            self._writes.open(info.save_dir, info.tag, rank=global_rank(), committer=committer, veto=veto, handle=info)
 
         def makedirs(self, path: str, exist_ok: bool = False) -> None:
             self._writes.makedirs(path, exist_ok)
@@ -106,7 +104,6 @@ def _make_engine_class() -> type:
             return fastpersist.load(path, map_location=map_location, weights_only=False, config=self.config)
 
         def commit(self, info: Any) -> bool:
-            self._commit_info = None
             # with no file of this save in the staging directory (save_16bit_model) it is removed
             self._writes.commit(info.save_dir, info.tag, rank=global_rank(), pointer="latest",
                                 per_node=self.node_local and world_size() > 1,
@@ -115,21 +112,17 @@ def _make_engine_class() -> type:
 
         def _abandon(self, error: BaseException) -> None:
             """``save_checkpoint`` raised: never committed (decoupled: DeepSpeed's next commit fails)."""
-            if not self.decoupled:
-                self._commit_info = None
-                self._writes.drop()  # its staging directory goes with the next save into this tag
-            elif self._commit_info is not None:
-                self._writes.fail(error)
+            self._writes.abandon(error, deferred=self.decoupled)
 
         def is_decoupled(self) -> bool:
             return self.decoupled
 
         def get_commit_info(self) -> Any:
-            return self._commit_info if self.decoupled else None
+            return self._writes.uncommitted if self.decoupled else None
 
         def cleanup(self) -> None:
-            if self._commit_info is not None and self.decoupled:
-                self.commit(self._commit_info)
+            if self._writes.uncommitted is not None and self.decoupled:
+                self.commit(self._writes.uncommitted)
 
         def preserves_storage_sharing(self) -> bool:
             return True  # DeepSpeed clones views first, so the files match its own

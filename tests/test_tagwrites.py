@@ -79,9 +79,16 @@ def test_background_saves_settle_at_the_commit_and_the_pointer_sync(tmp_path):
     _save_tag(w, run, "step1", {"a.pt": 3.0}, save_async=fastpersist.save_async)
     assert len(w.pending) == 0 and _values(tag_dir(run, "step1")) == {"a.pt": 3.0}
     assert sync_pointer(run) is True and sync_pointer(run, "missing") is False
-    w.open(run, "step1", rank=0, committer=True)
-    w.drop()  # the framework's save raised before its commit: forgotten
-    assert w.stage is None and w.key is None
+    w.open(run, "step2", rank=0, committer=True, handle="info-2")
+    assert w.uncommitted == "info-2"
+    w.abandon(RuntimeError("save_checkpoint raised"), deferred=True)  # its commit comes later: it fails then
+    with pytest.raises(RuntimeError, match="save_checkpoint raised"):
+        w.commit(run, "step2", rank=0)
+    assert w.uncommitted is None and open(os.path.join(run, "latest")).read() == "step1"
+    w.open(run, "step1", rank=0, committer=True, handle="info-1")
+    assert w.stage is not None
+    w.abandon(RuntimeError("save_checkpoint raised"), deferred=False)  # forgotten: no commit will come
+    assert w.stage is None and w.key is None and w.uncommitted is None
 
 
 def _replica_body(rank: int, world: int, d: str) -> dict:
