@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 from fastpersist.collectivedir import CollectiveDir, conclude, failed_elsewhere
 from fastpersist.commit import fsync_path, write_small_file
 from fastpersist.dircommit import StagedDir
+from fastpersist.ranks import global_rank, world_size
 from fastpersist.rankwrites import RankWrites
 from fastpersist.replicated import save_replicated
 
@@ -69,15 +70,20 @@ class TagWrites(RankWrites):
         self.operation = operation
         self.key: Optional[tuple[str, str]] = None  #: (save_dir, tag) of the tag directory being written
         self.uncommitted: Any = None  #: the framework's handle of the tag directory opened, not committed yet
+        self.node_local = False  #: whether it is written on each node's own disk (committed per node)
 
-    def open(self, save_dir: Any, tag: Any, *, rank: int, committer: bool, veto: Optional[str] = None,
-             handle: Any = None) -> None:
+    def open(self, save_dir: Any, tag: Any, *, rank: Optional[int] = None, node_local: bool = False,
+             local_rank: int = 0, veto: Optional[str] = None, handle: Any = None) -> None:
         """Every rank: start writing ``SAVE_DIR/TAG``, staged where the directory exists on
-        some rank and no rank gives a reason not to (``veto``: this rank's). ``committer``:
-        whether this rank swaps the staging directory in (rank 0; per node, each node's
-        local rank 0). ``handle``: the framework's record of this save, :attr:`uncommitted`
-        until :meth:`commit`."""
+        some rank and no rank gives a reason not to (``veto``: this rank's). ``rank``: this
+        rank's in the default group (None: :func:`fastpersist.ranks.global_rank`); rank 0
+        swaps the staging directory in, or, ``node_local`` (each node's own disk), every
+        node's ``local_rank`` 0. ``handle``: the framework's record of this save,
+        :attr:`uncommitted` until :meth:`commit`."""
+        rank = global_rank() if rank is None else rank
         self.uncommitted = handle
+        self.node_local = node_local
+        committer = local_rank == 0 if node_local else rank == 0
         self.begin(None)
         self.key = (os.fspath(save_dir), str(tag))
         self.begin(CollectiveDir.open(
@@ -121,13 +127,15 @@ class TagWrites(RankWrites):
         elif self.uncommitted is not None:
             self.fail(error)
 
-    def commit(self, save_dir: Any, tag: Any, *, rank: int, per_node: bool = False, pointer: str = "latest",
+    def commit(self, save_dir: Any, tag: Any, *, rank: Optional[int] = None, pointer: str = "latest",
                update_pointer: bool = True) -> None:
         """Every rank: end the save of ``SAVE_DIR/TAG``: every save settled and fsynced
         (:meth:`RankWrites.settle`), the ranks' outcomes agreed, the staging directory swapped
-        in (``per_node``: by each node's committer too; with no file of this save in it, it is
+        in (node-local: by each node's committer; with no file of this save in it, it is
         removed); then, ``update_pointer``, rank 0 writes the file ``SAVE_DIR/POINTER`` holding
         the tag. A failure on any rank raises on every rank, the pointer not updated."""
+        rank = global_rank() if rank is None else rank
+        per_node = self.node_local and world_size() > 1
         self.uncommitted = None
         stage = self.stage if self.key == (os.fspath(save_dir), str(tag)) else None
         # every pending save settles (none may still rename files of this tag afterwards), then fsyncs

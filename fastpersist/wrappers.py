@@ -18,7 +18,7 @@ import functools
 import sys
 from typing import Any, Callable
 
-__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first"]
+__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first", "named_arguments", "take_first"]
 
 #: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
 MARK = "_fastpersist_guard"
@@ -53,6 +53,17 @@ def calling_after(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Ca
             return result
         return wrapper
     return make
+
+
+def take_first(args: tuple, kwargs: dict, name: str) -> tuple[Any, tuple, dict]:
+    """A call's first argument, given by position or as the keyword ``name`` (None when not
+    given), and the call's other arguments: ``(value, args, kwargs)``."""
+    return (args[0] if args else kwargs.get(name)), args[1:], {k: v for k, v in kwargs.items() if k != name}
+
+
+def named_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments as keywords: ``args`` named by ``names`` in order, then ``kwargs``."""
+    return {**dict(zip(names, args)), **kwargs}
 
 
 class Wrappers:

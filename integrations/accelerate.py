@@ -34,7 +34,7 @@ from fastpersist.numbered import NumberedDirs, checkpoint_dir
 from fastpersist.replicated import save_replicated
 from fastpersist.routing import Routes, setting
 from fastpersist.s3url import is_s3_url
-from fastpersist.wrappers import ModuleWith
+from fastpersist.wrappers import ModuleWith, take_first
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
 
@@ -212,11 +212,10 @@ def _wrap_load_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         if s is None:
             return original(self, *args, **kwargs)
         install()
-        input_dir = args[0] if args else kwargs.get("input_dir")
+        input_dir, rest_args, rest = take_first(args, kwargs, "input_dir")
         if input_dir is not None and is_s3_url(input_dir):
-            rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
             with s3foldersave.local_copy(str(input_dir), config=s.config) as local:
-                return load_state(self, local, *args[1:], **rest)
+                return load_state(self, local, *rest_args, **rest)
         # Accelerate 1.15's load_accelerator_state catches every exception of the RNG file's load
         with swallowed.watching("Accelerate's load_state", hint=" (for random_states_*.pkl: the RNG state not "
                                 "restored)", logger=log), _routes.active(s):

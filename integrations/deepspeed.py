@@ -27,10 +27,10 @@ from fastpersist.adaptersettings import find_section
 from fastpersist.collectivedir import WorldExchange
 from fastpersist.envflags import adapter_enabled
 from fastpersist.methodswitch import wrap_once
-from fastpersist.ranks import global_rank, world_size
+from fastpersist.ranks import global_rank, whole_world, world_size
 from fastpersist.s3url import is_s3_url
 from fastpersist.tagwrites import TagWrites, sync_pointer
-from fastpersist.wrappers import calling_after
+from fastpersist.wrappers import calling_after, named_arguments, take_first
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]
@@ -84,8 +84,8 @@ def _make_engine_class() -> type:
             self.saved = []
             # staged where the tag directory exists on some rank and no rank sees a reason not to
             veto = "DeepSpeed copies the NVMe-offload files into the tag directory itself" if self.nvme_offload else None
-            committer = self.local_rank == 0 if self.node_local else global_rank() == 0
-            self._writes.open(info.save_dir, info.tag, rank=global_rank(), committer=committer, veto=veto, handle=info)
+            self._writes.open(info.save_dir, info.tag, node_local=self.node_local, local_rank=self.local_rank,
+                              veto=veto, handle=info)
 
         def makedirs(self, path: str, exist_ok: bool = False) -> None:
             self._writes.makedirs(path, exist_ok)
@@ -105,9 +105,7 @@ def _make_engine_class() -> type:
 
         def commit(self, info: Any) -> bool:
             # with no file of this save in the staging directory (save_16bit_model) it is removed
-            self._writes.commit(info.save_dir, info.tag, rank=global_rank(), pointer="latest",
-                                per_node=self.node_local and world_size() > 1,
-                                update_pointer=getattr(info, "save_latest", False))
+            self._writes.commit(info.save_dir, info.tag, update_pointer=getattr(info, "save_latest", False))
             return True
 
         def _abandon(self, error: BaseException) -> None:
@@ -139,14 +137,10 @@ def __getattr__(name: str) -> Any:
 
 def _replica_group_for(engine: Any) -> Any:
     """The data-parallel group whose ranks hold replicas of the model-states file, or None."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 \
-            or engine.zero_optimization_partition_weights() or getattr(engine, "has_moe_layers", False) \
+    if world_size() == 1 or engine.zero_optimization_partition_weights() or getattr(engine, "has_moe_layers", False) \
             or engine.mp_world_size != 1 or type(engine).__name__ == "PipelineEngine" or engine.use_node_local_storage():
         return None
-    group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
-    return group if dist.get_world_size(group) == dist.get_world_size() else None
+    return whole_world(getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group)
 
 
 def _attach(engine: Any, *, config: Any = None, decoupled: bool = False, split_replicated: bool = True) -> Any:
@@ -200,8 +194,7 @@ def _save_checkpoint_s3(engine: Any, local_save: Any, url: str, args: tuple, kwa
     if ce.is_decoupled():
         raise ValueError(f"save_checkpoint to {url}: a decoupled checkpoint engine (enable(decoupled=True)) cannot "
                          "save to object storage yet; enable it with decoupled=False for s3:// save_dir")
-    call = dict(zip(("tag", "client_state", "save_latest", "exclude_frozen_parameters"), args))
-    call.update(kwargs)
+    call = named_arguments(("tag", "client_state", "save_latest", "exclude_frozen_parameters"), args, kwargs)
     tag = call["tag"] = str(f"global_step{engine.global_steps}" if call.get("tag") is None else call["tag"])
     pointer = "latest" if call.get("save_latest", True) else None
     call["save_latest"] = False  # no local `latest`: the object is written after the commit
@@ -221,15 +214,14 @@ def _with_s3_loads(engine: Any, original: Any) -> Any:
         if not is_s3_url(load_dir):
             return original(load_dir, *args, **kwargs)
         url = str(s3folder.folder_url(load_dir))
-        tag = args[0] if args else kwargs.get("tag")
-        rest = {k: v for k, v in kwargs.items() if k != "tag"}
+        tag, args, rest = take_first(args, kwargs, "tag")
         with s3foldersave.tag_copy(url, tag, config=getattr(engine.checkpoint_engine, "config", None)) as found:
             if found is None:
                 log.warning("fastpersist: no `latest` object under %s: nothing to resume (as DeepSpeed without a "
                             "latest file)", url)
                 return None, None
             local_dir, tag = found
-            path, client = original(local_dir, tag, *args[1:], **rest)
+            path, client = original(local_dir, tag, *args, **rest)
             return s3foldersave.url_of(url, local_dir, path), client
 
     return load_checkpoint
