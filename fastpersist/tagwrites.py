@@ -60,11 +60,14 @@ class TagWrites(RankWrites):
     """This rank's files of the tag directory being written (:meth:`open` starts one).
     ``is_checkpoint_entry``, ``what``, ``operation``: as
     :class:`~fastpersist.collectivedir.CollectiveDir`'s (the framework's entries, in a
-    directory saved again; the checkpoint and the saving call, in the errors)."""
+    directory saved again; the checkpoint and the saving call, in the errors);
+    ``is_replica(name)``: whether the file ``name`` holds a replica that every rank of a
+    :meth:`save`'s ``group`` has (default: every file)."""
 
     def __init__(self, *, is_checkpoint_entry: Callable[[str], object], what: str, operation: str,
-                 logger: logging.Logger = log) -> None:
+                 is_replica: Callable[[str], object] = lambda name: True, logger: logging.Logger = log) -> None:
         super().__init__(logger)
+        self.is_replica = is_replica
         self.is_checkpoint_entry = is_checkpoint_entry
         self.what = what
         self.operation = operation
@@ -94,10 +97,12 @@ class TagWrites(RankWrites):
     def save(self, obj: Any, path: str, *, save: Callable[..., Any], save_async: Optional[Callable[..., Any]] = None,
              group: Any = None, config: Any = None, format: str = "torch") -> None:
         """Write ``obj`` to the file ``path`` (where :meth:`RankWrites.path` puts it): with
-        ``group``, by the ranks of the group together (the group's rank 0 the writer); else in
+        ``group`` and a replica file (``is_replica``), by the ranks of the group together (the
+        group's rank 0 the writer); else in
         the background with ``save_async`` given (tracked: settled by :meth:`commit`); else
         with ``save`` (``fastpersist.save``). A failure is held for :meth:`commit`."""
         path = self.path(path)
+        group = group if group is not None and self.is_replica(os.path.basename(path)) else None
         self.write(path, lambda: self._save(obj, path, save, save_async, group, config, format))
 
     def _save(self, obj: Any, path: str, save: Callable[..., Any], save_async: Optional[Callable[..., Any]],

@@ -14,11 +14,13 @@ hook). :class:`ModuleWith` stands for a module inside one other module
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first", "named_arguments", "take_first"]
+__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first", "lazy_attributes", "named_arguments",
+           "on_failure", "take_first"]
 
 #: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
 MARK = "_fastpersist_guard"
@@ -53,6 +55,31 @@ def calling_after(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Ca
             return result
         return wrapper
     return make
+
+
+@contextlib.contextmanager
+def on_failure(callback: Optional[Callable[[BaseException], object]]) -> Iterator[None]:
+    """Run the block; when it raises, ``callback(error)`` first (None: nothing), then the
+    error goes on unchanged."""
+    try:
+        yield
+    except BaseException as e:
+        if callback is not None:
+            callback(e)
+        raise
+
+
+def lazy_attributes(module: str, **makers: Callable[[], Any]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` (PEP 562) giving each name of ``makers`` as ``makers[name]()``,
+    made on first use (a class that subclasses an optional framework's); ``AttributeError``
+    naming ``module`` for any other name."""
+
+    def __getattr__(name: str) -> Any:
+        if name in makers:
+            return makers[name]()
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def take_first(args: tuple, kwargs: dict, name: str) -> tuple[Any, tuple, dict]:

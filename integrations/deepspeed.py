@@ -30,7 +30,7 @@ from fastpersist.methodswitch import wrap_once
 from fastpersist.ranks import global_rank, whole_world, world_size
 from fastpersist.s3url import is_s3_url
 from fastpersist.tagwrites import TagWrites, sync_pointer
-from fastpersist.wrappers import calling_after, named_arguments, take_first
+from fastpersist.wrappers import calling_after, lazy_attributes, named_arguments, on_failure, take_first
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]
@@ -68,8 +68,9 @@ def _make_engine_class() -> type:
             self.decoupled = bool(decoupled) and hasattr(fastpersist, "save_async")
             self.replica_group = replica_group
             # this rank's files of the checkpoint being written
+            # (the model-states file: a replica, written by the replica group together where there is one)
             self._writes = TagWrites(is_checkpoint_entry=_DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
-                                     operation="save_checkpoint", logger=log)
+                                     operation="save_checkpoint", is_replica=_REPLICATED.fullmatch, logger=log)
             self._pending = self._writes.pending  # its background saves
             # set by enable() from the engine
             self.node_local = bool(getattr(config_params, "use_node_local_storage", False))
@@ -95,10 +96,8 @@ def _make_engine_class() -> type:
 
         def save(self, state_dict: Any, path: str) -> None:
             self.saved.append(os.fspath(path))
-            # the model-states file by the replica group together; a failure: raised by commit
-            group = self.replica_group if _REPLICATED.fullmatch(os.path.basename(path)) else None
-            self._writes.save(state_dict, path, save=fastpersist.save, group=group, config=self.config,
-                              save_async=fastpersist.save_async if self.decoupled else None)
+            self._writes.save(state_dict, path, save=fastpersist.save, group=self.replica_group, config=self.config,
+                              save_async=fastpersist.save_async if self.decoupled else None)  # a failure: at commit
 
         def load(self, path: str, map_location: Any = None) -> Any:
             return fastpersist.load(path, map_location=map_location, weights_only=False, config=self.config)
@@ -129,16 +128,14 @@ def _make_engine_class() -> type:
     return FastPersistCheckpointEngine
 
 
-def __getattr__(name: str) -> Any:
-    if name == "FastPersistCheckpointEngine":
-        return _make_engine_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, FastPersistCheckpointEngine=_make_engine_class)
 
 
 def _replica_group_for(engine: Any) -> Any:
     """The data-parallel group whose ranks hold replicas of the model-states file, or None."""
-    if world_size() == 1 or engine.zero_optimization_partition_weights() or getattr(engine, "has_moe_layers", False) \
-            or engine.mp_world_size != 1 or type(engine).__name__ == "PipelineEngine" or engine.use_node_local_storage():
+    if world_size() == 1 or engine.zero_optimization_partition_weights() \
+            or getattr(engine, "has_moe_layers", False) or engine.mp_world_size != 1 \
+            or type(engine).__name__ == "PipelineEngine" or engine.use_node_local_storage():
         return None
     return whole_world(getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group)
 
@@ -169,13 +166,8 @@ def _with_durable_latest(engine: Any, original: Any) -> Any:
     def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
         if is_s3_url(save_dir):
             return _save_checkpoint_s3(engine, save_checkpoint, str(save_dir), args, kwargs)
-        try:
+        with on_failure(getattr(engine.checkpoint_engine, "_abandon", None)):  # never committed: abandoned
             result = original(save_dir, *args, **kwargs)
-        except BaseException as e:
-            abandon = getattr(engine.checkpoint_engine, "_abandon", None)
-            if abandon is not None:
-                abandon(e)
-            raise
         if engine.global_rank == 0 and not engine.checkpoint_engine.is_decoupled():
             sync_pointer(save_dir, "latest")
         return result

@@ -121,3 +121,23 @@ def test_take_first_and_named_arguments():
     assert named_arguments(names, ("t1", {"a": 1}), {"save_latest": False}) == \
         {"tag": "t1", "client_state": {"a": 1}, "save_latest": False}
     assert named_arguments(names, (), {}) == {}
+
+
+def test_on_failure_and_lazy_attributes():
+    import pytest
+
+    from fastpersist.wrappers import lazy_attributes, on_failure
+
+    seen: list = []
+    with on_failure(seen.append):
+        pass
+    with pytest.raises(KeyError) as info, on_failure(seen.append):
+        raise KeyError("save_checkpoint raised")
+    assert seen == [info.value]  # told, then raised on unchanged
+    with pytest.raises(KeyError), on_failure(None):
+        raise KeyError("no callback")
+    made: list = []
+    getter = lazy_attributes("fp_lazy_test", Engine=lambda: made.append(1) or "the class")
+    assert made == [] and getter("Engine") == "the class" and made == [1]
+    with pytest.raises(AttributeError, match="module 'fp_lazy_test' has no attribute 'Other'"):
+        getter("Other")
