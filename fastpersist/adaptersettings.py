@@ -10,11 +10,11 @@ frameworks tend to ignore unknown keys without a word.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from fastpersist.config import Config
 
-__all__ = ["FIELDS", "parse_section"]
+__all__ = ["FIELDS", "find_section", "parse_section"]
 
 #: the keys of the section's object form
 FIELDS = ("enabled", "decoupled", "split_replicated", "config")
@@ -48,3 +48,11 @@ def parse_section(section: Any, *, key: str, where: str) -> dict:
     except TypeError as e:
         raise ValueError(f'{where}: "{key}.config": {e}') from None
     return out
+
+
+def find_section(params: Any, *, key: str, where: str) -> Optional[dict]:
+    """:func:`parse_section` of ``params[key]``, where ``params`` (a framework's configuration
+    as a dict) has that key; None for a configuration without it, or one that is no dict."""
+    if not isinstance(params, dict) or key not in params:
+        return None
+    return parse_section(params[key], key=key, where=where)

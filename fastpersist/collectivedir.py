@@ -46,7 +46,8 @@ from typing import Any, Callable, Optional, Protocol
 from fastpersist import ranks
 from fastpersist.dircommit import StagedDir, fsync_tree, rebase
 
-__all__ = ["CollectiveDir", "Exchange", "WorldExchange", "agree", "conclude", "describe", "failed_elsewhere"]
+__all__ = ["CollectiveDir", "Exchange", "ListExchange", "WorldExchange", "agree", "conclude", "describe",
+           "failed_elsewhere"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,22 @@ class WorldExchange:
 
     def gather(self, value: Any) -> list[Any]:
         return ranks.all_gather(value)
+
+
+class ListExchange:
+    """:class:`Exchange` over a framework's own object collectives, which take and return lists
+    (Accelerate's ``broadcast_object_list`` and ``gather_object``): ``broadcast_list([value])``
+    gives rank 0's in place of ``value``, ``gather_list([value])`` every rank's, in rank order."""
+
+    def __init__(self, broadcast_list: Callable[[list], list], gather_list: Callable[[list], list]) -> None:
+        self.broadcast_list = broadcast_list
+        self.gather_list = gather_list
+
+    def broadcast(self, value: Any) -> Any:
+        return self.broadcast_list([value])[0]
+
+    def gather(self, value: Any) -> list[Any]:
+        return self.gather_list([value])
 
 
 def describe(error: Optional[BaseException]) -> Optional[str]:

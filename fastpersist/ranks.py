@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-__all__ = ["all_gather", "global_rank", "world_group", "world_size"]
+__all__ = ["all_gather", "global_rank", "whole_world", "world_group", "world_size"]
 
 
 def _initialized() -> bool:
@@ -53,3 +53,10 @@ def world_group() -> Optional[Any]:
     if _initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
+
+
+def whole_world(group: Any) -> Optional[Any]:
+    """``group`` (a process group) when it holds every rank of the default group, else None."""
+    import torch.distributed as dist
+
+    return group if dist.get_world_size(group) == dist.get_world_size() else None

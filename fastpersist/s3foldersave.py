@@ -25,12 +25,25 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from fastpersist import s3folder
 from fastpersist.collectivedir import Exchange, agree, failed_elsewhere
 
-__all__ = ["KEPT", "local_copy", "put_files", "read_text", "save_collective", "save_tag", "tag_copy"]
+__all__ = ["KEPT", "by_top_level", "local_copy", "put_files", "read_text", "save_collective", "save_tag",
+           "tag_copy", "url_of"]
 
 log = logging.getLogger("fastpersist.s3")
 
 #: what a failed save leaves, as the errors say it (the default of ``kept``)
 KEPT = "the checkpoint committed there before, if any, stays the one that loads"
+
+
+def by_top_level(is_entry: Callable[[str], object]) -> Callable[[str], bool]:
+    """An ``owns`` for :func:`save_collective`: an object of the folder is the framework's when
+    the first component of its relative path is one of its checkpoint entries
+    (``is_entry(name)``); the others (a user's ``config.json``) stay when the folder is
+    saved again."""
+
+    def owns(rel: str) -> bool:
+        return bool(is_entry(rel.split("/", 1)[0]))
+
+    return owns
 
 
 def save_collective(target: Any, write: Callable[[str], object], *, exchange: Exchange, rank: int,
@@ -183,3 +196,11 @@ def tag_copy(run: Any, tag: Any = None, *, pointer: str = "latest",
     tag = str(tag)
     with local_copy(s3folder.join(run, tag), name=tag, config=config) as local:
         yield os.path.dirname(local), tag
+
+
+def url_of(run: Any, local_run: str, path: Any) -> Any:
+    """A path the framework returned from its load of ``local_run`` (:func:`tag_copy`), as the
+    URL of the same object under ``RUN``; anything but a ``str`` unchanged."""
+    if not isinstance(path, str):
+        return path
+    return s3folder.join(run, os.path.relpath(path, local_run))

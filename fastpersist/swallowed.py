@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 
 from fastpersist.errors import CheckpointFormatError, ChecksumError
 
-__all__ = ["record", "watching"]
+__all__ = ["record", "recording", "watching"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,17 @@ def record(path: Any, error: BaseException) -> None:
         return
     if isinstance(error, (CheckpointFormatError, ChecksumError, OSError)):
         failures.append((os.fspath(path), error))
+
+
+@contextlib.contextmanager
+def recording(path: Any) -> Iterator[None]:
+    """Run one file's load (of ``path``) in the block: an exception it raises is
+    :func:`record`-ed, then raised on."""
+    try:
+        yield
+    except BaseException as e:
+        record(path, e)
+        raise
 
 
 @contextlib.contextmanager

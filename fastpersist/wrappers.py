@@ -7,18 +7,20 @@ is marked (``MARK``) so that a second install is a no-op, static methods stay st
 aliases of a module-level function that other modules imported by name are rebound too
 (``from cloud_io import _load as pl_load``), and :meth:`Wrappers.undo` restores every
 original in reverse order. :func:`calling_first` makes the common wrapper: run a hook with
-the call's arguments, then the original. :class:`ModuleWith` stands for a module inside one
-other module (``accelerate.checkpointing``'s ``torch``) with some of its functions replaced
-there only.
+the call's arguments, then the original (:func:`calling_after`: the original, then the
+hook). :class:`ModuleWith` stands for a module inside one other module
+(``accelerate.checkpointing``'s ``torch``) with some of its functions replaced there only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_first"]
+__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first", "lazy_attributes", "named_arguments",
+           "on_failure", "take_first"]
 
 #: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
 MARK = "_fastpersist_guard"
@@ -39,6 +41,56 @@ def calling_first(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Ca
             return original(*args, **kwargs)
         return wrapper
     return make
+
+
+def calling_after(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A ``make`` whose wrapper calls the original, then ``hook`` with the call's arguments
+    (``self`` included for a method; not when the original raised); it returns the
+    original's result."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            hook(*args, **kwargs)
+            return result
+        return wrapper
+    return make
+
+
+@contextlib.contextmanager
+def on_failure(callback: Optional[Callable[[BaseException], object]]) -> Iterator[None]:
+    """Run the block; when it raises, ``callback(error)`` first (None: nothing), then the
+    error goes on unchanged."""
+    try:
+        yield
+    except BaseException as e:
+        if callback is not None:
+            callback(e)
+        raise
+
+
+def lazy_attributes(module: str, **makers: Callable[[], Any]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` (PEP 562) giving each name of ``makers`` as ``makers[name]()``,
+    made on first use (a class that subclasses an optional framework's); ``AttributeError``
+    naming ``module`` for any other name."""
+
+    def __getattr__(name: str) -> Any:
+        if name in makers:
+            return makers[name]()
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+def take_first(args: tuple, kwargs: dict, name: str) -> tuple[Any, tuple, dict]:
+    """A call's first argument, given by position or as the keyword ``name`` (None when not
+    given), and the call's other arguments: ``(value, args, kwargs)``."""
+    return (args[0] if args else kwargs.get(name)), args[1:], {k: v for k, v in kwargs.items() if k != name}
+
+
+def named_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A call's arguments as keywords: ``args`` named by ``names`` in order, then ``kwargs``."""
+    return {**dict(zip(names, args)), **kwargs}
 
 
 class Wrappers:

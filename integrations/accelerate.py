@@ -6,32 +6,35 @@ imported). What it does: docs/integrations.md (Accelerate), docs/objectstore.md 
 
 This module only translates. :mod:`accelerate.checkpointing` calls its module globals
 ``save``, ``load``, ``load_model`` and ``torch.save`` for every file: :func:`install`
-replaces them *in that module only* with routers that call fastpersist while an enabled
-Accelerator's ``save_state``/``load_state`` runs. The wrapped ``save_state`` is
-:func:`fastpersist.dirsave.save_directory` (``s3://``:
+replaces them *in that module only* with routers (:class:`fastpersist.routing.Routes`) that
+call fastpersist while an enabled Accelerator's ``save_state``/``load_state`` runs. The
+wrapped ``save_state`` (:class:`fastpersist.methodswitch.MethodSwitch`) is
+:func:`fastpersist.dirsave.save_directory` (automatic naming:
+:class:`fastpersist.numbered.NumberedDirs`; ``s3://``:
 :func:`fastpersist.s3foldersave.save_collective`) around stock ``save_state``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
 import os
 import re
-import types
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 import fastpersist
-from fastpersist import dirsave, retention, s3foldersave, swallowed
+from fastpersist import dirsave, s3foldersave, swallowed
+from fastpersist.collectivedir import ListExchange
 from fastpersist.envflags import adapter_enabled
+from fastpersist.methodswitch import MethodSwitch
+from fastpersist.numbered import NumberedDirs, checkpoint_dir
 from fastpersist.replicated import save_replicated
+from fastpersist.routing import Routes, setting
 from fastpersist.s3url import is_s3_url
-from fastpersist.wrappers import ModuleWith
+from fastpersist.wrappers import ModuleWith, take_first
 
 __all__ = ["ENV_VAR", "disable", "enable", "install", "install_from_env", "is_enabled"]
 
@@ -39,13 +42,9 @@ log = logging.getLogger(__name__)
 
 #: The variable that turns the adapter on for every Accelerator of a process.
 ENV_VAR = "FASTPERSIST_ACCELERATE"
-_MARK = "_fastpersist_original"
-_ENABLED_ATTR = "_fastpersist_enabled"
 
-# The settings of the save_state/load_state running in this thread/task (None: not ours).
-_active: contextvars.ContextVar[Optional["_Settings"]] = contextvars.ContextVar("fastpersist_accelerate", default=None)
-_originals: dict[str, Any] = {}
-_AUTO_NAME_RE = re.compile(r"checkpoint_[0-9]+")  # automatic_checkpoint_naming's directories
+# accelerate.checkpointing's routed names; their settings: the save_state/load_state running in this thread/task
+_routes = Routes("fastpersist_accelerate")
 # Entries of a directory save_state writes (weights, optimizer, scheduler, sampler, dataloader,
 # GradScaler, RNG, custom objects; FSDP/DeepSpeed directories): the others are carried over.
 _CHECKPOINT_ENTRY_RE = re.compile(
@@ -70,16 +69,18 @@ def _replica_file(name: str) -> bool:
 
 
 def _save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: bool = False) -> None:
-    s = _active.get()
+    s = _routes.settings()
     if s is None or not isinstance(f, (str, os.PathLike)):
-        return _originals["save"](obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
+        return _routes.original("save")(obj, f, save_on_each_node=save_on_each_node,
+                                        safe_serialization=safe_serialization)
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
     from accelerate.utils.other import clean_state_dict_for_safetensors
 
     state = PartialState()
     if state.distributed_type == DistributedType.XLA:  # tensors must leave the XLA device first
-        return _originals["save"](obj, f, save_on_each_node=save_on_each_node, safe_serialization=safe_serialization)
+        return _routes.original("save")(obj, f, save_on_each_node=save_on_each_node,
+                                        safe_serialization=safe_serialization)
     if safe_serialization and isinstance(obj, OrderedDict):
         obj = clean_state_dict_for_safetensors(obj)
     fmt = "safetensors" if safe_serialization else "torch"
@@ -95,9 +96,9 @@ def _save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization:
 
 
 def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
-    s = _active.get()
+    s = _routes.settings()
     if s is None or not isinstance(f, (str, os.PathLike)):
-        return _originals["load"](f, map_location=map_location, **kwargs)
+        return _routes.original("load")(f, map_location=map_location, **kwargs)
     # accelerate.utils.load's semantics: weights_only by default, with Accelerate's
     # safe globals (numpy arrays and dtypes of the RNG states) allowed for the call.
     from accelerate.utils.other import TORCH_SAFE_GLOBALS
@@ -105,11 +106,9 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
     old = torch.serialization.get_safe_globals()
     kwargs.setdefault("weights_only", True)
     torch.serialization.add_safe_globals(TORCH_SAFE_GLOBALS)
-    try:
-        return fastpersist.load(f, map_location=map_location, config=s.config, **kwargs)
-    except BaseException as e:
-        swallowed.record(f, e)  # corrupt or unreadable: raised after load_state even if Accelerate catches it
-        raise
+    try:  # corrupt or unreadable: raised after load_state even if Accelerate catches it
+        with swallowed.recording(f):
+            return fastpersist.load(f, map_location=map_location, config=s.config, **kwargs)
     finally:
         torch.serialization.clear_safe_globals()
         if old:
@@ -117,17 +116,17 @@ def _load(f: Any, map_location: Any = None, **kwargs: Any) -> Any:
 
 
 def _load_model(model: Any, filename: Any, strict: bool = True, device: Any = "cpu", **kwargs: Any) -> Any:
-    s = _active.get()
+    s = _routes.settings()
     if s is None or set(kwargs) - {"backend"}:
-        return _originals["load_model"](model, filename, strict=strict, device=device, **kwargs)
+        return _routes.original("load_model")(model, filename, strict=strict, device=device, **kwargs)
     return fastpersist.load_model(model, filename, strict=strict, device=str(device), config=s.config, **kwargs)
 
 
 def _torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
     # torch.save inside accelerate.checkpointing (GradScaler, RNG and dataloader states)
-    s = _active.get()
+    s = _routes.settings()
     if s is None or args or kwargs or not isinstance(f, (str, os.PathLike)):
-        return _originals["torch"].save(obj, f, *args, **kwargs)
+        return _routes.original("torch").save(obj, f, *args, **kwargs)
     fastpersist.save(obj, f, format="torch", config=s.config)
 
 
@@ -140,51 +139,23 @@ def install() -> None:
     so installing alone changes nothing."""
     import accelerate.checkpointing as ckpt
 
-    if "save" in _originals:
-        return
-    _originals.update(save=ckpt.save, load=ckpt.load, load_model=ckpt.load_model, torch=ckpt.torch)
-    ckpt.save = _save
-    ckpt.load = _load
-    ckpt.load_model = _load_model
-    ckpt.torch = ModuleWith(ckpt.torch, save=_torch_save)
+    if not _routes.installed():
+        _routes.install(ckpt, save=_save, load=_load, load_model=_load_model,
+                        torch=ModuleWith(ckpt.torch, save=_torch_save))
 
 
 def _uninstall() -> None:
     """Give accelerate.checkpointing its names back (tests)."""
     import accelerate.checkpointing as ckpt
 
-    for name, value in _originals.items():
-        setattr(ckpt, name, value)
-    _originals.clear()
+    _routes.uninstall(ckpt)
 
 
-@contextlib.contextmanager
-def _routing(settings: _Settings, pc: Any = None, **stock: Any) -> Iterator[None]:
-    """Route this thread's checkpoint files; ``stock``: ProjectConfiguration fields set meanwhile."""
-    token = _active.set(settings)
-    saved = {k: getattr(pc, k) for k in stock}
-    for k, v in stock.items():
-        setattr(pc, k, v)
-    try:
-        yield
-    finally:
-        _active.reset(token)
-        for k, v in saved.items():
-            setattr(pc, k, v)
-
-
-class _AccelerateExchange:
+def _exchange() -> ListExchange:
     """:class:`fastpersist.collectivedir.Exchange` over Accelerate's own object collectives."""
+    from accelerate.utils import broadcast_object_list, gather_object
 
-    def broadcast(self, value: Any) -> Any:
-        from accelerate.utils import broadcast_object_list
-
-        return broadcast_object_list([value])[0]
-
-    def gather(self, value: Any) -> list[Any]:
-        from accelerate.utils import gather_object
-
-        return gather_object([value])
+    return ListExchange(broadcast_object_list, gather_object)
 
 
 def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Optional[_Settings]]) -> Callable[..., Any]:
@@ -200,45 +171,37 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
             raise ValueError(f"save_state: automatic_checkpoint_naming with an s3:// project_dir ({self.project_dir}) "
                              "is not supported: pass the checkpoint's URL, save_state('s3://bucket/prefix/step-N')")
         checkpoints = os.path.join(self.project_dir, "checkpoints") if self.project_dir else None
-        if auto and checkpoints is not None:  # stock save_state's own checks, before anything is written
-            os.makedirs(checkpoints, exist_ok=True)
-            final = os.path.join(checkpoints, f"checkpoint_{self.save_iteration}")
-            if os.path.exists(final):
-                raise ValueError(
-                    f"Checkpoint directory {final} ({self.save_iteration}) already exists. Please manually override "
-                    "`self.save_iteration` with what iteration to start with."
-                )
+        numbered = NumberedDirs(checkpoints, limit=pc.total_limit) if auto and checkpoints is not None else None
+        if numbered is not None:  # stock save_state's own checks, before anything is written
+            staged = numbered.claim(self.save_iteration, counter="self.save_iteration")
         elif output_dir is None:
             return original(self, output_dir, safe_serialization, **kwargs)  # stock raises
         elif is_s3_url(output_dir):
             return _save_state_s3(self, original, s, str(output_dir), safe_serialization, kwargs)
         else:
-            final = os.fspath(output_dir)
-            os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
-        iteration, limit = pc.iteration, (pc.total_limit if auto else None)
+            staged = checkpoint_dir(output_dir, listed=checkpoints)
+        iteration = pc.iteration
 
         def write(staging: Optional[str]) -> Any:
             # stock save_state, its retention after the commit; into staging: its naming off too
             stock = {"total_limit": None} if auto else {}
             if staging is not None:
                 stock["automatic_checkpoint_naming"] = False
-            with _routing(s, pc, **stock):
+            with _routes.active(s), setting(pc, **stock):
                 return original(self, output_dir if staging is None else staging, safe_serialization, **kwargs)
 
         def rollback() -> None:
             pc.iteration = iteration
 
-        staged = dirsave.CheckpointDir(final, listed=checkpoints, siblings=_AUTO_NAME_RE.fullmatch if auto else None)
         return dirsave.save_directory(
-            staged, write, rank=self.process_index, exchange=_AccelerateExchange(), rollback=rollback,
+            staged, write, rank=self.process_index, exchange=_exchange(), rollback=rollback,
             # each node's main process holds its node's files with save_on_each_node
             committer=self.is_local_main_process if pc.save_on_each_node else self.is_main_process,
             per_node=pc.save_on_each_node and self.num_processes > 1, remove_new_on_failure=auto,
             is_checkpoint_entry=_CHECKPOINT_ENTRY_RE.fullmatch, what="an Accelerate checkpoint",
             operation="save_state", peer="process", logger=log,
-            after=None if limit is None else lambda path: retention.prune(checkpoints, limit, path, logger=log))
+            after=None if numbered is None else numbered.retention(logger=log))
 
-    setattr(save_state, _MARK, original)
     return save_state
 
 
@@ -249,24 +212,16 @@ def _wrap_load_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         if s is None:
             return original(self, *args, **kwargs)
         install()
-        input_dir = args[0] if args else kwargs.get("input_dir")
+        input_dir, rest_args, rest = take_first(args, kwargs, "input_dir")
         if input_dir is not None and is_s3_url(input_dir):
-            rest = {k: v for k, v in kwargs.items() if k != "input_dir"}
             with s3foldersave.local_copy(str(input_dir), config=s.config) as local:
-                return load_state(self, local, *args[1:], **rest)
+                return load_state(self, local, *rest_args, **rest)
         # Accelerate 1.15's load_accelerator_state catches every exception of the RNG file's load
         with swallowed.watching("Accelerate's load_state", hint=" (for random_states_*.pkl: the RNG state not "
-                                "restored)", logger=log), _routing(s):
+                                "restored)", logger=log), _routes.active(s):
             return original(self, *args, **kwargs)
 
-    setattr(load_state, _MARK, original)
     return load_state
-
-
-def _accelerate_entry(rel: str) -> bool:
-    """Whether an object under an s3:// checkpoint folder belongs to Accelerate (by its
-    top-level name): the others (a user's config.json) stay when the folder is saved again."""
-    return bool(_CHECKPOINT_ENTRY_RE.fullmatch(rel.split("/", 1)[0]))
 
 
 def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: str, safe_serialization: bool,
@@ -275,16 +230,18 @@ def _save_state_s3(self: Any, original: Callable[..., Any], s: _Settings, url: s
     directory on every process, then uploaded and committed together; returns the folder's URL."""
 
     def write(local: str) -> None:
-        with _routing(s):
+        with _routes.active(s):
             original(self, local, safe_serialization, **kwargs)
 
-    return s3foldersave.save_collective(url, write, exchange=_AccelerateExchange(), rank=self.process_index,
-                                        owns=_accelerate_entry, config=s.config, operation="save_state",
-                                        peer="process", logger=log)
+    return s3foldersave.save_collective(url, write, exchange=_exchange(), rank=self.process_index,
+                                        owns=s3foldersave.by_top_level(_CHECKPOINT_ENTRY_RE.fullmatch),
+                                        config=s.config, operation="save_state", peer="process", logger=log)
 
 
-def _instance_settings(accelerator: Any) -> Optional[_Settings]:
-    return getattr(accelerator, _ENABLED_ATTR, None)
+# save_state/load_state wrapped per Accelerator (enable) or on the class (install_from_env); their settings on
+# the Accelerator (the class switch's default: fastpersist's default configuration, split replicas)
+_switch = MethodSwitch("_fastpersist_enabled", {"save_state": _wrap_save_state, "load_state": _wrap_load_state},
+                       default=lambda: _Settings(None, True))
 
 
 def enable(accelerator: Any, *, config: Any = None, split_replicated: bool = True) -> Any:
@@ -299,36 +256,21 @@ def enable(accelerator: Any, *, config: Any = None, split_replicated: bool = Tru
             files from all ranks together (when the ranks' replicas are identical).
     """
     install()
-    settings = _Settings(config, split_replicated)
-    object.__setattr__(accelerator, _ENABLED_ATTR, settings)
-    cls = type(accelerator)
-    if not hasattr(accelerator.save_state, _MARK):
-        wrapped = _wrap_save_state(cls.save_state, _instance_settings)
-        object.__setattr__(accelerator, "save_state", types.MethodType(wrapped, accelerator))
-    if not hasattr(accelerator.load_state, _MARK):
-        wrapped = _wrap_load_state(cls.load_state, _instance_settings)
-        object.__setattr__(accelerator, "load_state", types.MethodType(wrapped, accelerator))
+    _switch.enable(accelerator, _Settings(config, split_replicated))
     return accelerator
 
 
 def disable(accelerator: Any) -> None:
     """Undo :func:`enable` for ``accelerator`` (the class-level switch stays)."""
-    object.__setattr__(accelerator, _ENABLED_ATTR, None)
+    _switch.disable(accelerator)
 
 
 def is_enabled(accelerator: Any) -> bool:
     """Whether ``accelerator.save_state``/``load_state`` go through fastpersist."""
-    if _class_enabled:
-        return _class_settings(accelerator) is not None
-    return _instance_settings(accelerator) is not None
+    return _switch.settings(accelerator, class_on=_class_enabled) is not None
 
 
-_class_enabled = False
-
-
-def _class_settings(accelerator: Any) -> Optional[_Settings]:
-    # Enabled for every instance, with enable()'s settings where given; None after disable().
-    return getattr(accelerator, _ENABLED_ATTR, _Settings(None, True))
+_class_enabled = False  # install_from_env switched the class on
 
 
 def env_enabled() -> bool:
@@ -348,10 +290,7 @@ def install_from_env() -> bool:
         return _class_enabled
     from accelerate.accelerator import Accelerator
 
-    if not hasattr(Accelerator.save_state, _MARK):
-        Accelerator.save_state = _wrap_save_state(Accelerator.save_state, _class_settings)
-    if not hasattr(Accelerator.load_state, _MARK):
-        Accelerator.load_state = _wrap_load_state(Accelerator.load_state, _class_settings)
+    _switch.enable_class(Accelerator)
     install()
     _class_enabled = True
     return True

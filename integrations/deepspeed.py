@@ -5,11 +5,11 @@ Turn it on with ``enable(engine)`` after ``deepspeed.initialize``, ``enable()`` 
 DeepSpeed config's ``"fastpersist"`` key (:func:`apply_config`). What it does:
 docs/integrations.md (DeepSpeed), docs/objectstore.md (DeepSpeed).
 
-This module only translates DeepSpeed's ``CheckpointEngine`` contract: ``create`` plans the
-tag directory's staging (:class:`fastpersist.collectivedir.CollectiveDir`), ``makedirs`` and
-``save`` write each file (:class:`fastpersist.rankwrites.RankWrites`), ``commit`` settles,
-fsyncs, agrees with every rank and swaps the directory in before ``latest`` is written. An
-``s3://`` save_dir: :func:`fastpersist.s3foldersave.save_collective` around DeepSpeed's save.
+This module only translates DeepSpeed's ``CheckpointEngine`` contract onto
+:class:`fastpersist.tagwrites.TagWrites`: ``create`` plans the tag directory's staging,
+``makedirs`` and ``save`` write each file, ``commit`` settles, fsyncs, agrees with every
+rank and swaps the directory in before ``latest`` is written. An ``s3://`` save_dir:
+:func:`fastpersist.s3foldersave.save_tag` around DeepSpeed's save.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ from typing import Any, Optional
 
 import fastpersist
 from fastpersist import s3folder, s3foldersave
-from fastpersist.adaptersettings import parse_section
-from fastpersist.collectivedir import CollectiveDir, WorldExchange, conclude, failed_elsewhere
-from fastpersist.commit import fsync_path, write_small_file
-from fastpersist.dircommit import StagedDir
+from fastpersist.adaptersettings import find_section
+from fastpersist.collectivedir import WorldExchange
 from fastpersist.envflags import adapter_enabled
-from fastpersist.ranks import global_rank, world_size
-from fastpersist.replicated import save_replicated
-from fastpersist.rankwrites import RankWrites
+from fastpersist.methodswitch import wrap_once
+from fastpersist.ranks import global_rank, whole_world, world_size
 from fastpersist.s3url import is_s3_url
+from fastpersist.tagwrites import TagWrites, sync_pointer
+from fastpersist.wrappers import calling_after, lazy_attributes, named_arguments, on_failure, take_first
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]
@@ -42,7 +41,6 @@ ENV_VAR = "FASTPERSIST_DEEPSPEED"
 #: Top-level key of the DeepSpeed config (JSON file or dict) read by :func:`apply_config`.
 CONFIG_KEY = "fastpersist"
 ENGINE_NAME = "FastPersistCheckpointEngine"
-_MARK = "_fastpersist_original"
 _REPLICATED = re.compile(r"mp_rank_\d+_model_states\.pt")
 # Entries of a DeepSpeed tag directory (model states, ZeRO/expert optimizer files, the NVMe-offload copy)
 _DS_ENTRY_RE = re.compile(r".*(model|optim)_states\.pt|offloaded_tensors", re.DOTALL)
@@ -69,10 +67,11 @@ def _make_engine_class() -> type:
             self.config = config
             self.decoupled = bool(decoupled) and hasattr(fastpersist, "save_async")
             self.replica_group = replica_group
-            self._writes = RankWrites(log)  # this rank's files of the checkpoint being written
+            # this rank's files of the checkpoint being written
+            # (the model-states file: a replica, written by the replica group together where there is one)
+            self._writes = TagWrites(is_checkpoint_entry=_DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
+                                     operation="save_checkpoint", is_replica=_REPLICATED.fullmatch, logger=log)
             self._pending = self._writes.pending  # its background saves
-            self._commit_info: Any = None
-            self._stage_key: tuple = ()  # (save_dir, tag) of the checkpoint being written
             # set by enable() from the engine
             self.node_local = bool(getattr(config_params, "use_node_local_storage", False))
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -81,19 +80,13 @@ def _make_engine_class() -> type:
 
         # -- the contract
         def create(self, info: Any) -> None:
-            if self.decoupled and self._commit_info is not None:
-                self.commit(self._commit_info)  # the previous decoupled checkpoint, not committed yet
-            self._commit_info = info
+            if self.decoupled and self._writes.uncommitted is not None:
+                self.commit(self._writes.uncommitted)  # the previous decoupled checkpoint, not committed yet
             self.saved = []
-            self._writes.begin(None)
             # staged where the tag directory exists on some rank and no rank sees a reason not to
-            self._stage_key = (os.fspath(info.save_dir), str(info.tag))
             veto = "DeepSpeed copies the NVMe-offload files into the tag directory itself" if self.nvme_offload else None
-            committer = self.local_rank == 0 if self.node_local else global_rank() == 0
-            self._writes.begin(CollectiveDir.open(
-                StagedDir(_tag_dir(info)), rank=global_rank(), committer=committer, veto=veto, existing_only=True,
-                is_checkpoint_entry=_DS_ENTRY_RE.fullmatch, what="a DeepSpeed checkpoint",
-                operation="save_checkpoint", logger=log))
+            self._writes.open(info.save_dir, info.tag, node_local=self.node_local, local_rank=self.local_rank,
+                              veto=veto, handle=info)
 
         def makedirs(self, path: str, exist_ok: bool = False) -> None:
             self._writes.makedirs(path, exist_ok)
@@ -103,55 +96,30 @@ def _make_engine_class() -> type:
 
         def save(self, state_dict: Any, path: str) -> None:
             self.saved.append(os.fspath(path))
-            path = self._writes.path(path)
-            self._writes.write(path, lambda: self._save(state_dict, path))  # a failure: raised by commit
-
-        def _save(self, state_dict: Any, path: str) -> None:
-            if self.replica_group is not None and _REPLICATED.fullmatch(os.path.basename(path)):
-                import torch.distributed as dist
-
-                writer = dist.get_rank(self.replica_group) == 0
-                save_replicated(state_dict, path, group=self.replica_group, writer=writer, format="torch",
-                                config=self.config, save=fastpersist.save)
-            elif self.decoupled:
-                self._writes.track(fastpersist.save_async(state_dict, path, config=self.config, format="torch"))
-            else:
-                fastpersist.save(state_dict, path, config=self.config, format="torch")
+            self._writes.save(state_dict, path, save=fastpersist.save, group=self.replica_group, config=self.config,
+                              save_async=fastpersist.save_async if self.decoupled else None)  # a failure: at commit
 
         def load(self, path: str, map_location: Any = None) -> Any:
             return fastpersist.load(path, map_location=map_location, weights_only=False, config=self.config)
 
         def commit(self, info: Any) -> bool:
-            stage = self._writes.stage if self._stage_key == (os.fspath(info.save_dir), str(info.tag)) else None
-            # every pending save settles (none may still rename files of this tag afterwards), then fsyncs
-            error = self._writes.settle(f"checkpoint {info.tag!r}", also=(_tag_dir(info), info.save_dir))
-            self._commit_info = None
-            self._writes.begin(None)
-            elsewhere = failed_elsewhere(f"checkpoint {info.tag!r} in {info.save_dir!r}",
-                                         after="'latest' was not updated")
             # with no file of this save in the staging directory (save_16bit_model) it is removed
-            conclude(stage, error, elsewhere, per_node=self.node_local and world_size() > 1, missing_ok=True)
-            if getattr(info, "save_latest", False) and global_rank() == 0:
-                write_small_file(os.path.join(info.save_dir, "latest"), str(info.tag).encode())
+            self._writes.commit(info.save_dir, info.tag, update_pointer=getattr(info, "save_latest", False))
             return True
 
         def _abandon(self, error: BaseException) -> None:
             """``save_checkpoint`` raised: never committed (decoupled: DeepSpeed's next commit fails)."""
-            if not self.decoupled:
-                self._commit_info = None
-                self._writes.begin(None)  # its staging directory goes with the next save into this tag
-            elif self._commit_info is not None:
-                self._writes.fail(error)
+            self._writes.abandon(error, deferred=self.decoupled)
 
         def is_decoupled(self) -> bool:
             return self.decoupled
 
         def get_commit_info(self) -> Any:
-            return self._commit_info if self.decoupled else None
+            return self._writes.uncommitted if self.decoupled else None
 
         def cleanup(self) -> None:
-            if self._commit_info is not None and self.decoupled:
-                self.commit(self._commit_info)
+            if self._writes.uncommitted is not None and self.decoupled:
+                self.commit(self._writes.uncommitted)
 
         def preserves_storage_sharing(self) -> bool:
             return True  # DeepSpeed clones views first, so the files match its own
@@ -160,26 +128,16 @@ def _make_engine_class() -> type:
     return FastPersistCheckpointEngine
 
 
-def _tag_dir(info: Any) -> str:
-    return os.path.abspath(os.path.join(os.fspath(info.save_dir), str(info.tag)))
-
-
-def __getattr__(name: str) -> Any:
-    if name == "FastPersistCheckpointEngine":
-        return _make_engine_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, FastPersistCheckpointEngine=_make_engine_class)
 
 
 def _replica_group_for(engine: Any) -> Any:
     """The data-parallel group whose ranks hold replicas of the model-states file, or None."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 \
-            or engine.zero_optimization_partition_weights() or getattr(engine, "has_moe_layers", False) \
-            or engine.mp_world_size != 1 or type(engine).__name__ == "PipelineEngine" or engine.use_node_local_storage():
+    if world_size() == 1 or engine.zero_optimization_partition_weights() \
+            or getattr(engine, "has_moe_layers", False) or engine.mp_world_size != 1 \
+            or type(engine).__name__ == "PipelineEngine" or engine.use_node_local_storage():
         return None
-    group = getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group
-    return group if dist.get_world_size(group) == dist.get_world_size() else None
+    return whole_world(getattr(engine, "seq_data_parallel_group", None) or engine.data_parallel_group)
 
 
 def _attach(engine: Any, *, config: Any = None, decoupled: bool = False, split_replicated: bool = True) -> Any:
@@ -196,10 +154,8 @@ def _attach(engine: Any, *, config: Any = None, decoupled: bool = False, split_r
     engine.checkpoint_engine = ce
     if group is not None:
         engine.save_non_zero_checkpoint = True  # every data-parallel rank takes part in the model-states file
-    if not hasattr(engine.save_checkpoint, _MARK):
-        engine.save_checkpoint = _with_durable_latest(engine, engine.save_checkpoint)
-    if not hasattr(engine.load_checkpoint, _MARK):
-        engine.load_checkpoint = _with_s3_loads(engine, engine.load_checkpoint)
+    wrap_once(engine, "save_checkpoint", functools.partial(_with_durable_latest, engine))
+    wrap_once(engine, "load_checkpoint", functools.partial(_with_s3_loads, engine))
     return ce
 
 
@@ -210,19 +166,12 @@ def _with_durable_latest(engine: Any, original: Any) -> Any:
     def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
         if is_s3_url(save_dir):
             return _save_checkpoint_s3(engine, save_checkpoint, str(save_dir), args, kwargs)
-        try:
+        with on_failure(getattr(engine.checkpoint_engine, "_abandon", None)):  # never committed: abandoned
             result = original(save_dir, *args, **kwargs)
-        except BaseException as e:
-            abandon = getattr(engine.checkpoint_engine, "_abandon", None)
-            if abandon is not None:
-                abandon(e)
-            raise
-        latest = os.path.join(save_dir, "latest")
-        if engine.global_rank == 0 and os.path.isfile(latest) and not engine.checkpoint_engine.is_decoupled():
-            fsync_path(latest)
+        if engine.global_rank == 0 and not engine.checkpoint_engine.is_decoupled():
+            sync_pointer(save_dir, "latest")
         return result
 
-    setattr(save_checkpoint, _MARK, original)
     return save_checkpoint
 
 
@@ -237,8 +186,7 @@ def _save_checkpoint_s3(engine: Any, local_save: Any, url: str, args: tuple, kwa
     if ce.is_decoupled():
         raise ValueError(f"save_checkpoint to {url}: a decoupled checkpoint engine (enable(decoupled=True)) cannot "
                          "save to object storage yet; enable it with decoupled=False for s3:// save_dir")
-    call = dict(zip(("tag", "client_state", "save_latest", "exclude_frozen_parameters"), args))
-    call.update(kwargs)
+    call = named_arguments(("tag", "client_state", "save_latest", "exclude_frozen_parameters"), args, kwargs)
     tag = call["tag"] = str(f"global_step{engine.global_steps}" if call.get("tag") is None else call["tag"])
     pointer = "latest" if call.get("save_latest", True) else None
     call["save_latest"] = False  # no local `latest`: the object is written after the commit
@@ -258,18 +206,16 @@ def _with_s3_loads(engine: Any, original: Any) -> Any:
         if not is_s3_url(load_dir):
             return original(load_dir, *args, **kwargs)
         url = str(s3folder.folder_url(load_dir))
-        tag = args[0] if args else kwargs.get("tag")
-        rest = {k: v for k, v in kwargs.items() if k != "tag"}
+        tag, args, rest = take_first(args, kwargs, "tag")
         with s3foldersave.tag_copy(url, tag, config=getattr(engine.checkpoint_engine, "config", None)) as found:
             if found is None:
                 log.warning("fastpersist: no `latest` object under %s: nothing to resume (as DeepSpeed without a "
                             "latest file)", url)
                 return None, None
             local_dir, tag = found
-            path, client = original(local_dir, tag, *args[1:], **rest)
-            return (s3folder.join(url, os.path.relpath(path, local_dir)) if isinstance(path, str) else path), client
+            path, client = original(local_dir, tag, *args, **rest)
+            return s3foldersave.url_of(url, local_dir, path), client
 
-    setattr(load_checkpoint, _MARK, original)
     return load_checkpoint
 
 
@@ -293,21 +239,16 @@ def enable(engine: Any = None, *, config: Any = None, decoupled: bool = False, s
     _default_settings = settings
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    if not hasattr(DeepSpeedEngine._configure_checkpointing, _MARK):
-        original = DeepSpeedEngine._configure_checkpointing
-
-        @functools.wraps(original)
-        def _configure_checkpointing(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
-            if config_settings(self) is not None:  # the engine's own config decides
-                apply_config(self)
-            elif _default_settings is not None:
-                _attach(self, **_default_settings)
-            return result
-
-        setattr(_configure_checkpointing, _MARK, original)
-        DeepSpeedEngine._configure_checkpointing = _configure_checkpointing
+    wrap_once(DeepSpeedEngine, "_configure_checkpointing", calling_after(_configured))
     return None
+
+
+def _configured(engine: Any, *args: Any, **kwargs: Any) -> None:
+    """After ``DeepSpeedEngine._configure_checkpointing``: the engine's own config decides, else enable()'s."""
+    if config_settings(engine) is not None:
+        apply_config(engine)
+    elif _default_settings is not None:
+        _attach(engine, **_default_settings)
 
 
 def disable() -> None:
@@ -336,12 +277,9 @@ def install_from_env() -> bool:
 def config_settings(engine_or_config: Any) -> Optional[dict]:
     """The ``"fastpersist"`` section of a DeepSpeed config (a ``DeepSpeedEngine``, a
     ``DeepSpeedConfig`` or the config dict), checked
-    (:func:`fastpersist.adaptersettings.parse_section`); None when the config has none."""
+    (:func:`fastpersist.adaptersettings.find_section`); None when the config has none."""
     params = getattr(engine_or_config, "_config", engine_or_config)
-    params = getattr(params, "_param_dict", params)
-    if not isinstance(params, dict) or CONFIG_KEY not in params:
-        return None
-    return parse_section(params[CONFIG_KEY], key=CONFIG_KEY, where="DeepSpeed config")
+    return find_section(getattr(params, "_param_dict", params), key=CONFIG_KEY, where="DeepSpeed config")
 
 
 def apply_config(engine: Any) -> Optional[Any]:

@@ -10,7 +10,7 @@ import re
 import signal
 
 from fastpersist import dircommit
-from fastpersist.collectivedir import CollectiveDir, WorldExchange, agree
+from fastpersist.collectivedir import CollectiveDir, ListExchange, WorldExchange, agree
 from fastpersist.testing import inject_fault
 
 log = logging.getLogger("test_collectivedir")
@@ -218,3 +218,22 @@ def test_one_process(tmp_path):
     out = _save(target, 0, committer=True, fail=True, data=b"C")
     assert out["raised"].startswith("OSError") and not out["visible"]
     assert _tree(target) == {"rank_0.bin": b"B0", "notes.txt": b"n"} and _leftovers(str(tmp_path)) == []
+
+
+def test_list_exchange_over_a_frameworks_list_collectives():
+    """ListExchange: the framework's collectives take and return lists (one process here: as
+    Accelerate's broadcast_object_list and gather_object in a world of one)."""
+    calls: list = []
+
+    def broadcast_list(values: list) -> list:
+        calls.append(("broadcast", list(values)))
+        return values
+
+    def gather_list(values: list) -> list:
+        calls.append(("gather", list(values)))
+        return list(values)
+
+    exchange = ListExchange(broadcast_list, gather_list)
+    assert exchange.broadcast({"token": "ab"}) == {"token": "ab"} and exchange.gather(3) == [3]
+    assert calls == [("broadcast", [{"token": "ab"}]), ("gather", [3])]
+    assert agree(None, RuntimeError, exchange=exchange, value="v") == ["v"]

@@ -109,3 +109,13 @@ def test_local_copy_refuses_an_uncommitted_folder(boto, bucket):  # noqa: ANN001
     with pytest.raises(s3folder.UncommittedFolderError, match="run/half"):
         with s3foldersave.local_copy(f"s3://{bucket}/run/half"):
             pass
+
+
+def test_ownership_by_top_level_name_and_urls_of_a_local_copy(tmp_path):
+    owns = s3foldersave.by_top_level(lambda name: name in ("model.safetensors", "pytorch_model_fsdp_0"))
+    assert owns("model.safetensors") and owns("pytorch_model_fsdp_0/__0_0.distcp")
+    assert not owns("config.json") and not owns("sub/model.safetensors")
+    local = str(tmp_path / "run")
+    assert s3foldersave.url_of("s3://bucket/run", local, os.path.join(local, "step1", "mp_rank_00_model_states.pt")) \
+        == "s3://bucket/run/step1/mp_rank_00_model_states.pt"
+    assert s3foldersave.url_of("s3://bucket/run", local, None) is None

@@ -59,3 +59,26 @@ def test_adapter_section_parsing():
         with pytest.raises(ValueError, match=match) as info:
             parse(bad, key="fp", where="X config")
         assert str(info.value).startswith("X config: ")
+
+
+def test_recording_records_a_failed_load_and_raises_it_on(caplog):
+    bad = ChecksumError("CRC-32 mismatch in /ck/optimizer.bin")
+    with caplog.at_level(logging.ERROR), pytest.raises(ChecksumError) as info:
+        with swallowed.watching("Framework's load"):
+            try:
+                with swallowed.recording("/ck/optimizer.bin"):
+                    raise bad
+            except ChecksumError:
+                pass  # the framework goes on
+    assert info.value is bad and any("/ck/optimizer.bin" in r.getMessage() for r in caplog.records)
+    with swallowed.recording("/ck/x"):  # no error: nothing recorded
+        pass
+
+
+def test_find_section_of_a_framework_config():
+    find = adaptersettings.find_section
+    assert find({"train_batch_size": 8}, key="fp", where="X config") is None
+    assert find(None, key="fp", where="X config") is None and find([("fp", True)], key="fp", where="X") is None
+    assert find({"fp": {"decoupled": True}}, key="fp", where="X config")["decoupled"] is True
+    with pytest.raises(ValueError, match="^X config: "):
+        find({"fp": "yes"}, key="fp", where="X config")

@@ -87,3 +87,57 @@ def test_calling_first_runs_the_hook_then_the_original():
     assert seen == [("static", "a", {"flag": True}), ("method", "b")]
     w.undo()
     assert not is_wrapper(Owner.static) and Owner().method("c") == ("method", "c") and len(seen) == 2
+
+
+def test_calling_after_runs_the_original_then_the_hook():
+    from fastpersist.wrappers import calling_after
+
+    seen = []
+
+    def configure(self, n):  # noqa: ANN001, ANN202
+        seen.append(("original", n))
+        if n < 0:
+            raise ValueError("bad")
+        return n * 2
+
+    wrapped = calling_after(lambda self, n: seen.append(("hook", n)))(configure)
+    assert wrapped("engine", 3) == 6 and seen == [("original", 3), ("hook", 3)]
+    assert wrapped.__name__ == "configure"
+    seen.clear()
+    try:
+        wrapped("engine", -1)
+    except ValueError:
+        pass
+    assert seen == [("original", -1)]  # the original raised: no hook
+
+
+def test_take_first_and_named_arguments():
+    from fastpersist.wrappers import named_arguments, take_first
+
+    assert take_first(("s3://b/run", 1), {"strict": True}, "input_dir") == ("s3://b/run", (1,), {"strict": True})
+    assert take_first((), {"input_dir": "d", "strict": True}, "input_dir") == ("d", (), {"strict": True})
+    assert take_first((), {}, "tag") == (None, (), {})
+    names = ("tag", "client_state", "save_latest")
+    assert named_arguments(names, ("t1", {"a": 1}), {"save_latest": False}) == \
+        {"tag": "t1", "client_state": {"a": 1}, "save_latest": False}
+    assert named_arguments(names, (), {}) == {}
+
+
+def test_on_failure_and_lazy_attributes():
+    import pytest
+
+    from fastpersist.wrappers import lazy_attributes, on_failure
+
+    seen: list = []
+    with on_failure(seen.append):
+        pass
+    with pytest.raises(KeyError) as info, on_failure(seen.append):
+        raise KeyError("save_checkpoint raised")
+    assert seen == [info.value]  # told, then raised on unchanged
+    with pytest.raises(KeyError), on_failure(None):
+        raise KeyError("no callback")
+    made: list = []
+    getter = lazy_attributes("fp_lazy_test", Engine=lambda: made.append(1) or "the class")
+    assert made == [] and getter("Engine") == "the class" and made == [1]
+    with pytest.raises(AttributeError, match="module 'fp_lazy_test' has no attribute 'Other'"):
+        getter("Other")
