@@ -170,12 +170,12 @@ def _wrap_save_state(original: Callable[..., Any], settings: Callable[[Any], Opt
         if auto and is_s3_url(self.project_dir):
             raise ValueError(f"save_state: automatic_checkpoint_naming with an s3:// project_dir ({self.project_dir}) "
                              "is not supported: pass the checkpoint's URL, save_state('s3://bucket/prefix/step-N')")
-        checkpoints = os.path.join(self.project_dir, "checkpoints") if self.project_dir else None
+        checkpoints = os.path.join(self.project_dir, "checkpoints") if self.project_dir is not None else None
         numbered = NumberedDirs(checkpoints, limit=pc.total_limit) if auto and checkpoints is not None else None
         if numbered is not None:  # stock save_state's own checks, before anything is written
             staged = numbered.claim(self.save_iteration, counter="self.save_iteration")
-        elif output_dir is None:
-            return original(self, output_dir, safe_serialization, **kwargs)  # stock raises
+        elif output_dir is None or auto:  # automatic naming without a project_dir: stock raises
+            return original(self, output_dir, safe_serialization, **kwargs)
         elif is_s3_url(output_dir):
             return _save_state_s3(self, original, s, str(output_dir), safe_serialization, kwargs)
         else:

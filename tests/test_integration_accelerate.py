@@ -137,6 +137,23 @@ def _all_verified(directory: str) -> None:
         assert written_by_fastpersist(os.path.join(directory, name)), name
 
 
+def test_automatic_naming_without_project_dir_fails_like_stock(fresh_accelerate, tmp_path):
+    """automatic_checkpoint_naming with no project_dir: stock save_state raises (it joins
+    None with "checkpoints") before writing anything, even with an output_dir given; with the
+    plugin on it raises the same and writes nothing either (it once saved into output_dir)."""
+    errors = []
+    for plugin in (False, True):
+        acc, *_ = _build(None, total_limit=2)
+        if plugin:
+            fresh_accelerate.enable(acc)
+        out = tmp_path / f"out-{plugin}"
+        with pytest.raises(TypeError) as ei:
+            acc.save_state(str(out))
+        errors.append(str(ei.value))
+        assert not out.exists()
+    assert errors[0] == errors[1]
+
+
 def test_round_trip_with_retention(fresh_accelerate, monkeypatch, tmp_path):
     fpa = fresh_accelerate
     log: list = []
