@@ -309,8 +309,9 @@ def _free_watch() -> FreeWatch:
 
 
 def _forget_watch_in_child() -> None:
-    global _watch
+    global _watch, _watch_lock
     _watch = None  # the parent's thread does not exist here; a fresh watch starts with no history
+    _watch_lock = threading.Lock()  # another thread of the parent may have held it at the fork
 
 
 if hasattr(os, "register_at_fork"):

@@ -168,8 +168,8 @@ def test_large_free_bytes_and_the_reporting_order_come_from_the_kernel(tmp_path)
     from fastpersist.prefault import large_free_bytes, reporting_order
 
     info = tmp_path / "buddyinfo"
-    info.write_text("Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3 \n"
-                    "Node 0, zone    DMA32    985    425    126    125     78     58     38     19     11     20    723 \n")
+    info.write_text("Node 0, zone   DMA    0   0   0   0  0  0  0  0  1  1   3 \n"
+                    "Node 0, zone DMA32  985 425 126 125 78 58 38 19 11 20 723 \n")
     assert large_free_bytes(9, str(info)) == (1 * 2 + 3 * 4 + 20 * 2 + 723 * 4) << 20
     assert large_free_bytes(10, str(info)) == (3 + 723) * 4 << 20
     assert large_free_bytes(9, str(tmp_path / "none")) is None
@@ -309,3 +309,16 @@ def test_cold_loads_are_bit_exact_and_checked_with_either_page_size(tmp_path, mo
             fastpersist.load(path, weights_only=True)
     finally:
         prefault.forget_huge_pages()
+
+
+def test_a_forked_child_starts_without_the_parents_history(per_load):
+    import os
+
+    from fastpersist import prefault
+
+    assert prefault._watch is not None
+    pid = os.fork()
+    if pid == 0:  # the child: no watch (its thread is the parent's), a fresh one at its first load
+        os._exit(0 if prefault._watch is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
