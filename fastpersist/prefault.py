@@ -12,37 +12,37 @@ from 0.88x to 1.09x fio's read. Where the call is refused (an older kernel) the 
 stops at once and nothing changes.
 
 Page size of fresh load buffers (:func:`choose_pages`). The native buffers ask for
-transparent huge pages (``MADV_HUGEPAGE``), so that first touch zeroes 2 MiB per
-fault. In a guest whose kernel reports free memory to the hypervisor (virtio-balloon
-free page reporting, Hyper-V's balloon) that is the expensive way for memory nobody
-freed lately: the kernel reports free blocks of 2 MiB and more (``page_reporting_order``
-9) about 2 s after they are freed (``page_reporting_delay``, a background work item that
-reports part of each free list per pass), the host takes their memory back, and a huge
-page carved from such a block faults every 4 KiB of it in on the host when it is zeroed.
-On the reference VM a fresh process's first touch of 1 GiB took 3-4 s of system time
-with huge pages against 0.3-0.7 s with 4 KiB pages (which come from blocks smaller than
-the reporting order, still backed), and a cold 1 GiB ``fastpersist.load`` went from
-0.55-0.75x ``torch.load`` to 3-4x. Memory freed moments ago is the other case: the
-buddy allocator hands out the blocks freed last first, the host still backs them, and
-huge pages are then the cheap way (populating 1 GiB within a second of freeing 1 GiB of
-huge pages: 0.13-0.23 s in most tries against 0.27-0.46 s with 4 KiB pages; freed 2 s
-and more before: 0.8-1.3 s). That is a load in a process that loads repeatedly (the
-previous load's tensors, the page cache of an evicted file, another load's result just
-freed).
+transparent huge pages (``MADV_HUGEPAGE``), so that first touch zeroes 2 MiB per fault.
+In a guest whose kernel reports free memory to the hypervisor (virtio-balloon free page
+reporting, Hyper-V's balloon) that is the expensive way for memory nobody freed lately:
+the kernel reports free blocks of 2 MiB and more (``page_reporting_order`` 9) about 2 s
+after they are freed (``page_reporting_delay``, a background work item that reports part
+of each free list per pass), the host takes their memory back, and a huge page carved
+from such a block faults every 4 KiB of it in on the host when it is zeroed. On the
+reference VM a fresh process's first touch of 1 GiB took 3-4 s of system time with huge
+pages against 0.3-0.7 s with 4 KiB pages (which come from blocks smaller than the
+reporting order, still backed), and a cold 1 GiB ``fastpersist.load`` went from
+0.55-0.75x ``torch.load`` to 3-4x. Memory freed moments ago is the other case: the buddy
+allocator hands out the blocks freed last first, the host still backs them, and huge
+pages are then the cheap way (populating 1 GiB right after freeing 1 GiB of huge pages:
+0.13-0.18 s in 4 of 4 tries; 0.5 s and 1 s later: 0.13-0.26 s in 3 of 5 tries each,
+0.5-1.1 s in the others; against 0.27-0.46 s with 4 KiB pages; 2 s and more later:
+0.8-1.3 s). That is a load in a process that loads repeatedly (the previous load's
+tensors, the page cache of an evicted file, another load's result just freed).
 
-So there the page size is chosen per buffer, from what the kernel shows: the free
-memory in blocks of the reporting order and above (``/proc/buddyinfo``, all zones),
-sampled every 0.1 s by a daemon thread (:class:`FreeWatch`, started by the first load
-that asks, ending after 30 s without one). A buffer takes huge pages for as many
-bytes, in 2 MiB steps from its start, as that free memory grew within the last
-:data:`RECENT_S` (1 s, half the reporting delay) less what earlier buffers of that
-second took; the rest gets ``MADV_NOHUGEPAGE`` (4 KiB pages) before anything touches
-it. Freed 4 KiB pages that did not merge into such blocks, page cache dropped in
-small folios, and frees older than a second do not count: 1 GiB freed as 4 KiB pages
-left those blocks unchanged, and huge pages right after it took 1.6-2.6 s. The first
-load of a process has no history and takes 4 KiB pages (the resume case, unchanged).
-Elsewhere (no free page reporting) every buffer keeps huge pages.
-``FASTPERSIST_LOAD_HUGE_PAGES=on|off`` overrides the rule.
+So there the page size is chosen per buffer, from what the kernel shows: the free memory
+in blocks of the reporting order and above (``/proc/buddyinfo``, all zones), sampled
+every 0.1 s by a daemon thread (:class:`FreeWatch`, started by the first load that asks,
+ending after 30 s without one). A buffer takes huge pages for as many bytes, in 2 MiB
+steps from its start, as that free memory grew within the last :data:`RECENT_S` (0.5 s:
+a reporting pass can start at any moment, and the older the freed memory the likelier a
+pass took part of it) less what earlier buffers of that half second took; the rest gets
+``MADV_NOHUGEPAGE`` (4 KiB pages) before anything touches it. Freed 4 KiB pages that did
+not merge into such blocks, page cache dropped in small folios, and older frees do not
+count: 1 GiB freed as 4 KiB pages left those blocks unchanged, and huge pages right
+after it took 1.6-2.6 s. The first load of a process has no history and takes 4 KiB
+pages (the resume case, unchanged). Elsewhere (no free page reporting) every buffer
+keeps huge pages. ``FASTPERSIST_LOAD_HUGE_PAGES=on|off`` overrides the rule.
 
 The native staging buffers (the 8 MiB rings that saves above 32 MiB and staged loads
 copy through, allocated per operation) keep huge pages unless that variable says
@@ -82,8 +82,8 @@ _VIRTIO_BALLOON_F_REPORTING = 5  # feature bit
 #: bytes populated per call (the stop flag is checked between calls)
 STEP = 32 << 20
 #: seconds within which memory freed in large blocks counts as still backed by the host
-#: (half the balloon's 2 s reporting delay: see the module docstring)
-RECENT_S = 1.0
+#: (a quarter of the balloon's 2 s reporting delay: see the module docstring)
+RECENT_S = 0.5
 _SAMPLE_S = 0.1  # FreeWatch's sampling period
 _IDLE_S = 30.0  # FreeWatch's thread ends after this long without a decision
 _libc: Optional[Any] = None
@@ -249,7 +249,7 @@ _watch_lock = threading.Lock()
 
 def huge_pages() -> tuple[Optional[bool], str]:
     """Whether fresh load buffers take transparent huge pages here: True (all of them),
-    False (none) or None (chosen per buffer from the memory freed in the last second, see
+    False (none) or None (chosen per buffer from the memory freed in the last :data:`RECENT_S`, see
     the module docstring), and why (a sentence, for ``fastpersist info``). The rule is a
     fact of the machine, decided once per process; :data:`HUGE_PAGES_ENV` overrides it."""
     global _huge

@@ -117,7 +117,7 @@ class _Evidence:
     def watch(self, **kw):
         from fastpersist.prefault import FreeWatch
 
-        return FreeWatch(lambda: self.free, clock=lambda: self.now, thread=False, **kw)
+        return FreeWatch(lambda: self.free, clock=lambda: self.now, window=1.0, thread=False, **kw)
 
 
 @pytest.fixture
