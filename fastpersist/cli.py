@@ -390,7 +390,8 @@ def _info_machine(args: argparse.Namespace) -> int:
     lines += info.summary_lines()
     lines += [f"GPU path   : unknown ({gpu})"] if isinstance(gpu, str) else gpu.lines()
     lines.append(f"Load reads : unknown ({way})" if isinstance(way, str) else f"Load reads : {way.arm} ({way.reason})")
-    lines.append(f"Load memory: {'huge pages' if huge[0] else '4 KiB pages'} ({huge[1]})")
+    pages = {True: "huge pages", False: "4 KiB pages", None: "huge or 4 KiB pages"}[huge[0]]
+    lines.append(f"Load memory: {pages} ({huge[1]})")
     lines += _temp_lines(temps, temps_error, removed, args.clean)
     for line in lines:
         for piece in describe.wrap(line):  # within 100 columns

@@ -108,18 +108,51 @@ def _vm_flags(ptr: int) -> set[str]:
     raise AssertionError(f"no mapping holds {ptr:#x}")
 
 
+class _Evidence:
+    """A FreeWatch's injected source and clock: ``free`` bytes in large free blocks at ``now``."""
+
+    def __init__(self, free: int = 10 << 30) -> None:
+        self.free, self.now = free, 100.0
+
+    def watch(self, **kw):
+        from fastpersist.prefault import FreeWatch
+
+        return FreeWatch(lambda: self.free, clock=lambda: self.now, window=1.0, thread=False, **kw)
+
+
+@pytest.fixture
+def per_load(monkeypatch):
+    """The per-load rule (as on a VM with free page reporting) with injected evidence."""
+    from fastpersist import prefault
+
+    monkeypatch.delenv(prefault.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setattr(prefault, "free_page_reporter", lambda sysfs="/sys": "virtio-balloon free page reporting")
+    prefault.forget_huge_pages()
+    ev = _Evidence()
+    watch = ev.watch()
+    watch.sample()  # the history starts here
+    prefault.set_free_watch(watch)
+    try:
+        assert prefault.huge_pages()[0] is None
+        yield ev
+    finally:
+        prefault.forget_huge_pages()
+
+
 def test_choose_pages_follows_the_setting(monkeypatch):
     from fastpersist import prefault
 
-    for value, huge in (("off", False), ("on", True), ("auto", prefault.free_page_reporter() is None)):
+    reporting = prefault.free_page_reporter() is not None
+    for value, huge in (("off", False), ("on", True), ("auto", None if reporting else True)):
         monkeypatch.setenv(prefault.HUGE_PAGES_ENV, value)
         prefault.forget_huge_pages()
+        prefault.set_free_watch(_Evidence().watch())  # per load: nothing freed lately (fresh memory)
         try:
             assert prefault.huge_pages()[0] is huge
             buf = prefault.choose_pages(_native.PinnedBuffer(8 << 20, 4096, False))
             flags = _vm_flags(buf.ptr)
             assert ("nh" in flags) is (not huge)
-            assert ("hg" in flags) is huge  # the native buffer's own advice stays where huge pages are kept
+            assert ("hg" in flags) is bool(huge)  # the native buffer's own advice stays where huge pages are kept
         finally:
             prefault.forget_huge_pages()
     monkeypatch.setenv(prefault.HUGE_PAGES_ENV, "sometimes")
@@ -129,6 +162,126 @@ def test_choose_pages_follows_the_setting(monkeypatch):
     finally:
         monkeypatch.delenv(prefault.HUGE_PAGES_ENV)
         prefault.forget_huge_pages()
+
+
+def test_large_free_bytes_and_the_reporting_order_come_from_the_kernel(tmp_path):
+    from fastpersist.prefault import large_free_bytes, reporting_order
+
+    info = tmp_path / "buddyinfo"
+    info.write_text("Node 0, zone   DMA    0   0   0   0  0  0  0  0  1  1   3 \n"
+                    "Node 0, zone DMA32  985 425 126 125 78 58 38 19 11 20 723 \n")
+    assert large_free_bytes(9, str(info)) == (1 * 2 + 3 * 4 + 20 * 2 + 723 * 4) << 20
+    assert large_free_bytes(10, str(info)) == (3 + 723) * 4 << 20
+    assert large_free_bytes(9, str(tmp_path / "none")) is None
+    assert large_free_bytes(9) is None or large_free_bytes(9) >= 0  # this machine's, readable or not
+    assert reporting_order(str(tmp_path)) == 9  # no page_reporting module: the default, 2 MiB
+    d = tmp_path / "module" / "page_reporting" / "parameters"
+    d.mkdir(parents=True)
+    (d / "page_reporting_order").write_text("10\n")
+    assert reporting_order(str(tmp_path)) == 10
+
+
+def test_free_watch_gives_out_memory_freed_in_the_last_second_once():
+    ev = _Evidence()
+    w = ev.watch()
+    assert w.claim(1 << 30) == 0  # no history (a fresh process's first load): 4 KiB pages
+    ev.now += 0.3
+    ev.free += 1 << 30  # 1 GiB freed in large blocks
+    w.sample()
+    ev.now += 0.5
+    assert w.recent() == 1 << 30
+    assert w.claim(256 << 20) == 256 << 20
+    assert w.claim(1 << 30) == 768 << 20  # what the first buffer took is not given out again
+    assert w.claim(64 << 20) == 0
+    ev.now += 2.0  # that memory was freed long enough ago for the balloon to report it
+    w.sample()
+    assert w.claim(1 << 30) == 0
+    ev.free -= 3 << 30  # taken (by someone else's huge pages)...
+    w.sample()
+    ev.now += 0.4
+    ev.free += (100 << 20) + 12345  # ...and some freed again: the growth from the low counts
+    assert w.claim(1 << 30) == 100 << 20  # in 2 MiB steps, rounded down
+    ev.now += 1.5
+    ev.free = None  # unreadable: no evidence
+    assert w.claim(1 << 30) == 0 and w.recent() == 0
+
+
+def test_free_watch_samples_on_its_thread_and_ends_when_idle():
+    import threading
+
+    from fastpersist.prefault import FreeWatch
+
+    now = [0.0]
+    reads = []
+    sampled = threading.Event()
+
+    def read():
+        reads.append(now[0])
+        if len(reads) >= 5:
+            sampled.set()
+        return 1 << 30
+
+    w = FreeWatch(read, clock=lambda: now[0], period=0.001, idle=10.0)
+    assert not w.running()
+    w.claim(8 << 20)  # starts the thread
+    assert w.running()
+    assert sampled.wait(30)
+    t = w._thread
+    now[0] = 11.0  # idle longer than ``idle``: the thread ends by itself
+    t.join(30)
+    assert not t.is_alive() and not w.running()
+    w.claim(8 << 20)  # a later load starts it again
+    assert w.running()
+    w.close()
+    assert not w.running()
+
+
+def _smaps_kib(ptr: int, field: str) -> int:
+    """``field`` (kB) of the mapping of this process that holds ``ptr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == field + ":":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_choose_pages_per_load_gives_huge_pages_as_far_as_memory_was_freed_lately(per_load):
+    from fastpersist import prefault
+
+    fresh = prefault.choose_pages(_native.PinnedBuffer(8 << 20, 4096, False))  # nothing freed lately
+    assert "nh" in _vm_flags(fresh.ptr) and "nh" in _vm_flags(fresh.ptr + (6 << 20))
+    torch.frombuffer(fresh, dtype=torch.uint8).fill_(1)
+    assert _smaps_kib(fresh.ptr, "AnonHugePages") == 0  # 4 KiB pages, whatever the kernel has free
+    per_load.now += 0.2
+    per_load.free += 12 << 20  # 12 MiB freed in large blocks
+    recent = prefault.choose_pages(_native.PinnedBuffer(8 << 20, 4096, False))
+    flags = _vm_flags(recent.ptr)
+    assert "hg" in flags and "nh" not in flags and "nh" not in _vm_flags(recent.ptr + (6 << 20))
+    split = prefault.choose_pages(_native.PinnedBuffer(8 << 20, 4096, False))  # 4 MiB of evidence left
+    assert "nh" not in _vm_flags(split.ptr) and "nh" in _vm_flags(split.ptr + (4 << 20))
+    torch.frombuffer(split, dtype=torch.uint8).fill_(2)
+    assert _smaps_kib(split.ptr + (4 << 20), "AnonHugePages") == 0
+    assert "nh" in _vm_flags(prefault.choose_pages(_native.PinnedBuffer(8 << 20, 4096, False)).ptr)  # none left
+    assert bytes(split)[:8] == b"\x02" * 8 and bytes(fresh)[-8:] == b"\x01" * 8
+
+
+def test_loads_with_buffers_split_between_page_sizes_are_bit_exact(tmp_path, per_load):
+    g = torch.Generator().manual_seed(2)
+    state = {"big": torch.randn(6 << 20, generator=g), "mid": torch.randn(3 << 18, generator=g),
+             "small": torch.arange(100, dtype=torch.int16)}
+    path = tmp_path / "s.pt"
+    fastpersist.save(state, path)
+    per_load.now += 0.5
+    per_load.free += 10 << 20  # less than the 24 MiB tensor's buffer
+    out = fastpersist.load(path, weights_only=True)
+    assert out.keys() == state.keys() and all(torch.equal(out[k], state[k]) for k in state)
+    big = out["big"].data_ptr()
+    assert "nh" not in _vm_flags(big) and "nh" in _vm_flags(big + (20 << 20))
 
 
 @pytest.mark.parametrize("value", ["off", "on"])
@@ -156,3 +309,16 @@ def test_cold_loads_are_bit_exact_and_checked_with_either_page_size(tmp_path, mo
             fastpersist.load(path, weights_only=True)
     finally:
         prefault.forget_huge_pages()
+
+
+def test_a_forked_child_starts_without_the_parents_history(per_load):
+    import os
+
+    from fastpersist import prefault
+
+    assert prefault._watch is not None
+    pid = os.fork()
+    if pid == 0:  # the child: no watch (its thread is the parent's), a fresh one at its first load
+        os._exit(0 if prefault._watch is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
