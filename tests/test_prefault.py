@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import resource
+import threading
 
 import pytest
 import torch
@@ -45,11 +46,31 @@ def test_close_stops_early_and_a_refused_call_stops_the_thread():
     p._thread.join()
     assert p.error == errno.ENOMEM and p.populated == 0
     p.close()
+
+
+def test_close_stops_after_the_step_in_flight(monkeypatch):
+    from fastpersist import prefault
+
+    real = prefault._madvise()
+    started, release = threading.Event(), threading.Event()
+
+    def held(ptr, n, advice):  # the first step waits until the test lets it go
+        if not started.is_set():
+            started.set()
+            assert release.wait(30)
+        return real(ptr, n, advice)
+
+    monkeypatch.setattr(prefault, "_madvise", lambda: held)
     big = _native.PinnedBuffer(16 * STEP, 4096, False)
     p = Prefaulter([big])
-    p.close()  # at most one more step after the stop
-    assert p.populated < big.nbytes or p.populated == big.nbytes
-    assert p._thread is None
+    assert started.wait(30)
+    closer = threading.Thread(target=p.close)
+    closer.start()
+    assert p._stop.wait(30)  # close asked the thread to stop while its first step runs
+    release.set()
+    closer.join(30)
+    assert not closer.is_alive() and p._thread is None
+    assert p.populated == STEP and p.error is None  # the step in flight finished, no other began
 
 
 def test_loads_prefault_their_buffers_and_return_the_saved_values(tmp_path, monkeypatch):
