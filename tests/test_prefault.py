@@ -115,8 +115,8 @@ def test_free_page_reporter_reads_the_balloons_feature_bit(tmp_path):
     assert free_page_reporter(str(hv)) == "Hyper-V balloon (hv_balloon)"
 
 
-def _vm_flags(ptr: int) -> set[str]:
-    """VmFlags of the mapping of this process that holds address ``ptr``."""
+def _smaps_field(ptr: int, field: str) -> list[str]:
+    """The values of ``field`` in /proc/self/smaps for the mapping that holds address ``ptr``."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -124,9 +124,14 @@ def _vm_flags(ptr: int) -> set[str]:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= ptr < hi
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
+            elif inside and head == field + ":":
+                return line.split()[1:]
     raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def _vm_flags(ptr: int) -> set[str]:
+    """VmFlags of the mapping of this process that holds address ``ptr``."""
+    return set(_smaps_field(ptr, "VmFlags"))
 
 
 class _Evidence:
@@ -259,16 +264,7 @@ def test_free_watch_samples_on_its_thread_and_ends_when_idle():
 
 def _smaps_kib(ptr: int, field: str) -> int:
     """``field`` (kB) of the mapping of this process that holds ``ptr``."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= ptr < hi
-            elif inside and head == field + ":":
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {ptr:#x}")
+    return int(_smaps_field(ptr, field)[0])
 
 
 def test_choose_pages_per_load_gives_huge_pages_as_far_as_memory_was_freed_lately(per_load):
