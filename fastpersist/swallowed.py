@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 from fastpersist.errors import CheckpointFormatError, ChecksumError
+from fastpersist.wrappers import on_failure
 
 __all__ = ["record", "recording", "watching"]
 
@@ -38,15 +40,10 @@ def record(path: Any, error: BaseException) -> None:
         failures.append((os.fspath(path), error))
 
 
-@contextlib.contextmanager
-def recording(path: Any) -> Iterator[None]:
+def recording(path: Any) -> ContextManager[None]:
     """Run one file's load (of ``path``) in the block: an exception it raises is
-    :func:`record`-ed, then raised on."""
-    try:
-        yield
-    except BaseException as e:
-        record(path, e)
-        raise
+    :func:`record`-ed, then raised on (:func:`fastpersist.wrappers.on_failure`)."""
+    return on_failure(functools.partial(record, path))
 
 
 @contextlib.contextmanager
