@@ -437,6 +437,18 @@ def _parse_fault(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def _parse_huge_pages(name: str, raw: str) -> str:
+    """``on``, ``off`` or ``auto`` (booleans accepted); fastpersist.prefault reads the variable itself."""
+    value = raw.strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return "on"
+    if value in ("0", "off", "false", "no"):
+        return "off"
+    if value == "auto":
+        return value
+    raise ValueError(f"{name}={raw!r}: expected on, off or auto")
+
+
 def _parse_copy(name: str, raw: str) -> str:
     """``stream`` or ``plain``; the native module reads the variable itself."""
     value = raw.strip().lower()
@@ -614,6 +626,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "VM `stream` took 20% less CPU per 1 GiB save and made the async snapshot call 1.4-1.9x "
         "shorter (docs/benchmarks.md, \"Where the time goes\"). Read once, when the native module is imported.",
         default="stream",
+    ),
+    EnvVar(
+        "FASTPERSIST_LOAD_HUGE_PAGES", None, _parse_huge_pages, "on, off or auto",
+        "Page size of the new CPU buffers a load returns its tensors in (fastpersist/prefault.py; "
+        "docs/loading.md). `auto`: 2 MiB transparent huge pages, except in a guest that reports "
+        "free memory to its hypervisor (virtio-balloon free page reporting, Hyper-V's balloon), "
+        "where each buffer takes huge pages only as far as memory was freed in blocks of 2 MiB and "
+        "more within the last half second, and 4 KiB pages otherwise (a fresh huge page there "
+        "faults in on the host 4 KiB at a time). `on`/`off`: every buffer; `off` also gives the "
+        "native staging buffers 4 KiB pages. `fastpersist info` prints the rule. Read once per process.",
+        default="auto",
     ),
     # -- asynchronous saves (fastpersist.asyncsave) --
     EnvVar(

@@ -339,3 +339,27 @@ def test_a_forked_child_starts_without_the_parents_history(per_load):
         os._exit(0 if prefault._watch is None else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("raw", ["on", "OFF", "auto", "1", "no", "yes", "sometimes", "2"])
+def test_the_documented_variable_accepts_what_prefault_accepts(monkeypatch, raw):
+    """docs/config.md's FASTPERSIST_LOAD_HUGE_PAGES (fastpersist.config's parser) and the rule
+    that reads it (prefault.huge_pages) accept and refuse the same values, to the same choice."""
+    from fastpersist import config as fpconfig
+    from fastpersist import prefault
+
+    (var,) = [v for v in fpconfig.ENV_VARS if v.name == prefault.HUGE_PAGES_ENV]
+    monkeypatch.setenv(prefault.HUGE_PAGES_ENV, raw)
+    prefault.forget_huge_pages()
+    try:
+        try:
+            documented = var.parse(var.name, raw)
+        except ValueError:
+            with pytest.raises(ValueError):
+                prefault.huge_pages()
+            return
+        chosen = prefault.huge_pages()[0]
+        assert {"on": True, "off": False}.get(documented, chosen) is chosen
+    finally:
+        monkeypatch.delenv(prefault.HUGE_PAGES_ENV)
+        prefault.forget_huge_pages()
