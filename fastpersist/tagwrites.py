@@ -30,13 +30,13 @@ import os
 from typing import Any, Callable, Optional
 
 from fastpersist.collectivedir import CollectiveDir, conclude, failed_elsewhere
-from fastpersist.commit import fsync_path, write_small_file
+from fastpersist.commit import write_small_file
 from fastpersist.dircommit import StagedDir
 from fastpersist.ranks import global_rank, world_size
 from fastpersist.rankwrites import RankWrites
 from fastpersist.replicated import save_replicated
 
-__all__ = ["TagWrites", "sync_pointer", "tag_dir"]
+__all__ = ["TagWrites", "tag_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +44,6 @@ log = logging.getLogger(__name__)
 def tag_dir(save_dir: Any, tag: Any) -> str:
     """The tag directory ``SAVE_DIR/TAG``, absolute."""
     return os.path.abspath(os.path.join(os.fspath(save_dir), str(tag)))
-
-
-def sync_pointer(save_dir: Any, pointer: str = "latest") -> bool:
-    """fsync the pointer file ``SAVE_DIR/POINTER`` where it exists (the framework rewrote it in
-    place, without an fsync); returns whether it did."""
-    path = os.path.join(save_dir, pointer)
-    if not os.path.isfile(path):
-        return False
-    fsync_path(path)
-    return True
 
 
 class TagWrites(RankWrites):

@@ -8,7 +8,9 @@ docs/integrations.md (DeepSpeed), docs/objectstore.md (DeepSpeed).
 This module only translates DeepSpeed's ``CheckpointEngine`` contract onto
 :class:`fastpersist.tagwrites.TagWrites`: ``create`` plans the tag directory's staging,
 ``makedirs`` and ``save`` write each file, ``commit`` settles, fsyncs, agrees with every
-rank and swaps the directory in before ``latest`` is written. An ``s3://`` save_dir:
+rank and swaps the directory in, and only then rank 0 replaces ``latest`` (atomically, once:
+``engine.save_checkpoint`` is wrapped to call DeepSpeed's with ``save_latest=False``, so
+DeepSpeed never rewrites it in place). An ``s3://`` save_dir:
 :func:`fastpersist.s3foldersave.save_tag` around DeepSpeed's save.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import re
@@ -29,7 +32,7 @@ from fastpersist.envflags import adapter_enabled
 from fastpersist.methodswitch import wrap_once
 from fastpersist.ranks import global_rank, whole_world, world_size
 from fastpersist.s3url import is_s3_url
-from fastpersist.tagwrites import TagWrites, sync_pointer
+from fastpersist.tagwrites import TagWrites
 from fastpersist.wrappers import calling_after, lazy_attributes, named_arguments, on_failure, take_first
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
@@ -77,12 +80,18 @@ def _make_engine_class() -> type:
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
             self.nvme_offload = False
             self.saved: list[str] = []  #: paths this rank wrote or took part in, this checkpoint
+            #: the caller's ``save_latest`` of the ``save_checkpoint`` running (set by its wrapper, which
+            #: hands DeepSpeed ``save_latest=False``); None: DeepSpeed's ``info.save_latest`` decides
+            self.save_latest: Optional[bool] = None
+            self._latest_for: Optional[tuple[str, str]] = None  # (save_dir, tag) whose commit writes `latest`
 
         # -- the contract
         def create(self, info: Any) -> None:
             if self.decoupled and self._writes.uncommitted is not None:
                 self.commit(self._writes.uncommitted)  # the previous decoupled checkpoint, not committed yet
             self.saved = []
+            wanted = bool(getattr(info, "save_latest", False)) if self.save_latest is None else self.save_latest
+            self._latest_for = _commit_key(info) if wanted else None
             # staged where the tag directory exists on some rank and no rank sees a reason not to
             veto = "DeepSpeed copies the NVMe-offload files into the tag directory itself" if self.nvme_offload else None
             self._writes.open(info.save_dir, info.tag, node_local=self.node_local, local_rank=self.local_rank,
@@ -103,8 +112,12 @@ def _make_engine_class() -> type:
             return fastpersist.load(path, map_location=map_location, weights_only=False, config=self.config)
 
         def commit(self, info: Any) -> bool:
+            # `latest`, written after the tag directory is committed, where the save_checkpoint that
+            # created it asked for it (DeepSpeed's info says False then: it would rewrite it in place)
+            pointer = _commit_key(info) == self._latest_for or bool(getattr(info, "save_latest", False))
+            self._latest_for = None
             # with no file of this save in the staging directory (save_16bit_model) it is removed
-            self._writes.commit(info.save_dir, info.tag, update_pointer=getattr(info, "save_latest", False))
+            self._writes.commit(info.save_dir, info.tag, update_pointer=pointer)
             return True
 
         def _abandon(self, error: BaseException) -> None:
@@ -131,6 +144,11 @@ def _make_engine_class() -> type:
 __getattr__ = lazy_attributes(__name__, FastPersistCheckpointEngine=_make_engine_class)
 
 
+def _commit_key(info: Any) -> tuple[str, str]:
+    """(save_dir, tag) of DeepSpeed's ``CheckpointCommitInfo``."""
+    return os.fspath(info.save_dir), str(info.tag)
+
+
 def _replica_group_for(engine: Any) -> Any:
     """The data-parallel group whose ranks hold replicas of the model-states file, or None."""
     if world_size() == 1 or engine.zero_optimization_partition_weights() \
@@ -154,23 +172,37 @@ def _attach(engine: Any, *, config: Any = None, decoupled: bool = False, split_r
     engine.checkpoint_engine = ce
     if group is not None:
         engine.save_non_zero_checkpoint = True  # every data-parallel rank takes part in the model-states file
-    wrap_once(engine, "save_checkpoint", functools.partial(_with_durable_latest, engine))
+    wrap_once(engine, "save_checkpoint", functools.partial(_with_atomic_latest, engine))
     wrap_once(engine, "load_checkpoint", functools.partial(_with_s3_loads, engine))
     return ce
 
 
-def _with_durable_latest(engine: Any, original: Any) -> Any:
-    """After save_checkpoint: fsync the ``latest`` file DeepSpeed rewrote in place."""
+def _with_atomic_latest(engine: Any, original: Any) -> Any:
+    """``engine.save_checkpoint`` that calls DeepSpeed's with ``save_latest=False`` (stock DeepSpeed
+    rewrites ``latest`` in place after the commit: a crash between its truncation and its write
+    leaves it empty); the checkpoint engine's commit replaces ``latest`` atomically instead, after
+    the tag directory is committed (decoupled: at that later commit), where the caller's
+    ``save_latest`` (DeepSpeed's default: True) asks for it. An ``s3://`` save_dir:
+    :func:`_save_checkpoint_s3`."""
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
         if is_s3_url(save_dir):
             return _save_checkpoint_s3(engine, save_checkpoint, str(save_dir), args, kwargs)
-        with on_failure(getattr(engine.checkpoint_engine, "_abandon", None)):  # never committed: abandoned
-            result = original(save_dir, *args, **kwargs)
-        if engine.global_rank == 0 and not engine.checkpoint_engine.is_decoupled():
-            sync_pointer(save_dir, "latest")
-        return result
+        ce = engine.checkpoint_engine
+        call = signature.bind(save_dir, *args, **kwargs)  # a wrong call raises DeepSpeed's TypeError here
+        call.apply_defaults()
+        if "save_latest" not in call.arguments or not hasattr(ce, "save_latest"):
+            with on_failure(getattr(ce, "_abandon", None)):
+                return original(*call.args, **call.kwargs)
+        ce.save_latest = bool(call.arguments["save_latest"])
+        call.arguments["save_latest"] = False
+        try:
+            with on_failure(ce._abandon):  # never committed: abandoned
+                return original(*call.args, **call.kwargs)
+        finally:
+            ce.save_latest = None
 
     return save_checkpoint
 

@@ -573,6 +573,28 @@ def test_overwrite_leaves_exactly_the_new_save(tmp_path):
                                 "leftovers": [], "loaded": True}, res["decoupled"]
 
 
+def test_latest_replaced_atomically_once_after_the_commit(tmp_path):
+    """``latest`` is replaced (a new file renamed over it) once per save, after the tag directory is
+    committed, never rewritten in place: with every file write failing from the commit's return on
+    (as a process killed there), the save succeeds and ``latest`` names the new tag, where DeepSpeed's
+    own rewrite (truncate, then write) would leave it empty. A hard link to the previous ``latest``
+    keeps the previous tag. ``save_latest=False`` (by position or keyword) and a failed save leave it
+    untouched. Decoupled: ``latest`` names a tag only from that tag's commit on (the next step, the
+    next save, ``destroy``). The bytes are those of a stock DeepSpeed save (no newline)."""
+    root = str(tmp_path)
+    _run([sys.executable, HERE, "--overwrite", "latest", "engine", root, str(_free_port())], _env(), root)
+    res = json.loads((tmp_path / "latest.json").read_text())
+    assert res["stock"] == ["TorchCheckpointEngine", "t1"], res
+    assert res["same_bytes"] is True, res
+    assert res["t2"] == {"result": "ok", "seen": [["before", "t1"], ["after", "t2"]], "latest": "t2",
+                         "old_file": "t1", "new_inode": True}, res["t2"]
+    assert res["failed"] == "ENOSPC", res
+    assert res["kept"] == {"latest": "t2", "same_inode": True, "tags": ["t1", "t2", "t3", "t4", "t5"]}, res["kept"]
+    assert res["decoupled"] == {"written": None, "step": "ok", "seen": [["before", None], ["after", "t1"]],
+                                "same_bytes": True, "t2": ["t1", True], "t3": "t1", "t4": "t3",
+                                "destroyed": "t4"}, res["decoupled"]
+
+
 def test_two_processes_error_then_overwrite(tmp_path):
     """2 ranks (gloo), ZeRO-1, fixed tag: an ENOSPC on rank 1's partition of the second save makes
     both ranks raise, the tag directory stays the first save; a third save replaces it (a stale
@@ -608,13 +630,14 @@ def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
     save_dir, tag = _ckpt_of(root, route)
     tag_dir = os.path.join(save_dir, tag)
 
-    def engine(stage=1, decoupled=False):
+    def engine(stage=1, decoupled=False, fast=True):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
         cfg = {"train_batch_size": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
                "zero_optimization": {"stage": stage}}
         eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        fpd.enable(eng, decoupled=decoupled)
+        if fast:
+            fpd.enable(eng, decoupled=decoupled)
         return eng
 
     def train(eng, steps=1, seed=0):
@@ -803,6 +826,8 @@ def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
         dec.destroy()
         d["loaded"] = loads(want, "B", where=(dec_dir, None))
         out["decoupled"] = d
+    elif mode == "latest":
+        _latest_checks(out, root, engine, train, fail_at, zero_file)
     elif mode == "multi":
         eng = engine()
         train(eng, 2)
@@ -837,6 +862,112 @@ def _overwrite_worker(mode: str, route: str, root: str, port: str) -> None:
     name = f"{mode}{rank}.json" if mode == "multi" else f"{mode}.json"
     with open(os.path.join(root, name), "w") as f:
         json.dump(out, f)
+
+
+def _latest_checks(out: dict, root: str, engine, train, fail_at, zero_file: str) -> None:  # noqa: ANN001
+    """The ``latest`` mode of :func:`_overwrite_worker`: what ``latest`` holds around each commit,
+    non-decoupled and decoupled, where every file write after a commit fails (as if the process
+    died there): a rewrite of ``latest`` in place would leave it empty."""
+    import contextlib
+    import errno
+    import resource
+    import signal
+
+    def latest(save_dir):
+        path = os.path.join(save_dir, "latest")
+        return open(path).read() if os.path.exists(path) else None
+
+    def raw(save_dir):
+        with open(os.path.join(save_dir, "latest"), "rb") as f:
+            return f.read()
+
+    def inode(path):
+        return os.stat(path).st_ino
+
+    def attempt(call):
+        try:
+            call()
+            return "ok"
+        except OSError as e:
+            return errno.errorcode.get(e.errno, repr(e))
+
+    @contextlib.contextmanager
+    def writes_fail_after_commit(eng, seen):
+        """From the return of the checkpoint engine's commit on, every write to a file fails
+        (RLIMIT_FSIZE 0: EFBIG; SIGXFSZ ignored); ``seen``: ``latest`` before and after each commit."""
+        ce = eng.checkpoint_engine
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+        def commit(info):
+            seen.append(["before", latest(info.save_dir)])
+            ok = type(ce).commit(ce, info)
+            seen.append(["after", latest(info.save_dir)])
+            resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+            return ok
+
+        ce.commit = commit
+        old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, old)
+            del ce.commit
+
+    stock = engine(fast=False)  # DeepSpeed's own checkpoint engine: the bytes of its `latest`
+    train(stock)
+    stock.save_checkpoint(os.path.join(root, "stock"), tag="t1")
+    stock_bytes = raw(os.path.join(root, "stock"))
+    out["stock"] = [type(stock.checkpoint_engine).__name__, stock_bytes.decode("latin-1")]
+    stock.destroy()
+
+    fp = os.path.join(root, "fp")
+    eng = engine()
+    train(eng)
+    eng.save_checkpoint(fp, tag="t1")
+    out["same_bytes"] = raw(fp) == stock_bytes
+    os.link(os.path.join(fp, "latest"), os.path.join(fp, "latest.t1"))  # the file `latest` was before the save
+    train(eng, seed=1)
+    seen: list = []
+    with writes_fail_after_commit(eng, seen):
+        result = attempt(lambda: eng.save_checkpoint(fp, tag="t2"))
+    out["t2"] = {"result": result, "seen": seen, "latest": latest(fp),
+                 "old_file": open(os.path.join(fp, "latest.t1")).read(),
+                 "new_inode": inode(os.path.join(fp, "latest")) != inode(os.path.join(fp, "latest.t1"))}
+    before = inode(os.path.join(fp, "latest"))
+    eng.save_checkpoint(fp, "t3", {}, False)  # save_latest=False by position
+    eng.save_checkpoint(fp, tag="t4", save_latest=False)
+    undo = fail_at(zero_file)
+    out["failed"] = attempt(lambda: eng.save_checkpoint(fp, tag="t5"))
+    undo()
+    out["kept"] = {"latest": latest(fp), "same_inode": inode(os.path.join(fp, "latest")) == before,
+                   "tags": sorted(n for n in os.listdir(fp) if n.startswith("t"))}
+    eng.destroy()
+
+    dec_dir = os.path.join(root, "dec")
+    dec = engine(decoupled=True)
+    train(dec)
+    d: dict = {}
+    seen = []
+    with writes_fail_after_commit(dec, seen):
+        dec.save_checkpoint(dec_dir, tag="t1")
+        for fut in list(dec.checkpoint_engine._pending):
+            fut.wait()  # its files are written; not committed yet
+        d["written"] = latest(dec_dir)
+        d["step"] = attempt(lambda: train(dec, seed=1))  # DeepSpeed commits t1 before this step's update
+    d["seen"] = seen
+    d["same_bytes"] = raw(dec_dir) == stock_bytes
+    before = inode(os.path.join(dec_dir, "latest"))
+    dec.save_checkpoint(dec_dir, tag="t2", save_latest=False)
+    train(dec, seed=2)
+    d["t2"] = [latest(dec_dir), inode(os.path.join(dec_dir, "latest")) == before]
+    dec.save_checkpoint(dec_dir, tag="t3")
+    d["t3"] = latest(dec_dir)
+    dec.save_checkpoint(dec_dir, tag="t4")  # commits t3 first
+    d["t4"] = latest(dec_dir)
+    dec.destroy()  # commits t4
+    d["destroyed"] = latest(dec_dir)
+    out["decoupled"] = d
 
 
 if __name__ == "__main__" and "--overwrite" in sys.argv:
