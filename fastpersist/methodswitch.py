@@ -4,7 +4,7 @@ An adapter turns fastpersist on for one framework object (``enable(accelerator)`
 settings stored on the object, its methods wrapped on the object alone) or for every object
 of the class (a switch variable: the methods wrapped on the class, the objects without
 settings of their own getting the default ones). :class:`MethodSwitch` does both, once
-each: every wrapper carries ``MARK`` (the original), so a second enable wraps nothing
+each: every wrapper carries :data:`fastpersist.wrappers.MARK` (the original), so a second enable wraps nothing
 again, and a wrapper asks its ``settings(obj)`` on every call (None: the original
 behaviour, as after :meth:`MethodSwitch.disable`).
 """
@@ -14,26 +14,12 @@ from __future__ import annotations
 import types
 from typing import Any, Callable, Optional
 
-__all__ = ["MARK", "MethodSwitch", "wrap_once"]
+from fastpersist.wrappers import MARK, is_wrapper, wrap_once
 
-#: the attribute of a wrapper holding the original function
-MARK = "_fastpersist_original"
+__all__ = ["MethodSwitch"]
 
 #: ``make(original, settings)`` -> the wrapper of a method, calling ``settings(self)``
 Make = Callable[[Callable[..., Any], Callable[[Any], Optional[Any]]], Callable[..., Any]]
-
-
-def wrap_once(owner: Any, name: str, make: Callable[[Any], Callable[..., Any]]) -> bool:
-    """Replace ``owner.name`` (a class's function, or an object's bound method) by
-    ``make(original)``, marked ``MARK``, unless it is such a wrapper already. Returns whether
-    it replaced it."""
-    original = getattr(owner, name)
-    if hasattr(original, MARK):
-        return False
-    wrapped = make(original)
-    setattr(wrapped, MARK, original)
-    setattr(owner, name, wrapped)
-    return True
 
 
 class MethodSwitch:
@@ -65,7 +51,7 @@ class MethodSwitch:
         wrappers already, on the object or on its class)."""
         object.__setattr__(obj, self.attr, settings)
         for name, make in self.wraps.items():
-            if not hasattr(getattr(obj, name), MARK):
+            if not is_wrapper(getattr(obj, name)):
                 original = getattr(type(obj), name)
                 wrapped = make(original, self.own_settings)
                 setattr(wrapped, MARK, original)

@@ -75,13 +75,13 @@ from fastpersist.api import save as fast_save
 from fastpersist.config import parse_bool
 from fastpersist.formats import registry
 from fastpersist.torcherrors import for_torch_load, for_torch_save
+from fastpersist.wrappers import MARK
 
 __all__ = ["is_patched", "open_file_target", "patch_torch_save", "unpatch_torch_save"]
 
 log = logging.getLogger(__name__)
 
 _ENV_VAR = "FASTPERSIST_PATCH_TORCH_SAVE"
-_MARK = "_fastpersist_original"  # attribute of our wrappers: the function they replaced
 
 _lock = threading.RLock()
 
@@ -305,7 +305,7 @@ def _make_save(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             raise dual.with_traceback(e.__traceback__) from None
 
-    setattr(save, _MARK, original)
+    setattr(save, MARK, original)
     return save
 
 
@@ -329,12 +329,12 @@ def _make_load(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             raise dual.with_traceback(e.__traceback__) from None
 
-    setattr(load, _MARK, original)
+    setattr(load, MARK, original)
     return load
 
 
 def _is_ours(fn: Any) -> bool:
-    return callable(fn) and hasattr(fn, _MARK)
+    return callable(fn) and hasattr(fn, MARK)
 
 
 class TorchSavePatch:
@@ -384,9 +384,9 @@ def unpatch_torch_save() -> None:
     """Restore the original ``torch.save`` / ``torch.load`` (no-op if not patched)."""
     with _lock:
         while _is_ours(torch.save):
-            torch.save = getattr(torch.save, _MARK)
+            torch.save = getattr(torch.save, MARK)
         while _is_ours(torch.load):
-            torch.load = getattr(torch.load, _MARK)
+            torch.load = getattr(torch.load, MARK)
 
 
 def is_patched() -> bool:

@@ -3,7 +3,7 @@
 An adapter that must run code before a framework's own function (wait for pending saves
 before Lightning lists a folder) replaces the function by a wrapper, once, and must be
 able to put every original back. :class:`Wrappers` does the bookkeeping: each wrapper
-is marked (``MARK``) so that a second install is a no-op, static methods stay static,
+is marked (``MARK``, holding the original) so that a second install is a no-op, static methods stay static,
 aliases of a module-level function that other modules imported by name are rebound too
 (``from cloud_io import _load as pl_load``), and :meth:`Wrappers.undo` restores every
 original in reverse order. :func:`calling_first` makes the common wrapper: run a hook with
@@ -19,16 +19,32 @@ import functools
 import sys
 from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first", "lazy_attributes", "named_arguments",
-           "on_failure", "take_first"]
+__all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first", "is_wrapper", "lazy_attributes",
+           "named_arguments", "on_failure", "take_first", "wrap_once"]
 
-#: the attribute that marks a wrapper (true on every function :class:`Wrappers` installed)
-MARK = "_fastpersist_guard"
+#: the attribute of every wrapper fastpersist installs (:class:`Wrappers`, :func:`wrap_once`,
+#: :class:`fastpersist.methodswitch.MethodSwitch`, the ``torch.save`` switch): the function
+#: it replaced
+MARK = "_fastpersist_original"
 
 
 def is_wrapper(func: Any) -> bool:
-    """Whether ``func`` is a wrapper installed by :class:`Wrappers`."""
-    return bool(getattr(func, MARK, False))
+    """Whether ``func`` is a wrapper fastpersist installed (it carries ``MARK``)."""
+    return hasattr(func, MARK)
+
+
+def wrap_once(owner: Any, name: str, make: Callable[[Any], Callable[..., Any]]) -> bool:
+    """Replace ``owner.name`` (a class's function, or an object's bound method) by
+    ``make(original)``, marked ``MARK``, unless it is such a wrapper already; for good (an
+    object's wrappers go with the object; :class:`Wrappers` keeps what it replaced, to undo).
+    Returns whether it replaced it."""
+    original = getattr(owner, name)
+    if is_wrapper(original):
+        return False
+    wrapped = make(original)
+    setattr(wrapped, MARK, original)
+    setattr(owner, name, wrapped)
+    return True
 
 
 def calling_first(hook: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -111,7 +127,7 @@ class Wrappers:
         if is_wrapper(func):
             return False
         wrapped = make(func)
-        setattr(wrapped, MARK, True)
+        setattr(wrapped, MARK, func)
         wrapped.__wrapped__ = func
         setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
         self._done.append((owner, attr, raw))

@@ -29,11 +29,10 @@ from fastpersist import s3folder, s3foldersave
 from fastpersist.adaptersettings import find_section
 from fastpersist.collectivedir import WorldExchange
 from fastpersist.envflags import adapter_enabled
-from fastpersist.methodswitch import wrap_once
 from fastpersist.ranks import global_rank, whole_world, world_size
 from fastpersist.s3url import is_s3_url
 from fastpersist.tagwrites import TagWrites
-from fastpersist.wrappers import calling_after, lazy_attributes, named_arguments, on_failure, take_first
+from fastpersist.wrappers import calling_after, lazy_attributes, named_arguments, on_failure, take_first, wrap_once
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]

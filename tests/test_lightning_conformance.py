@@ -175,12 +175,12 @@ def test_guards_are_reversible():
     from lightning.fabric.utilities import cloud_io
     from lightning.pytorch.core import saving
 
-    assert getattr(ModelCheckpoint.file_exists, "_fastpersist_guard", False)
+    assert getattr(ModelCheckpoint.file_exists, "_fastpersist_original", False)
     fpl.remove_lightning_guards()
     try:
-        assert not getattr(ModelCheckpoint.file_exists, "_fastpersist_guard", False)
-        assert not hasattr(cloud_io._load, "_fastpersist_guard") and saving.pl_load is cloud_io._load
+        assert not getattr(ModelCheckpoint.file_exists, "_fastpersist_original", False)
+        assert not hasattr(cloud_io._load, "_fastpersist_original") and saving.pl_load is cloud_io._load
     finally:
         fpl.install_lightning_guards("lightning.pytorch")
-    assert getattr(ModelCheckpoint.file_exists, "_fastpersist_guard", False)
-    assert saving.pl_load is cloud_io._load and getattr(cloud_io._load, "_fastpersist_guard", False)
+    assert getattr(ModelCheckpoint.file_exists, "_fastpersist_original", False)
+    assert saving.pl_load is cloud_io._load and getattr(cloud_io._load, "_fastpersist_original", False)

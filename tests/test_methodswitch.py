@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from fastpersist.methodswitch import MARK, MethodSwitch, wrap_once
+from fastpersist.methodswitch import MethodSwitch
+from fastpersist.wrappers import MARK, wrap_once
 
 
 def _framework() -> type:
