@@ -25,9 +25,10 @@ that hands the adapter each file separately before asking it to commit (its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from fastpersist.collectivedir import CollectiveDir, conclude, failed_elsewhere
 from fastpersist.commit import write_small_file
@@ -64,6 +65,21 @@ class TagWrites(RankWrites):
         self.key: Optional[tuple[str, str]] = None  #: (save_dir, tag) of the tag directory being written
         self.uncommitted: Any = None  #: the framework's handle of the tag directory opened, not committed yet
         self.node_local = False  #: whether it is written on each node's own disk (committed per node)
+        #: the running save call's own wish for the pointer (:meth:`asking_pointer`)
+        self.asked_pointer: Optional[bool] = None
+        self._pointer_key: Optional[tuple[str, str]] = None  # (save_dir, tag) whose commit writes the pointer
+
+    @contextlib.contextmanager
+    def asking_pointer(self, wanted: Optional[bool]) -> Iterator[None]:
+        """Within the block, the commit of a tag directory :meth:`open` starts updates the pointer
+        where ``wanted`` is true (even where the commit's ``update_pointer`` is false): a wrapper
+        of the framework's save call that tells the framework not to write the pointer itself (in
+        place, not atomically) says here what its own caller asked for."""
+        self.asked_pointer = wanted
+        try:
+            yield
+        finally:
+            self.asked_pointer = None
 
     def open(self, save_dir: Any, tag: Any, *, rank: Optional[int] = None, node_local: bool = False,
              local_rank: int = 0, veto: Optional[str] = None, handle: Any = None) -> None:
@@ -72,13 +88,15 @@ class TagWrites(RankWrites):
         rank's in the default group (None: :func:`fastpersist.ranks.global_rank`); rank 0
         swaps the staging directory in, or, ``node_local`` (each node's own disk), every
         node's ``local_rank`` 0. ``handle``: the framework's record of this save,
-        :attr:`uncommitted` until :meth:`commit`."""
+        :attr:`uncommitted` until :meth:`commit`; its commit updates the pointer file where
+        :meth:`asking_pointer` asks for it."""
         rank = global_rank() if rank is None else rank
         self.uncommitted = handle
         self.node_local = node_local
         committer = local_rank == 0 if node_local else rank == 0
         self.begin(None)
         self.key = (os.fspath(save_dir), str(tag))
+        self._pointer_key = self.key if self.asked_pointer else None
         self.begin(CollectiveDir.open(
             StagedDir(tag_dir(save_dir, tag)), rank=rank, committer=committer, veto=veto, existing_only=True,
             is_checkpoint_entry=self.is_checkpoint_entry, what=self.what, operation=self.operation,
@@ -111,7 +129,7 @@ class TagWrites(RankWrites):
         """Forget the tag directory being written, uncommitted (its staging directory goes with
         the next save into the tag)."""
         self.uncommitted = None
-        self.key = None
+        self.key = self._pointer_key = None
         self.begin(None)
 
     def abandon(self, error: BaseException, *, deferred: bool) -> None:
@@ -127,9 +145,12 @@ class TagWrites(RankWrites):
         """Every rank: end the save of ``SAVE_DIR/TAG``: every save settled and fsynced
         (:meth:`RankWrites.settle`), the ranks' outcomes agreed, the staging directory swapped
         in (node-local: by each node's committer; with no file of this save in it, it is
-        removed); then, ``update_pointer``, rank 0 writes the file ``SAVE_DIR/POINTER`` holding
-        the tag. A failure on any rank raises on every rank, the pointer not updated."""
+        removed); then, ``update_pointer`` or where :meth:`open` asked for it, rank 0 replaces the
+        file ``SAVE_DIR/POINTER`` by one holding the tag (atomically). A failure on any rank
+        raises on every rank, the pointer not updated."""
         rank = global_rank() if rank is None else rank
+        update_pointer = update_pointer or self._pointer_key == (os.fspath(save_dir), str(tag))
+        self._pointer_key = None
         per_node = self.node_local and world_size() > 1
         self.uncommitted = None
         stage = self.stage if self.key == (os.fspath(save_dir), str(tag)) else None

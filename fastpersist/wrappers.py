@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first", "is_wrapper", "lazy_attributes",
-           "named_arguments", "on_failure", "take_first", "wrap_once"]
+           "named_arguments", "on_failure", "replace_argument", "take_first", "wrap_once"]
 
 #: the attribute of every wrapper fastpersist installs (:class:`Wrappers`, :func:`wrap_once`,
 #: :class:`fastpersist.methodswitch.MethodSwitch`, the ``torch.save`` switch): the function
@@ -107,6 +108,21 @@ def take_first(args: tuple, kwargs: dict, name: str) -> tuple[Any, tuple, dict]:
 def named_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
     """A call's arguments as keywords: ``args`` named by ``names`` in order, then ``kwargs``."""
     return {**dict(zip(names, args)), **kwargs}
+
+
+def replace_argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str,
+                     value: Any) -> tuple[Any, tuple, dict]:
+    """A call ``(args, kwargs)`` of a function of ``signature`` with its argument ``name`` (given
+    by position, by keyword or left to its default) set to ``value``: ``(the caller's value,
+    args, kwargs)``; a call the signature refuses raises its ``TypeError``. Where the function
+    has no such parameter: ``(None, args, kwargs)`` unchanged."""
+    call = signature.bind(*args, **kwargs)
+    if name not in signature.parameters:
+        return None, args, kwargs
+    call.apply_defaults()
+    given = call.arguments[name]
+    call.arguments[name] = value
+    return given, call.args, call.kwargs
 
 
 class Wrappers:

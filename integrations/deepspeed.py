@@ -32,7 +32,8 @@ from fastpersist.envflags import adapter_enabled
 from fastpersist.ranks import global_rank, whole_world, world_size
 from fastpersist.s3url import is_s3_url
 from fastpersist.tagwrites import TagWrites
-from fastpersist.wrappers import calling_after, lazy_attributes, named_arguments, on_failure, take_first, wrap_once
+from fastpersist.wrappers import (calling_after, lazy_attributes, named_arguments, on_failure, replace_argument,
+                                  take_first, wrap_once)
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]
@@ -79,18 +80,12 @@ def _make_engine_class() -> type:
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
             self.nvme_offload = False
             self.saved: list[str] = []  #: paths this rank wrote or took part in, this checkpoint
-            #: the caller's ``save_latest`` of the ``save_checkpoint`` running (set by its wrapper, which
-            #: hands DeepSpeed ``save_latest=False``); None: DeepSpeed's ``info.save_latest`` decides
-            self.save_latest: Optional[bool] = None
-            self._latest_for: Optional[tuple[str, str]] = None  # (save_dir, tag) whose commit writes `latest`
 
         # -- the contract
         def create(self, info: Any) -> None:
             if self.decoupled and self._writes.uncommitted is not None:
                 self.commit(self._writes.uncommitted)  # the previous decoupled checkpoint, not committed yet
             self.saved = []
-            wanted = bool(getattr(info, "save_latest", False)) if self.save_latest is None else self.save_latest
-            self._latest_for = _commit_key(info) if wanted else None
             # staged where the tag directory exists on some rank and no rank sees a reason not to
             veto = "DeepSpeed copies the NVMe-offload files into the tag directory itself" if self.nvme_offload else None
             self._writes.open(info.save_dir, info.tag, node_local=self.node_local, local_rank=self.local_rank,
@@ -111,12 +106,9 @@ def _make_engine_class() -> type:
             return fastpersist.load(path, map_location=map_location, weights_only=False, config=self.config)
 
         def commit(self, info: Any) -> bool:
-            # `latest`, written after the tag directory is committed, where the save_checkpoint that
-            # created it asked for it (DeepSpeed's info says False then: it would rewrite it in place)
-            pointer = _commit_key(info) == self._latest_for or bool(getattr(info, "save_latest", False))
-            self._latest_for = None
-            # with no file of this save in the staging directory (save_16bit_model) it is removed
-            self._writes.commit(info.save_dir, info.tag, update_pointer=pointer)
+            # with no file of this save in the staging directory (save_16bit_model) it is removed;
+            # `latest` replaced after it, where the save_checkpoint call asked (_with_atomic_latest)
+            self._writes.commit(info.save_dir, info.tag, update_pointer=getattr(info, "save_latest", False))
             return True
 
         def _abandon(self, error: BaseException) -> None:
@@ -141,11 +133,6 @@ def _make_engine_class() -> type:
 
 
 __getattr__ = lazy_attributes(__name__, FastPersistCheckpointEngine=_make_engine_class)
-
-
-def _commit_key(info: Any) -> tuple[str, str]:
-    """(save_dir, tag) of DeepSpeed's ``CheckpointCommitInfo``."""
-    return os.fspath(info.save_dir), str(info.tag)
 
 
 def _replica_group_for(engine: Any) -> Any:
@@ -190,18 +177,12 @@ def _with_atomic_latest(engine: Any, original: Any) -> Any:
         if is_s3_url(save_dir):
             return _save_checkpoint_s3(engine, save_checkpoint, str(save_dir), args, kwargs)
         ce = engine.checkpoint_engine
-        call = signature.bind(save_dir, *args, **kwargs)  # a wrong call raises DeepSpeed's TypeError here
-        call.apply_defaults()
-        if "save_latest" not in call.arguments or not hasattr(ce, "save_latest"):
-            with on_failure(getattr(ce, "_abandon", None)):
-                return original(*call.args, **call.kwargs)
-        ce.save_latest = bool(call.arguments["save_latest"])
-        call.arguments["save_latest"] = False
-        try:
-            with on_failure(ce._abandon):  # never committed: abandoned
-                return original(*call.args, **call.kwargs)
-        finally:
-            ce.save_latest = None
+        writes = getattr(ce, "_writes", None)
+        if not isinstance(writes, TagWrites):  # another checkpoint engine put in since: DeepSpeed's own way
+            return original(save_dir, *args, **kwargs)
+        wanted, args, kwargs = replace_argument(signature, (save_dir, *args), kwargs, "save_latest", False)
+        with writes.asking_pointer(wanted), on_failure(ce._abandon):  # never committed: abandoned
+            return original(*args, **kwargs)
 
     return save_checkpoint
 

@@ -131,3 +131,31 @@ def test_two_ranks_write_a_replica_together(tmp_path):
     assert torch.equal(fastpersist.load(os.path.join(tag, "model.pt"))["w"], torch.arange(8, dtype=torch.float32))
     assert fastpersist.load(os.path.join(tag, "optim_1.pt"))["r"][0].item() == 1.0
     assert open(os.path.join(d, "run", "latest")).read() == "step1"
+
+
+def test_asking_pointer_decides_the_commit_of_the_tag_opened_in_the_block(tmp_path):
+    """A save call that told the framework not to write the pointer (in place) asks for it
+    here: the commit of the tag opened in the block replaces it, even after the block and with
+    ``update_pointer`` false (a deferred commit); asked False, or another tag's commit, or a
+    dropped tag: the pointer stays."""
+    run = str(tmp_path / "run")
+    w = _writes()
+    _save_tag(w, run, "step1", {"a.pt": 1.0})
+    pointer = os.path.join(run, "latest")
+    with w.asking_pointer(False):
+        _save_tag(w, run, "step2", {"a.pt": 2.0}, update_pointer=False)
+    assert open(pointer).read() == "step1"
+    with w.asking_pointer(True):
+        w.open(run, "step3", rank=0)
+        w.makedirs(tag_dir(run, "step3"), exist_ok=True)
+        w.save({"w": torch.full((4,), 3.0)}, os.path.join(run, "step3", "a.pt"), save=fastpersist.save)
+    assert open(pointer).read() == "step1"  # not before the commit
+    inode = os.stat(pointer).st_ino
+    w.commit(run, "step3", rank=0, update_pointer=False)
+    assert open(pointer).read() == "step3" and os.stat(pointer).st_ino != inode  # replaced, not rewritten
+    assert _values(tag_dir(run, "step3")) == {"a.pt": 3.0}
+    with w.asking_pointer(True):
+        w.open(run, "step4", rank=0)
+    w.drop()
+    _save_tag(w, run, "step5", {"a.pt": 5.0}, update_pointer=False)
+    assert open(pointer).read() == "step3"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+
+import pytest
+
 
 class _Owner:
     @staticmethod
@@ -141,3 +145,19 @@ def test_on_failure_and_lazy_attributes():
     assert made == [] and getter("Engine") == "the class" and made == [1]
     with pytest.raises(AttributeError, match="module 'fp_lazy_test' has no attribute 'Other'"):
         getter("Other")
+
+
+def test_replace_argument_by_position_keyword_or_default():
+    from fastpersist.wrappers import replace_argument
+
+    def save(save_dir, tag=None, client_state={}, save_latest=True):  # noqa: ANN001, ANN202, B006
+        return save_dir, tag, client_state, save_latest
+
+    sig = inspect.signature(save)
+    for args, kwargs, caller in [(("d", "t", {}, False), {}, False), (("d",), {"save_latest": False}, False),
+                                 (("d", "t"), {}, True)]:
+        given, a, k = replace_argument(sig, args, kwargs, "save_latest", "forced")
+        assert given is caller and save(*a, **k) == ("d", "t" if len(args) > 1 else None, {}, "forced")
+    with pytest.raises(TypeError):
+        replace_argument(sig, ("d",), {"nope": 1}, "save_latest", False)
+    assert replace_argument(sig, ("d",), {}, "missing", 1) == (None, ("d",), {})
