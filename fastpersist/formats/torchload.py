@@ -64,6 +64,15 @@ log = logging.getLogger(__name__)
 #: Storage records at least this large get a buffer of their own (released with the tensor).
 OWN_BUFFER_MIN = 1 << 20
 _PAGE = 4096
+#: The smaller records share arenas (:class:`_Arena`) of at most this many bytes. The native
+#: allocator gives buffers of 4 MiB and more a fresh mapping of their own (native/src/handle.cpp,
+#: ``kHugeMin``), whose every page faults in on the load's first touch (4 KiB pages where
+#: :func:`fastpersist.prefault.choose_pages` picks them); smaller buffers come from malloc's
+#: heap, memory earlier loads used and freed, as ``torch.load``'s storages do. Measured on the
+#: 2-vCPU reference VM (virtio disk, busy), a cold load of a 4 MiB checkpoint of 8 tensors
+#: (one 4.1 MiB arena) was 0.51-0.67x ``torch.load``; see docs/loading.md for the figures
+#: with the arena cut below 4 MiB.
+ARENA_MAX = (4 << 20) - _PAGE
 _LOCAL_HEADER = 30
 _FLAG_ENCRYPTED = 0x0001
 _FLAG_DESCRIPTOR = 0x0008
@@ -91,6 +100,7 @@ class _Record:
     buffer_offset: int = 0  #: where the data starts in ``buffer``
     slot: int = -1  #: CRC slot in the bulk read
     header_pos: int = -1  #: where the bulk read put the local header in the arena
+    arena: Any = None  #: the :class:`_Arena` holding the local header (and the data of a small record)
     device: Any = None  #: uint8 device tensor holding the data (the GPU path, fastpersist.formats.torchdevice)
     used: bool = False  #: the unpickler asked for this record's storage
 
@@ -174,9 +184,13 @@ class _Arena:
         self.buffer: Any = None
 
     def place(self, file_offset: int, length: int) -> int:
-        pos = self.size + (file_offset - self.size) % _PAGE
+        pos = self.end(file_offset, length) - length
         self.size = pos + length
         return pos
+
+    def end(self, file_offset: int, length: int) -> int:
+        """The arena's size once :meth:`place` put that range in it."""
+        return self.size + (file_offset - self.size) % _PAGE + length
 
     def allocate(self, lock: bool) -> None:
         self.buffer = _native.PinnedBuffer(_round_up(max(self.size, 1), _PAGE), _PAGE, lock)
@@ -260,7 +274,7 @@ class LoadState:
         self.checked_crcs: Mapping[tuple[int, int], int] = {}
         self.records: list[_Record] = []
         self.by_short: dict[str, _Record] = {}
-        self.arena = _Arena()
+        self.arenas: list[_Arena] = []  #: the bulk read's arenas, each under :data:`ARENA_MAX`
         self.headers_checked = False  # every local header was read and checked (the exact index)
         self.header_ok: set[str] = set()  #: records whose local header was checked
         self.entries: list[CentralEntry] = []  #: the central directory, in its order
@@ -390,25 +404,32 @@ class LoadState:
         if wanted is not None:
             bulk = [r for r in bulk if r.short[5:] in wanted]
         bulk.sort(key=lambda r: r.entry.header_offset)
+        self.arenas = [_Arena()]
         for i, r in enumerate(bulk):
             r.slot = i
             h = r.entry.header_offset
-            if r.size >= OWN_BUFFER_MIN:
+            own = r.size >= OWN_BUFFER_MIN
+            if own:
                 r.buffer, r.buffer_offset = _own_buffer(r.data_offset, r.size, self.lock)
-                r.header_pos = self.arena.place(h, r.data_offset - h)
-            else:
-                r.header_pos = self.arena.place(h, r.data_end - h)
+            length = (r.data_offset if own else r.data_end) - h
+            arena = self.arenas[-1]
+            if arena.size and arena.end(h, length) > ARENA_MAX:
+                arena = _Arena()
+                self.arenas.append(arena)
+            r.arena = arena
+            r.header_pos = arena.place(h, length)
+            if not own:
                 r.buffer_offset = r.header_pos + (r.data_offset - h)
-        self.arena.allocate(False)
-        base = self.arena.buffer.ptr
+        for arena in self.arenas:
+            arena.allocate(False)
         extents: list[tuple[int, int, int, int]] = []
         for r in bulk:
             pos = r.header_pos
             h = r.entry.header_offset
             if r.data_offset > h:
-                extents.append((h, base + pos, r.data_offset - h, -1))
+                extents.append((h, r.arena.buffer.ptr + pos, r.data_offset - h, -1))
             if r.size < OWN_BUFFER_MIN:
-                r.buffer = self.arena.buffer
+                r.buffer = r.arena.buffer
             extents.append((r.data_offset, r.buffer.ptr + r.buffer_offset, r.size, r.slot))
         return extents, bulk
 
@@ -434,8 +455,8 @@ class LoadState:
             for r in bulk:
                 self.check_header(r, whole[r.entry.header_offset : r.data_offset])
         else:
-            arena = memoryview(self.arena.buffer).cast("B")
             for r in bulk:  # every header read (they are in memory): the index must agree with itself
+                arena = memoryview(r.arena.buffer).cast("B")
                 self.check_header(r, arena[r.header_pos : r.header_pos + r.data_offset - r.entry.header_offset])
         if only is not None:
             kept = [(r, c) for r, c in zip(bulk, crcs) if only(r)]
