@@ -149,8 +149,8 @@ class TagWrites(RankWrites):
         file ``SAVE_DIR/POINTER`` by one holding the tag (atomically). A failure on any rank
         raises on every rank, the pointer not updated."""
         rank = global_rank() if rank is None else rank
-        update_pointer = update_pointer or self._pointer_key == (os.fspath(save_dir), str(tag))
-        self._pointer_key = None
+        if self._pointer_key == (os.fspath(save_dir), str(tag)):
+            update_pointer, self._pointer_key = True, None
         per_node = self.node_local and world_size() > 1
         self.uncommitted = None
         stage = self.stage if self.key == (os.fspath(save_dir), str(tag)) else None
