@@ -98,8 +98,20 @@ def saved_file(request, tmp_path_factory):
     return p
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds() -> list[str]:
+    """What this process's descriptors name, except files under /proc and /sys: those are
+    read for a moment by fastpersist's background threads (``prefault.FreeWatch`` samples
+    /proc/buddyinfo every 0.1 s for 30 s after a load), so their number changes under a
+    test at any time (a count of every descriptor failed now and then this way)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (listdir's own descriptor, a sampler's)
+        if not target.startswith(("/proc/", "/sys/")):
+            out.append(target)
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------- torch files
