@@ -113,25 +113,21 @@ def _second_arena_record(p: Path):
     return next(e for e in read_zip_index(p).entries if e.name == name)
 
 
-def test_a_flipped_byte_in_the_second_arena_is_a_checksum_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage, error", [
+    ("a flipped payload byte", ChecksumError),
+    ("a local header at odds with the index (the first byte of its name)", CheckpointFormatError),
+])
+def test_damage_in_the_second_arena_is_refused(tmp_path: Path, damage: str, error: type) -> None:
     p = tmp_path / "c.pt"
     fastpersist.save(state(4 << 20), p)
     e = _second_arena_record(p)
     data = bytearray(p.read_bytes())
-    data[e.data_offset + e.compressed_size // 2] ^= 0x10
+    if damage.startswith("a flipped"):
+        data[e.data_offset + e.compressed_size // 2] ^= 0x10
+    else:
+        data[e.header_offset + 30] ^= 0x01
     p.write_bytes(data)
-    with pytest.raises(ChecksumError, match=str(p)):
-        fastpersist.load(p)
-
-
-def test_a_local_header_at_odds_in_the_second_arena_is_refused(tmp_path: Path) -> None:
-    p = tmp_path / "c.pt"
-    fastpersist.save(state(4 << 20), p)
-    e = _second_arena_record(p)
-    data = bytearray(p.read_bytes())
-    data[e.header_offset + 30] ^= 0x01  # the first byte of the name the local header gives
-    p.write_bytes(data)
-    with pytest.raises(CheckpointFormatError, match=str(p)):
+    with pytest.raises(error, match=str(p)):
         fastpersist.load(p)
 
 
