@@ -45,6 +45,10 @@ __all__ = [
 #: Values accepted for :attr:`Config.engine`.
 ENGINES = ("auto", "aio", "psync", "cufile")
 
+#: The read queue depth where :attr:`Config.read_queue_depth` is None and the device
+#: does not decide it (see :func:`fastpersist.readpolicy.plan_read`).
+DEFAULT_READ_QUEUE_DEPTH = 16
+
 #: Values accepted for :attr:`Config.read_staging`.
 READ_STAGING = ("auto", "on", "off")
 
@@ -97,6 +101,12 @@ class Config:
             staging buffers in the ring); at least 2.
         read_queue_depth: I/O requests in flight per read operation (loads, verify);
             at least 2 (also the number of staging buffers when reads are staged).
+            ``None`` (default): chosen per device for the O_DIRECT reads of loads
+            (:func:`fastpersist.readpolicy.plan_read`): 2 where the file's block device
+            has one hardware queue (a VM's virtio disk, a loop device, SATA), where two
+            requests keep it busy and the reads stay in file order;
+            :data:`DEFAULT_READ_QUEUE_DEPTH` elsewhere (NVMe's many queues, stacked or
+            unknown devices) and for buffered and staged reads.
         read_staging: How reads reach their destination: ``"off"``: straight into it
             (``O_DIRECT`` DMA, no copy); ``"on"``: through a ring of
             ``read_queue_depth`` staging buffers of ``chunk_size`` bytes, copied out by
@@ -162,7 +172,7 @@ class Config:
     engine: str = "auto"
     chunk_size: int = 8 << 20
     queue_depth: int = 8
-    read_queue_depth: int = 16
+    read_queue_depth: Optional[int] = None
     read_staging: str = "auto"
     read_mode: str = "auto"
     threads: int = 2
@@ -226,6 +236,11 @@ class Config:
             return under_hypervisor()
         return self.read_staging == "on"
 
+    def read_depth(self) -> int:
+        """:attr:`read_queue_depth`, or :data:`DEFAULT_READ_QUEUE_DEPTH` where it is None (a
+        load's O_DIRECT reads may then take the depth its device calls for instead)."""
+        return DEFAULT_READ_QUEUE_DEPTH if self.read_queue_depth is None else self.read_queue_depth
+
     def handle_kwargs(self, *, read: bool = False) -> dict[str, Any]:
         """Keyword arguments for ``fastpersist._native.Handle(**kwargs)``; ``read``: for a
         handle that reads (its queue depth is :attr:`read_queue_depth`, and it stages
@@ -233,7 +248,7 @@ class Config:
         kwargs: dict[str, Any] = {
             "engine": self.engine,
             "chunk_size": self.chunk_size,
-            "queue_depth": self.read_queue_depth if read else self.queue_depth,
+            "queue_depth": self.read_depth() if read else self.queue_depth,
             "threads": self.threads,
             "direct": self.direct,
             "max_async": self.max_async,
@@ -287,6 +302,8 @@ def _validate_field(name: str, value: Any) -> None:
         if value is not None and (not isinstance(value, str) or not value):
             raise TypeError(f"s3_local_dir must be a directory path (str) or None, not {value!r}")
         return
+    if name == "read_queue_depth" and value is None:
+        return  # chosen per device
     if name == "s3_timeout":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"s3_timeout must be a positive number of seconds, not {value!r}")
@@ -375,6 +392,13 @@ def parse_bool(name: str, raw: str) -> bool:
     if text in _FALSE:
         return False
     raise ValueError(f"{name}={raw!r} is not a boolean; use one of 1/0, true/false, on/off, yes/no")
+
+
+def _parse_depth(name: str, raw: str) -> Optional[int]:
+    """An integer, or ``auto`` (None: chosen per device)."""
+    if raw.strip().lower() == "auto":
+        return None
+    return _parse_int(name, raw)
 
 
 def _parse_int(name: str, raw: str) -> int:
@@ -504,10 +528,15 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "I/O requests in flight per write operation; also the number of staging buffers in the ring.",
     ),
     EnvVar(
-        "FASTPERSIST_READ_QUEUE_DEPTH", "read_queue_depth", _parse_int, "integer >= 2",
+        "FASTPERSIST_READ_QUEUE_DEPTH", "read_queue_depth", _parse_depth, "auto or integer >= 2",
         "I/O requests in flight per read operation (`load`, `verify`); also the number of "
-        "staging buffers when reads are staged. On the reference VM 16 read faster than 8 "
-        "(see docs/benchmarks.md).",
+        "staging buffers when reads are staged. `auto`: the O_DIRECT reads of a load take 2 where "
+        "the file's block device has one hardware queue (a VM's virtio disk, a loop device, SATA: "
+        "two requests keep it busy and the reads stay in file order; on the reference VM 1.1-1.5x "
+        "faster than 16 for loads of 64 MiB-1 GiB, docs/benchmarks.md), 16 elsewhere (NVMe's "
+        "many queues, stacked or unknown devices) and for buffered or staged reads. "
+        "`fastpersist info --dir D` says which depth a directory gets.",
+        default="auto",
     ),
     EnvVar(
         "FASTPERSIST_READ_STAGING", "read_staging", _parse_read_staging, "auto, on or off",

@@ -41,18 +41,24 @@ if hasattr(os, "register_at_fork"):
 
 def handle_for(config: Config, *, read: bool = False) -> Any:
     """A native Handle for ``config``'s I/O settings (one per distinct setting, reused);
-    ``read``: for loads and verification (``config.read_queue_depth``)."""
+    ``read``: for loads and verification (``config.read_queue_depth``; where it is None,
+    the depth a load's plan chooses for the device, see :func:`fastpersist.readpolicy.plan_read`)."""
     kwargs = config.handle_kwargs(read=read)
     # read_staging "auto" lets read_mode "auto" choose zero-copy or staged reads
     # (fastpersist.readpolicy.plan_read); such a handle is a different one from an explicit setting's
     stage_auto = read and config.read_staging == "auto"
-    key = (*sorted(kwargs.items()), ("stage_auto", stage_auto))
+    # read_queue_depth None lets the load's plan take the depth the device calls for
+    depth_auto = read and config.read_queue_depth is None
+    key = (*sorted(kwargs.items()), ("stage_auto", stage_auto), ("depth_auto", depth_auto))
     with _handles_lock:
         h = _handles.get(key)
         if h is None:
             h = _handles[key] = io.native_module().Handle(**kwargs)
+            # the handle lives in _handles for the life of the process
             if stage_auto:
-                readpolicy.mark_staging_auto(h)  # the handle lives in _handles for the life of the process
+                readpolicy.mark_staging_auto(h)
+            if depth_auto:
+                readpolicy.mark_depth_auto(h)
         return h
 
 

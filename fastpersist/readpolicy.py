@@ -14,9 +14,16 @@ function of facts that do not change from one load to the next (:func:`plan_read
 3. otherwise O_DIRECT, zero-copy when ``read_staging`` is ``"auto"`` (the fastest way
    on every disk measured once the destination is pre-faulted), else as the setting says.
 
+The O_DIRECT reads of a load whose ``Config.read_queue_depth`` is None (the default)
+keep :data:`SINGLE_QUEUE_DEPTH` requests in flight where the file's block device has one
+hardware queue (a VM's virtio disk, a loop device, SATA: it serves requests one after
+another, two keep it busy, and the reads stay in file order, which a virtual disk backed by
+a host file reads ahead), and ``Config.DEFAULT_READ_QUEUE_DEPTH`` elsewhere (NVMe's many
+queues; stacked, network or unknown devices); :func:`hardware_queues`.
+
 Nothing is learned from earlier loads: a load's speed depends on what else runs on
 the machine, and a choice learned from it followed the noise. Explicit ``read_mode``
-values (``"direct"``, ``"buffered"``) are obeyed as they are.
+values (``"direct"``, ``"buffered"``) and ``read_queue_depth`` values are obeyed as they are.
 
 The readers a plan asks for are kept in a small pool per setting (:func:`borrow_reader`,
 :func:`give_back_reader`), so a load does not start a native handle's threads.
@@ -38,10 +45,14 @@ __all__ = [
     "CACHED_ENOUGH",
     "FsFacts",
     "ReadPlan",
+    "SINGLE_QUEUE_DEPTH",
     "borrow_reader",
+    "depth_auto",
     "describe_dir",
     "filesystem_facts",
     "give_back_reader",
+    "hardware_queues",
+    "mark_depth_auto",
     "mark_staging_auto",
     "plan_read",
     "staging_auto",
@@ -49,6 +60,11 @@ __all__ = [
 
 #: A file at least this much in the page cache is read buffered by ``read_mode="auto"``.
 CACHED_ENOUGH = 0.9
+
+#: O_DIRECT reads in flight on a block device with one hardware queue (``read_queue_depth`` None).
+SINGLE_QUEUE_DEPTH = 2
+
+_SYSFS = "/sys"  # tests point it at a tree of their own
 
 # statfs(2) f_type magic numbers (linux/magic.h and the filesystems' own headers).
 _MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
@@ -71,6 +87,8 @@ class FsFacts:
     name: str  #: ``"ext2/3/4"``, ``"xfs"``, ``"tmpfs"``, ``"nfs"``, ... or ``"0x<magic>"``
     kind: str  #: ``"memory"``, ``"remote"`` or ``"local"`` (unknown filesystems count as local)
     direct: bool  #: O_DIRECT opens succeed there
+    #: hardware queues of the block device holding the filesystem (:func:`hardware_queues`; None: not one device)
+    queues: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,12 @@ class ReadPlan:
     stage: bool  #: O_DIRECT reads through the staging ring
     why: str  #: ``"configured"``, ``"memory-fs"``, ``"remote-fs"``, ``"no-direct"``, ``"cached"``, ``"disk"``
     reason: str = ""  #: the same, in a sentence (``fastpersist info``)
+    depth: Optional[int] = None  #: requests in flight chosen for the device (None: the handle's ``queue_depth``)
+
+    def fits(self, handle: Any) -> bool:
+        """Whether ``handle`` itself reads the way this plan says (no other reader needed)."""
+        return (self.direct == handle.direct and self.stage == handle.stage_reads
+                and (self.depth is None or self.depth == handle.queue_depth))
 
     @property
     def arm(self) -> str:
@@ -151,13 +175,29 @@ def filesystem_facts(target: Union[int, str, "os.PathLike[str]"]) -> FsFacts:
                 direct = False
         else:
             direct = _opens_direct(fd)
-        facts = FsFacts(name, kind, direct)
+        facts = FsFacts(name, kind, direct, hardware_queues(dev) if kind == "local" else None)
         with _facts_lock:
             _facts[dev] = facts
         return facts
     finally:
         if own:
             os.close(fd)
+
+
+def hardware_queues(dev: int) -> Optional[int]:
+    """The number of hardware queues (blk-mq) of the block device ``dev`` (an ``st_dev``;
+    a partition counts as its disk), from ``/sys/dev/block/MAJOR:MINOR/mq``; None where
+    ``dev`` is not one such device (btrfs, overlay and other anonymous devices, device
+    mapper and md stacks, a sysfs without the entry)."""
+    node = os.path.join(_SYSFS, "dev", "block", f"{os.major(dev)}:{os.minor(dev)}")
+    try:
+        node = os.path.realpath(node, strict=True)
+        if os.path.exists(os.path.join(node, "partition")):
+            node = os.path.dirname(node)
+        queues = [e for e in os.listdir(os.path.join(node, "mq")) if e.isdigit()]
+    except OSError:
+        return None
+    return len(queues) or None
 
 
 def forget_facts() -> None:
@@ -182,6 +222,37 @@ def mark_staging_auto(handle: Any) -> None:
 def staging_auto(handle: Any) -> bool:
     """Whether :func:`mark_staging_auto` was called for ``handle``."""
     return id(handle) in _staging_auto
+
+
+# Native handles whose read queue depth was left to the device (``Config.read_queue_depth`` None).
+_depth_auto: set[int] = set()
+
+
+def mark_depth_auto(handle: Any) -> None:
+    """Let :func:`plan_read` choose the O_DIRECT read depth for ``handle`` from the device
+    (a handle made for a config whose ``read_queue_depth`` is None, kept alive by its creator)."""
+    _depth_auto.add(id(handle))
+
+
+def depth_auto(handle: Any) -> bool:
+    """Whether :func:`mark_depth_auto` was called for ``handle``."""
+    return id(handle) in _depth_auto
+
+
+def _device_depth(facts: FsFacts) -> Optional[int]:
+    """The O_DIRECT read depth the device calls for (None: the handle's own)."""
+    return SINGLE_QUEUE_DEPTH if facts.queues == 1 else None
+
+
+def _with_depth(plan: ReadPlan, facts: Optional[FsFacts], auto: bool) -> ReadPlan:
+    """``plan`` with the device's depth where it reads O_DIRECT straight into its destination."""
+    if not auto or facts is None or not plan.direct or plan.stage:
+        return plan
+    depth = _device_depth(facts)
+    if depth is None:
+        return plan
+    return dataclasses.replace(plan, depth=depth, reason=(
+        f"{plan.reason}; {depth} reads in flight (the device has one hardware queue)"))
 
 
 # ---- the plan -----------------------------------------------------------------------
@@ -220,7 +291,7 @@ def _direct(facts: FsFacts, stage: bool, stage_auto: bool) -> ReadPlan:
 
 
 def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool,
-              stage_auto: bool = False, into_existing: bool = False) -> ReadPlan:
+              stage_auto: bool = False, into_existing: bool = False, depth_auto: bool = False) -> ReadPlan:
     """How a load of ``nbytes`` from ``fd`` reads (see :attr:`fastpersist.Config.read_mode`).
 
     ``direct``/``stage``: the handle's settings (``direct=False``: always buffered).
@@ -231,16 +302,21 @@ def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool
     stage, through the staging ring when ``read_staging`` is ``"on"``. ``into_existing``
     (the destination is memory in use: ``load_state_dict``) chooses the same way: the
     engine stages the pieces that are not aligned like the file by itself. ``nbytes``
-    does not change the choice. Deterministic: the same file, filesystem and settings
+    does not change the choice. ``depth_auto`` (the handle's ``read_queue_depth`` is
+    None): an O_DIRECT plan that reads straight into its destination takes the depth
+    the device calls for (:data:`SINGLE_QUEUE_DEPTH` on one hardware queue) in
+    :attr:`ReadPlan.depth`. Deterministic: the same file, filesystem and settings
     give the same plan, whatever earlier loads measured.
     """
     del nbytes, into_existing  # the same way for every size and destination (see the docstring)
+    try:
+        facts: Optional[FsFacts] = filesystem_facts(fd)
+    except OSError:
+        facts = None
     fixed = _configured(read_mode, direct, stage)
     if fixed is not None:
-        return fixed
-    try:
-        facts = filesystem_facts(fd)
-    except OSError:
+        return _with_depth(fixed, facts, depth_auto)
+    if facts is None:
         facts = FsFacts("unknown", "local", True)
     plan = _by_filesystem(facts)
     if plan is not None:
@@ -253,20 +329,21 @@ def plan_read(fd: int, nbytes: int, *, read_mode: str, direct: bool, stage: bool
     if cached is not None and cached >= CACHED_ENOUGH:
         return ReadPlan("buffered", False, False, "cached",
                         f"{cached:.0%} of the file is in the page cache: a buffered read is a copy from memory")
-    return _direct(facts, stage, stage_auto)
+    return _with_depth(_direct(facts, stage, stage_auto), facts, depth_auto)
 
 
 def describe_dir(directory: Union[str, "os.PathLike[str]"], config: Any) -> ReadPlan:
     """The plan a load of a cold file in ``directory`` gets with ``config`` (a
     :class:`~fastpersist.config.Config`), for ``fastpersist info --dir``."""
+    auto = config.read_queue_depth is None
+    facts = filesystem_facts(directory)
     fixed = _configured(config.read_mode, config.direct, config.stages_reads())
     if fixed is not None:
-        return fixed
-    facts = filesystem_facts(directory)
+        return _with_depth(fixed, facts, auto)
     plan = _by_filesystem(facts)
     if plan is not None:
         return plan
-    plan = _direct(facts, config.stages_reads(), config.read_staging == "auto")
+    plan = _with_depth(_direct(facts, config.stages_reads(), config.read_staging == "auto"), facts, auto)
     return dataclasses.replace(plan, reason=plan.reason + "; a file already in the page cache: buffered")
 
 
@@ -276,8 +353,12 @@ _POOL_MAX = 4  #: idle readers kept per setting
 _readers: IdlePool[Any] = IdlePool(_POOL_MAX)  # emptied in a forked child and at exit (idlepool)
 
 
+def _depth(handle: Any, plan: ReadPlan) -> int:
+    return handle.queue_depth if plan.depth is None else plan.depth
+
+
 def _reader_key(handle: Any, plan: ReadPlan) -> tuple:
-    return (handle.engine, handle.chunk_size, handle.queue_depth, handle.threads, plan.direct, plan.stage)
+    return (handle.engine, handle.chunk_size, _depth(handle, plan), handle.threads, plan.direct, plan.stage)
 
 
 def borrow_reader(handle: Any, plan: ReadPlan) -> Any:
@@ -288,7 +369,7 @@ def borrow_reader(handle: Any, plan: ReadPlan) -> Any:
     idle = _readers.take(_reader_key(handle, plan))
     if idle is not None:
         return idle
-    return io.native_module().Handle(handle.engine, handle.chunk_size, handle.queue_depth, handle.threads,
+    return io.native_module().Handle(handle.engine, handle.chunk_size, _depth(handle, plan), handle.threads,
                                      plan.direct, stage_reads=plan.stage)
 
 

@@ -700,8 +700,9 @@ def test_describe_engine_names_the_read_path() -> None:
     from fastpersist import Config
     from fastpersist.bench.save_bench import describe_engine
 
-    assert "(reads 16, staged)" in describe_engine(Config(read_staging="on"))
+    assert "(reads 16, staged)" in describe_engine(Config(read_staging="on", read_queue_depth=16))
     assert "(reads 4, zero-copy)" in describe_engine(Config(read_staging="off", read_queue_depth=4))
+    assert "(reads by device: 2 on one hardware queue, else 16, staged)" in describe_engine(Config(read_staging="on"))
     auto = describe_engine(Config())
     assert ("staged, read_staging auto" in auto) is Config().stages_reads()
 

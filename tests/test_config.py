@@ -29,7 +29,7 @@ def _fresh_default(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def test_defaults() -> None:
     assert Config() == Config(
-        engine="auto", chunk_size=8 << 20, queue_depth=8, read_queue_depth=16, read_staging="auto", threads=2,
+        engine="auto", chunk_size=8 << 20, queue_depth=8, read_queue_depth=None, read_staging="auto", threads=2,
         direct=True, fsync=True, checksum=True, max_async=2,
     )
 

@@ -308,3 +308,102 @@ def test_crc32_paths_match_zlib():
             seed = rng.randrange(1 << 32)
             assert _native.crc32(ctypes.addressof(buf), len(data)) == zlib.crc32(data), n
             assert _native.crc32(ctypes.addressof(buf), len(data), seed) == zlib.crc32(data, seed), n
+
+
+def _fake_sysfs(root) -> None:
+    """A sysfs tree with a partition of a one-queue disk, an 8-queue NVMe namespace and a
+    device-mapper device (no blk-mq queues of its own)."""
+    def dev(name_path: str, queues: int, majmin: str, partition: str = "") -> None:
+        disk = root / "devices" / name_path
+        (disk / "mq").mkdir(parents=True)
+        for q in range(queues):
+            (disk / "mq" / str(q)).mkdir()
+        node = disk
+        if partition:
+            node = disk / partition
+            node.mkdir()
+            (node / "partition").write_text("1\n")
+        (root / "dev" / "block").mkdir(parents=True, exist_ok=True)
+        (root / "dev" / "block" / majmin).symlink_to(node)
+
+    dev("virtual/block/vda", 1, "254:0")
+    dev("virtual/block/sda", 1, "8:1", partition="sda1")
+    dev("pci/nvme/nvme0n1", 8, "259:0")
+    dm = root / "devices" / "virtual" / "block" / "dm-0"
+    dm.mkdir(parents=True)
+    (root / "dev" / "block" / "253:0").symlink_to(dm)
+
+
+def test_hardware_queues_come_from_sysfs(tmp_path, monkeypatch):
+    _fake_sysfs(tmp_path)
+    monkeypatch.setattr(rp, "_SYSFS", str(tmp_path))
+    assert rp.hardware_queues(os.makedev(254, 0)) == 1
+    assert rp.hardware_queues(os.makedev(8, 1)) == 1  # a partition counts as its disk
+    assert rp.hardware_queues(os.makedev(259, 0)) == 8
+    assert rp.hardware_queues(os.makedev(253, 0)) is None  # device mapper: not one device
+    assert rp.hardware_queues(os.makedev(0, 42)) is None  # btrfs, overlay: anonymous devices
+
+
+@pytest.mark.parametrize("queues,depth", [(1, rp.SINGLE_QUEUE_DEPTH), (8, None), (None, None)])
+def test_the_read_depth_follows_the_device(tmp_path, monkeypatch, queues, depth):
+    p = tmp_path / "f.bin"
+    _cold_file(p, 1 << 20)
+    _cold_or_skip(p)
+    monkeypatch.setattr(rp, "filesystem_facts", lambda target: rp.FsFacts("ext2/3/4", "local", True, queues))
+    plan = _plan(p, 1 << 20, stage_auto=True, depth_auto=True)
+    assert plan.arm == "zero-copy" and plan.depth == depth
+    assert ("one hardware queue" in plan.reason) == (depth is not None)
+    # an explicit read_mode="direct" reading zero-copy takes it too
+    assert _plan(p, 1 << 20, read_mode="direct", stage=False, depth_auto=True).depth == depth
+    # not for an explicit depth, a staged read (the ring's size) or a buffered one
+    assert _plan(p, 1 << 20, stage_auto=True, depth_auto=False).depth is None
+    assert _plan(p, 1 << 20, read_mode="direct", stage=True, depth_auto=True).depth is None
+    assert _plan(p, 1 << 20, read_mode="buffered", depth_auto=True).depth is None
+    described = rp.describe_dir(tmp_path, config_mod.Config())
+    assert described.depth == depth
+    assert rp.describe_dir(tmp_path, config_mod.Config(read_queue_depth=16)).depth is None
+
+
+def test_api_handles_leave_the_depth_to_the_device_only_by_default():
+    from fastpersist import handles
+
+    auto = handles.handle_for(config_mod.Config(), read=True)
+    fixed = handles.handle_for(config_mod.Config(read_queue_depth=config_mod.DEFAULT_READ_QUEUE_DEPTH), read=True)
+    writer = handles.handle_for(config_mod.Config())
+    assert rp.depth_auto(auto) and not rp.depth_auto(fixed) and not rp.depth_auto(writer)
+    assert auto is not fixed and auto.queue_depth == fixed.queue_depth == config_mod.DEFAULT_READ_QUEUE_DEPTH
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_a_load_at_the_device_depth_returns_what_torch_load_returns(tmp_path, monkeypatch, fmt):
+    """Loads (and load_state_dict) on a one-queue device read with readers of the chosen
+    depth and return the same values."""
+    monkeypatch.setattr(rp, "filesystem_facts", lambda target: rp.FsFacts("ext2/3/4", "local", True, 1))
+    borrowed: list[int] = []
+    real = rp.borrow_reader
+
+    def spy(handle, plan):
+        reader = real(handle, plan)
+        borrowed.append(reader.queue_depth)
+        return reader
+
+    for mod in (rp, __import__("fastpersist.formats.torchload", fromlist=["x"]),
+                __import__("fastpersist.formats.safetensors.load", fromlist=["x"]),
+                __import__("fastpersist.formats.torchindex", fromlist=["x"])):
+        monkeypatch.setattr(mod, "borrow_reader", spy)
+    state = {f"w{i}": torch.randn(512, 1024) for i in range(6)}  # 12 MiB: several chunks
+    state["small"] = torch.arange(1000, dtype=torch.int16)
+    p = tmp_path / f"m.{fmt}"
+    fastpersist.save(state, p)
+    _drop_cache(p)
+    _cold_or_skip(p)
+    out = fastpersist.load(p)
+    assert all(out[k].dtype == state[k].dtype and torch.equal(out[k], state[k]) for k in state)
+    assert borrowed and set(borrowed) == {rp.SINGLE_QUEUE_DEPTH}
+    if fmt == "pt":
+        ref = torch.load(p, weights_only=True)
+        assert all(torch.equal(out[k], ref[k]) for k in state)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        _drop_cache(p)
+        fastpersist.load_state_dict(target, p)
+        assert all(torch.equal(target[k], state[k]) for k in state)

@@ -79,6 +79,7 @@ import torch
 
 import fastpersist
 from fastpersist import config as config_mod
+from fastpersist import readpolicy
 from fastpersist.bench import ceiling as ceiling_mod
 from fastpersist.bench import fio as fio_mod
 from fastpersist.bench import state as state_mod
@@ -600,6 +601,12 @@ def load_child_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _read_depth_text(cfg: Any) -> str:
+    if cfg.read_queue_depth is None:
+        return f"by device: {readpolicy.SINGLE_QUEUE_DEPTH} on one hardware queue, else {cfg.read_depth()}"
+    return str(cfg.read_queue_depth)
+
+
 def describe_engine(config: Any = None) -> str:
     """The engine fastpersist will use here, e.g. ``"auto -> aio (available: aio, psync)"``."""
     try:
@@ -609,7 +616,7 @@ def describe_engine(config: Any = None) -> str:
         return f"unavailable ({exc})"
     settings = (
         f"(available: {', '.join(avail)}), chunk {cfg.chunk_size >> 10} KiB, queue depth {cfg.queue_depth} "
-        f"(reads {cfg.read_queue_depth}, {_staging_text(cfg)}), threads {cfg.threads}, "
+        f"(reads {_read_depth_text(cfg)}, {_staging_text(cfg)}), threads {cfg.threads}, "
         f"direct {'on' if cfg.direct else 'off'}"
     )
     if cfg.engine == "auto":

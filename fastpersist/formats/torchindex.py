@@ -58,7 +58,7 @@ from fastpersist.formats import safetensors as st
 from fastpersist.formats import torchload
 from fastpersist.formats.torchload import HeaderMismatch, Reader
 from fastpersist.formats.torchload import bad as zbad
-from fastpersist.readpolicy import borrow_reader, plan_read, staging_auto
+from fastpersist.readpolicy import borrow_reader, depth_auto, plan_read, staging_auto
 
 __all__ = [
     "AmbiguousNameError",
@@ -320,10 +320,11 @@ class CheckpointFile:
         if mode is None or not hasattr(handle, "stage_reads"):
             return handle
         plan = plan_read(self.fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads,
-                         stage_auto=staging_auto(handle), into_existing=into_existing)
-        if plan.direct == handle.direct and plan.stage == handle.stage_reads:
+                         stage_auto=staging_auto(handle), into_existing=into_existing,
+                         depth_auto=depth_auto(handle))
+        if plan.fits(handle):
             return handle
-        key = (plan.direct, plan.stage)
+        key = (plan.direct, plan.stage, plan.depth)
         reader = self._readers.get(key)
         if reader is None:
             reader = self._readers[key] = borrow_reader(handle, plan)

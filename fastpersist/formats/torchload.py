@@ -56,7 +56,7 @@ from fastpersist.formats.zipindex import (
     pread_full,
     read_central_directory,
 )
-from fastpersist.readpolicy import borrow_reader, give_back_reader, plan_read, staging_auto
+from fastpersist.readpolicy import borrow_reader, depth_auto, give_back_reader, plan_read, staging_auto
 from fastpersist.prefault import Prefaulter, choose_pages
 
 log = logging.getLogger(__name__)
@@ -780,7 +780,7 @@ def _start_bulk(load: LoadState, handle: Any, wanted: Optional[set[str]]) -> tup
     extents, bulk = load.plan_bulk(wanted)
     nbytes = sum(r.size for r in bulk)
     plan = plan_read(load.fd, nbytes, read_mode=getattr(handle, "read_mode", "direct"), direct=handle.direct,
-                     stage=handle.stage_reads, stage_auto=staging_auto(handle))
+                     stage=handle.stage_reads, stage_auto=staging_auto(handle), depth_auto=depth_auto(handle))
     reader = borrow_reader(handle, plan)
     # The buffers are new memory: a second thread faults them in ahead of the reads
     # (fastpersist.prefault). Locked buffers (pinned for CUDA) were populated by mlock.

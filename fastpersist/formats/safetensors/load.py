@@ -23,7 +23,7 @@ from fastpersist.formats.safetensors.errors import SafetensorsFormatError
 from fastpersist.formats.safetensors.header import SafetensorsHeader
 from fastpersist.io import pinned_empty
 from fastpersist.prefault import choose_pages
-from fastpersist.readpolicy import borrow_reader, give_back_reader, plan_read, staging_auto
+from fastpersist.readpolicy import borrow_reader, depth_auto, give_back_reader, plan_read, staging_auto
 
 __all__ = ["Reader", "load_safetensors", "read_fd"]
 
@@ -174,8 +174,8 @@ def _plan_reader(fd: int, nbytes: int, handle: Any) -> tuple[Any, Any]:
     if mode is None or not hasattr(handle, "stage_reads"):
         return handle, None  # a stand-in reader (tests): read with it as it is
     plan = plan_read(fd, nbytes, read_mode=mode, direct=handle.direct, stage=handle.stage_reads,
-                     stage_auto=staging_auto(handle))
-    if plan.direct == handle.direct and plan.stage == handle.stage_reads:
+                     stage_auto=staging_auto(handle), depth_auto=depth_auto(handle))
+    if plan.fits(handle):
         return handle, plan
     return borrow_reader(handle, plan), plan
 
