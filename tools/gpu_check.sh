@@ -17,6 +17,8 @@
 #              DCP async_save against the no-checkpoint loop (a 635 MiB checkpoint; 4 layers
 #              below --size 512MiB)
 #   stream     stream_weights(device="cuda") generate against the same model in GPU memory
+#   read-depth the scratch disk's hardware queues and the load read depth they choose, against a
+#              fixed 16 (docs/experiments/read_depth.py, 256 MiB and 1 GiB; no GPU needed)
 #
 # Without a CUDA device every step that needs one prints "SKIP (no CUDA device: ...)"; the
 # others run. Each step has its own time limit, and the whole run a budget (--budget, default
@@ -39,7 +41,7 @@ usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 OUTDIR="$1"; shift
 case "$OUTDIR" in -*) usage ;; esac
 SIZE="1GiB"; SCRATCH=""; PY="${PYTHON:-python3}"; BUILD=1; BUDGET=420
-ALL_STEPS="env,build,gpu-tests,cpu-tests,ceiling,bench-save,bench-io,bench-train,stream"
+ALL_STEPS="env,build,gpu-tests,cpu-tests,ceiling,bench-save,bench-io,bench-train,stream,read-depth"
 STEPS="$ALL_STEPS"
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -295,9 +297,21 @@ sys.exit(0 if same else 1)
 PY
 }
 
+step_read_depth() {
+    # The load read depth the scratch disk gets (one hardware queue: 2, else 16) against a
+    # fixed 16, cold, interleaved, in one process and in fresh processes (docs/experiments/read_depth.py).
+    local dev queues
+    dev="$(stat -c '%Hd:%Ld' "$SCRATCH")"
+    queues="$(ls -d /sys/dev/block/"$dev"/mq/[0-9]* /sys/dev/block/"$dev"/../mq/[0-9]* 2>/dev/null | wc -l)"
+    echo "scratch device $dev: $queues hardware queue(s)"
+    fp info --dir "$SCRATCH" | sed -n '/^Load reads/,/^Load memory/p' | sed '$d'
+    "$PY" docs/experiments/read_depth.py --dir "$SCRATCH/fp-gpu-check-depth" --sizes 256MiB,1GiB --rounds 4 &&
+        "$PY" docs/experiments/read_depth.py --dir "$SCRATCH/fp-gpu-check-depth" --sizes 1GiB --rounds 2 --fresh
+}
+
 export PY OUTDIR SCRATCH SIZE SIZE_BYTES
 export -f step_env step_build pytest_args step_gpu_tests step_cpu_tests step_ceiling fp step_bench_save \
-    step_bench_io step_bench_train step_stream
+    step_bench_io step_bench_train step_stream step_read_depth
 echo "gpu_check: OUTDIR $OUTDIR, scratch $SCRATCH, size $SIZE ($SIZE_BYTES bytes), budget ${BUDGET}s," \
      "CUDA $([ "$CUDA" = 1 ] && echo yes || echo "no ($NOCUDA)")"
 run_step env 60 0 step_env
@@ -313,6 +327,7 @@ run_step bench-save 120 1 step_bench_save
 run_step bench-io 90 1 step_bench_io
 run_step bench-train 150 1 step_bench_train
 run_step stream 90 1 step_stream
+run_step read-depth 120 0 step_read_depth
 
 sed '$ s/,$//' "$OUTDIR/summary.json.part" > "$OUTDIR/summary.json" && echo "]" >> "$OUTDIR/summary.json"
 rm -f "$OUTDIR/summary.json.part"
