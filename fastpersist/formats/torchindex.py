@@ -150,6 +150,27 @@ class _Rec:
     native: Any = None  # torch: torchload._Record
 
 
+def pack_arenas(records: Sequence[_Rec]) -> list[tuple[int, list[tuple[_Rec, int]]]]:
+    """``records`` (in file order, each under ``torchload.OWN_BUFFER_MIN``) packed into
+    arenas of at most ``torchload.ARENA_MAX`` bytes each (buffers below 4 MiB come from
+    the heap, larger ones are mapped afresh; see there), in order: each arena's size and
+    its records with their positions in it, each position congruent to the record's file
+    offset modulo 64."""
+    arenas: list[tuple[int, list[tuple[_Rec, int]]]] = []
+    placed: list[tuple[_Rec, int]] = []
+    size = 0
+    for r in records:
+        pos = size + (r.offset - size) % 64
+        if placed and pos + r.size > torchload.ARENA_MAX:
+            arenas.append((size, placed))
+            size, placed, pos = 0, [], r.offset % 64
+        placed.append((r, pos))
+        size = pos + r.size
+    if placed:
+        arenas.append((size, placed))
+    return arenas
+
+
 def bad(path: str, offset: Optional[int], what: str) -> CheckpointFormatError:
     return CheckpointFormatError(f"{path}: not a loadable checkpoint: {what}", path, offset)
 
@@ -187,6 +208,7 @@ class CheckpointFile:
         self.native_order = True
         self._load: Any = None  # torch: torchload.LoadState
         self._readers: dict[tuple[bool, bool], Any] = {}  # handles reading another way than the caller's
+        self.last_arenas: list[tuple[int, int]] = []  #: address and size of each arena :meth:`read_records` last used
 
     # -- index lookups ---------------------------------------------------------
 
@@ -332,30 +354,31 @@ class CheckpointFile:
 
     def read_records(self, names: Iterable[str], handle: Any) -> dict[str, torch.Tensor]:
         """The bytes of the given records, each as a uint8 CPU tensor with a storage of
-        its own (large records) or sharing one compact buffer (small ones)."""
+        its own: over a buffer of its own (records of ``torchload.OWN_BUFFER_MIN`` and
+        more) or over one of the arenas the smaller ones share (:func:`pack_arenas`)."""
         recs = sorted({n: self.records[n] for n in names}.values(), key=lambda r: r.offset)
         out: dict[str, torch.Tensor] = {}
         wants: dict[str, list[Piece]] = {}
-        arena_size = 0
-        placed: list[tuple[_Rec, int]] = []
+        small: list[_Rec] = []
         for r in recs:
             if r.size == 0:
                 out[r.name] = torch.empty(0, dtype=torch.uint8)
-            elif r.size >= (1 << 20):
+            elif r.size >= torchload.OWN_BUFFER_MIN:
                 lead = r.offset % _PAGE
                 buf = choose_pages(_native.PinnedBuffer(_round_up(lead + r.size, _PAGE), _PAGE, False))
                 out[r.name] = torch.frombuffer(buf, dtype=torch.uint8, count=r.size, offset=lead)
                 wants[r.name] = [Piece(0, r.size, buf.ptr + lead)]
             else:
-                pos = arena_size + (r.offset - arena_size) % 64
-                arena_size = pos + r.size
-                placed.append((r, pos))
-        if placed:
-            arena = choose_pages(_native.PinnedBuffer(_round_up(arena_size, _PAGE), _PAGE, False))
+                small.append(r)
+        arenas: list[tuple[int, int]] = []
+        for size, placed in pack_arenas(small):
+            arena = choose_pages(_native.PinnedBuffer(_round_up(size, _PAGE), _PAGE, False))
+            arenas.append((arena.ptr, size))
             for r, pos in placed:
                 # a storage of its own over the arena bytes (the arena lives while any does)
                 out[r.name] = torch.frombuffer(arena, dtype=torch.uint8, count=r.size, offset=pos)
                 wants[r.name] = [Piece(0, r.size, arena.ptr + pos)]
+        self.last_arenas = arenas
         self.read(wants, handle)
         return out
 
