@@ -32,8 +32,7 @@ from fastpersist.envflags import adapter_enabled
 from fastpersist.ranks import global_rank, whole_world, world_size
 from fastpersist.s3url import is_s3_url
 from fastpersist.tagwrites import TagWrites
-from fastpersist.wrappers import (calling_after, lazy_attributes, named_arguments, on_failure, replace_argument,
-                                  take_first, wrap_once)
+from fastpersist.wrappers import calling_after, lazy_attributes, on_failure, replace_argument, take_first, wrap_once
 
 __all__ = ["CONFIG_KEY", "ENV_VAR", "FastPersistCheckpointEngine", "apply_config", "config_settings", "disable",
            "enable", "install_from_env"]
@@ -175,7 +174,7 @@ def _with_atomic_latest(engine: Any, original: Any) -> Any:
     @functools.wraps(original)
     def save_checkpoint(save_dir: str, *args: Any, **kwargs: Any) -> Any:
         if is_s3_url(save_dir):
-            return _save_checkpoint_s3(engine, save_checkpoint, str(save_dir), args, kwargs)
+            return _save_checkpoint_s3(engine, save_checkpoint, signature, (str(save_dir), *args), kwargs)
         ce = engine.checkpoint_engine
         writes = getattr(ce, "_writes", None)
         if not isinstance(writes, TagWrites):  # another checkpoint engine put in since: DeepSpeed's own way
@@ -191,20 +190,21 @@ def _with_atomic_latest(engine: Any, original: Any) -> Any:
 _ZERO_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")  # DeepSpeed copies them beside the tags
 
 
-def _save_checkpoint_s3(engine: Any, local_save: Any, url: str, args: tuple, kwargs: dict) -> Any:
-    """``engine.save_checkpoint`` into the ``s3://`` folder ``url``: DeepSpeed's save into a local
-    save_dir on every rank, the tag folder committed together, then the ``latest`` object."""
-    ce = engine.checkpoint_engine
+def _save_checkpoint_s3(engine: Any, local_save: Any, signature: inspect.Signature, args: tuple, kwargs: dict) -> Any:
+    """``engine.save_checkpoint(*args, **kwargs)`` into the ``s3://`` folder ``args[0]``: DeepSpeed's save into
+    a local save_dir on every rank, the tag folder committed together, then the ``latest`` object."""
+    url, ce = args[0], engine.checkpoint_engine
     if ce.is_decoupled():
         raise ValueError(f"save_checkpoint to {url}: a decoupled checkpoint engine (enable(decoupled=True)) cannot "
                          "save to object storage yet; enable it with decoupled=False for s3:// save_dir")
-    call = named_arguments(("tag", "client_state", "save_latest", "exclude_frozen_parameters"), args, kwargs)
-    tag = call["tag"] = str(f"global_step{engine.global_steps}" if call.get("tag") is None else call["tag"])
-    pointer = "latest" if call.get("save_latest", True) else None
-    call["save_latest"] = False  # no local `latest`: the object is written after the commit
-    s3foldersave.save_tag(url, tag, lambda local_dir: local_save(local_dir, **call), pointer=pointer,
-                          beside=_ZERO_SCRIPTS, exchange=WorldExchange(), rank=global_rank(),
-                          config=getattr(ce, "config", None), operation="save_checkpoint",
+    # read by DeepSpeed's signature as the local path does (a call it refuses raises its TypeError), no local `latest`
+    wanted, args, kwargs = replace_argument(signature, args, kwargs, "save_latest", False)
+    given, args, kwargs = replace_argument(signature, args, kwargs, "tag", None)
+    tag = str(f"global_step{engine.global_steps}" if given is None else given)
+    _, args, kwargs = replace_argument(signature, args, kwargs, "tag", tag)
+    s3foldersave.save_tag(url, tag, lambda local_dir: local_save(local_dir, *args[1:], **kwargs),
+                          pointer="latest" if wanted else None, beside=_ZERO_SCRIPTS, exchange=WorldExchange(),
+                          rank=global_rank(), config=getattr(ce, "config", None), operation="save_checkpoint",
                           kept="`latest` still names the previous tag", logger=log)
     return True
 

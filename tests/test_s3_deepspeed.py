@@ -4,7 +4,9 @@ CPU in two processes (torch.distributed.run, gloo), the tag folder committed by 
 manifest and then the ``latest`` object, a resume equal to the saved state, and saves
 whose uploads rank 1 cannot finish (its parts refused through the fault proxy), into a
 new tag and into the committed tag again: a clear error on both ranks, ``latest`` still
-names the previous tag, which loads, no multipart upload left."""
+names the previous tag, which loads, no multipart upload left. Calls DeepSpeed's signature refuses
+(a tag given twice, a surplus positional argument) raise its TypeError before anything is written,
+as with a local save_dir."""
 
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def test_save_resume_and_failed_save(boto, bucket, fault_proxy, s3_env, tmp_path
             assert "AccessDenied" in res["failed"] and "`latest` still names the previous tag" in res["failed"]
         assert res["reused_failed"], "the save into the reused tag was meant to fail"
         assert res["after_failure_equal"]
+        for s3_error, local_error in res["bad_calls"]:
+            assert s3_error.startswith("TypeError") and s3_error == local_error, res["bad_calls"]
     files = set(json.loads(boto.get_object(Bucket=bucket, Key="run/global_step2/.fastpersist-manifest.json")
                            ["Body"].read())["files"])
     assert {"mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -63,6 +67,7 @@ def test_save_resume_and_failed_save(boto, bucket, fault_proxy, s3_env, tmp_path
     assert boto.get_object(Bucket=bucket, Key="run/latest")["Body"].read() == b"global_step2"
     assert "run/global_step2/.fastpersist-manifest.json" in keys and "run/zero_to_fp32.py" in keys
     assert "run/global_step3/.fastpersist-manifest.json" not in keys
+    assert not any(k.startswith("run/bad_") for k in keys), keys  # the refused calls wrote nothing
     assert boto.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
@@ -101,6 +106,16 @@ def _worker(bucket: str, root: str) -> None:
     eng.save_checkpoint(url, client_state={"marker": 42})
     saved = weights(eng)
     res["saved_tag"] = f"global_step{eng.global_steps}"
+    res["bad_calls"] = []  # calls DeepSpeed's signature refuses: its TypeError on both paths, nothing written
+    for bad_args, bad_kwargs in ((("bad_a",), {"tag": "bad_b"}), (("bad_c", {}, True, False, "surplus"), {})):
+        errors = []
+        for where in (url, os.path.join(root, "local")):
+            try:
+                eng.save_checkpoint(where, *bad_args, **bad_kwargs)
+                errors.append("")
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                errors.append(f"{type(e).__name__}: {e}")
+        res["bad_calls"].append(errors)
     fresh = engine()
     path, client = fresh.load_checkpoint(url)
     res["resumed_path"] = path
