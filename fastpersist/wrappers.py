@@ -21,7 +21,7 @@ import sys
 from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["MARK", "ModuleWith", "Wrappers", "calling_after", "calling_first", "is_wrapper", "lazy_attributes",
-           "named_arguments", "on_failure", "replace_argument", "take_first", "wrap_once"]
+           "on_failure", "replace_argument", "take_first", "wrap_once"]
 
 #: the attribute of every wrapper fastpersist installs (:class:`Wrappers`, :func:`wrap_once`,
 #: :class:`fastpersist.methodswitch.MethodSwitch`, the ``torch.save`` switch): the function
@@ -103,11 +103,6 @@ def take_first(args: tuple, kwargs: dict, name: str) -> tuple[Any, tuple, dict]:
     """A call's first argument, given by position or as the keyword ``name`` (None when not
     given), and the call's other arguments: ``(value, args, kwargs)``."""
     return (args[0] if args else kwargs.get(name)), args[1:], {k: v for k, v in kwargs.items() if k != name}
-
-
-def named_arguments(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A call's arguments as keywords: ``args`` named by ``names`` in order, then ``kwargs``."""
-    return {**dict(zip(names, args)), **kwargs}
 
 
 def replace_argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str,

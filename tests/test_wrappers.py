@@ -115,16 +115,12 @@ def test_calling_after_runs_the_original_then_the_hook():
     assert seen == [("original", -1)]  # the original raised: no hook
 
 
-def test_take_first_and_named_arguments():
-    from fastpersist.wrappers import named_arguments, take_first
+def test_take_first():
+    from fastpersist.wrappers import take_first
 
     assert take_first(("s3://b/run", 1), {"strict": True}, "input_dir") == ("s3://b/run", (1,), {"strict": True})
     assert take_first((), {"input_dir": "d", "strict": True}, "input_dir") == ("d", (), {"strict": True})
     assert take_first((), {}, "tag") == (None, (), {})
-    names = ("tag", "client_state", "save_latest")
-    assert named_arguments(names, ("t1", {"a": 1}), {"save_latest": False}) == \
-        {"tag": "t1", "client_state": {"a": 1}, "save_latest": False}
-    assert named_arguments(names, (), {}) == {}
 
 
 def test_on_failure_and_lazy_attributes():
