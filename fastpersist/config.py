@@ -532,9 +532,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "I/O requests in flight per read operation (`load`, `verify`); also the number of "
         "staging buffers when reads are staged. `auto`: the O_DIRECT reads of a load take 2 where "
         "the file's block device has one hardware queue (a VM's virtio disk, a loop device, SATA: "
-        "two requests keep it busy and the reads stay in file order; on the reference VM 1.1-1.5x "
-        "faster than 16 for loads of 64 MiB-1 GiB, docs/benchmarks.md), 16 elsewhere (NVMe's "
-        "many queues, stacked or unknown devices) and for buffered or staged reads. "
+        "on the reference VM's virtio disk and RAM disk, cold loads of 64 MiB-1 GiB ran 1.1-1.6x "
+        "faster than at 16, docs/loading.md), 16 elsewhere (NVMe's many queues, stacked or unknown "
+        "devices) and for buffered or staged reads. "
         "`fastpersist info --dir D` says which depth a directory gets.",
         default="auto",
     ),
