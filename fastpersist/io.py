@@ -752,12 +752,14 @@ def libc_handle() -> Any:
     """The C library through ctypes, with ``mmap``, ``munmap``, ``mincore`` and
     ``fstatfs`` typed; None where it cannot be found."""
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    if name is None:
+    try:
+        # the process's own symbols, libc's among them (dlopen(NULL)); find_library("c")
+        # runs ldconfig in a subprocess: 3-4 ms of a process's first load
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore  # noqa: B018 - present in every Linux C library
+    except (OSError, AttributeError):
         return None
-    libc = ctypes.CDLL(name, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

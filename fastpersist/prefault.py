@@ -93,7 +93,7 @@ def _madvise() -> Optional[Any]:
     global _libc
     if _libc is None:
         try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            _libc = ctypes.CDLL(None, use_errno=True)  # the process's symbols, libc's among them
             _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             _libc.madvise.restype = ctypes.c_int
         except (OSError, AttributeError):
