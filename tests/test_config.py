@@ -372,3 +372,18 @@ def test_loads_and_verify_honour_read_staging(tmp_path, monkeypatch: pytest.Monk
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
     assert fastpersist.verify(path, config=cfg).ok
     assert made and set(made) == {staged}  # also the overlapped loader's own reader handle
+
+
+def test_read_queue_depth_none_is_chosen_per_device_and_auto_in_the_environment() -> None:
+    assert Config().read_queue_depth is None
+    assert Config().handle_kwargs(read=True)["queue_depth"] == fpconfig.DEFAULT_READ_QUEUE_DEPTH
+    assert Config(read_queue_depth=4).handle_kwargs(read=True)["queue_depth"] == 4
+    assert Config.from_env(environ={"FASTPERSIST_READ_QUEUE_DEPTH": "auto"}).read_queue_depth is None
+    assert Config.from_env(environ={"FASTPERSIST_READ_QUEUE_DEPTH": " AUTO "}).read_queue_depth is None
+    assert Config.from_env(environ={"FASTPERSIST_READ_QUEUE_DEPTH": "4"}).read_queue_depth == 4
+    with pytest.raises(ValueError, match="FASTPERSIST_READ_QUEUE_DEPTH"):
+        Config.from_env(environ={"FASTPERSIST_READ_QUEUE_DEPTH": "1"})
+    with pytest.raises(ValueError, match="FASTPERSIST_READ_QUEUE_DEPTH"):
+        Config.from_env(environ={"FASTPERSIST_READ_QUEUE_DEPTH": "deep"})
+    with pytest.raises(TypeError, match="read_queue_depth"):
+        Config(read_queue_depth="auto")  # type: ignore[arg-type]
