@@ -103,8 +103,8 @@ class Config:
             at least 2 (also the number of staging buffers when reads are staged).
             ``None`` (default): chosen per device for the O_DIRECT reads of loads
             (:func:`fastpersist.readpolicy.plan_read`): 2 where the file's block device
-            has one hardware queue (a VM's virtio disk, a loop device, SATA), where two
-            requests keep it busy and the reads stay in file order;
+            has one hardware queue (a VM's virtio disk, a loop device, SATA; deeper
+            queues' reads there ran ahead of the pre-fault thread and collided with it);
             :data:`DEFAULT_READ_QUEUE_DEPTH` elsewhere (NVMe's many queues, stacked or
             unknown devices) and for buffered and staged reads.
         read_staging: How reads reach their destination: ``"off"``: straight into it

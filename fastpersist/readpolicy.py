@@ -16,10 +16,12 @@ function of facts that do not change from one load to the next (:func:`plan_read
 
 The O_DIRECT reads of a load whose ``Config.read_queue_depth`` is None (the default)
 keep :data:`SINGLE_QUEUE_DEPTH` requests in flight where the file's block device has one
-hardware queue (a VM's virtio disk, a loop device, SATA: it serves requests one after
-another, two keep it busy, and the reads stay in file order, which a virtual disk backed by
-a host file reads ahead), and ``Config.DEFAULT_READ_QUEUE_DEPTH`` elsewhere (NVMe's many
-queues; stacked, network or unknown devices); :func:`hardware_queues`.
+hardware queue (a VM's virtio disk, a loop device, SATA), and
+``Config.DEFAULT_READ_QUEUE_DEPTH`` elsewhere (NVMe's many queues; stacked, network or
+unknown devices); :func:`hardware_queues`. A device with one queue serves requests one
+after another, so more in flight read no faster there; measured on a RAM disk (a loop
+device), they ran ahead of the thread that faults the new buffers in and collided with it
+(depth 16 was the faster without that thread, depth 2 with it; docs/loading.md).
 
 Nothing is learned from earlier loads: a load's speed depends on what else runs on
 the machine, and a choice learned from it followed the noise. Explicit ``read_mode``
