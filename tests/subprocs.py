@@ -1,5 +1,5 @@
-"""Helpers shared by the tests: independent child processes run side by side, and a byte
-of a file flipped in place.
+"""Helpers shared by the tests: independent child processes run side by side, a byte
+of a file flipped in place, and a checkpoint's tensors by their documented names.
 
 The suite runs one test at a time, so while a test waits on a child that imports torch
 (seconds each) the machine's other cores are idle: children that share nothing (no file,
@@ -58,3 +58,20 @@ def flip_byte(path: Any, offset: int, mask: int = 0x40) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ mask]))
+
+
+def tensors_by_name(obj: Any, prefix: str = "", out: Any = None) -> dict:
+    """The tensors of ``obj`` by fastpersist's documented naming (dict keys and list
+    indices joined with ".", as ``fastpersist.open(...).keys()`` gives them)."""
+    import torch
+
+    out = {} if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out[prefix[:-1]] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            tensors_by_name(v, f"{prefix}{k}.", out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            tensors_by_name(v, f"{prefix}{i}.", out)
+    return out

@@ -17,6 +17,7 @@ import fastpersist
 from fastpersist.errors import CheckpointFormatError, ChecksumError, UnsupportedLayoutError
 from fastpersist.formats.torchindex import AmbiguousNameError
 from fastpersist.formats.zipindex import read_zip_index
+from subprocs import tensors_by_name  # tests/ is on sys.path
 
 MiB = 1 << 20
 PSYNC = fastpersist.Config(engine="psync")  # reads are pread calls: counted in rchar
@@ -37,22 +38,8 @@ def _save(obj, path, writer: str) -> None:
     (torch.save if writer == "torch" else fastpersist.save)(obj, path)
 
 
-def _flat(obj, prefix: str = "", out=None) -> dict:
-    """Tensors of ``obj`` by the documented naming (keys/indices joined with ".")."""
-    out = {} if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out[prefix[:-1]] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _flat(v, f"{prefix}{k}.", out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _flat(v, f"{prefix}{i}.", out)
-    return out
-
-
 def _leaf(obj, name: str):
-    return _flat(obj)[name]
+    return tensors_by_name(obj)[name]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

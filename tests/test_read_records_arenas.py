@@ -22,6 +22,7 @@ from fastpersist.config import get_default
 from fastpersist.errors import CheckpointFormatError, ChecksumError
 from fastpersist.formats import torchload
 from fastpersist.formats.torchindex import open_checkpoint, pack_arenas
+from subprocs import flip_byte, tensors_by_name  # tests/ is on sys.path
 
 PARAMS = 300  # Adam keeps two state tensors per parameter: 600 records of about 16 KiB, ~9.6 MB
 
@@ -45,19 +46,6 @@ def optimizer_state() -> dict:
     return {"state": state, "param_groups": fresh_optimizer().state_dict()["param_groups"]}
 
 
-def flat(obj, prefix: str = "", out=None) -> dict:
-    out = {} if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out[prefix[:-1]] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            flat(v, f"{prefix}{k}.", out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            flat(v, f"{prefix}{i}.", out)
-    return out
-
-
 def same(a: torch.Tensor, b: torch.Tensor) -> None:
     assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset())
     assert a.untyped_storage().nbytes() == b.untyped_storage().nbytes()
@@ -75,12 +63,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
     out = {"torch": d / "torch.pt", "fastpersist": d / "fp.pt", "safetensors": d / "c.safetensors"}
     torch.save(sd, out["torch"])
     fastpersist.save(sd, out["fastpersist"])
-    st_save_file({k: v.clone() for k, v in flat(sd).items()}, out["safetensors"])
+    st_save_file({k: v.clone() for k, v in tensors_by_name(sd).items()}, out["safetensors"])
     return out
 
 
 def reference(p: Path) -> dict:
-    return flat(st_load_file(p)) if p.suffix == ".safetensors" else flat(torch.load(p, weights_only=True))
+    loaded = st_load_file(p) if p.suffix == ".safetensors" else torch.load(p, weights_only=True)
+    return tensors_by_name(loaded)
 
 
 @pytest.mark.parametrize("writer", ["torch", "fastpersist", "safetensors"])
@@ -127,7 +116,7 @@ def test_load_state_dict_into_a_fresh_optimizer(files: dict[str, Path], writer: 
     want = torch.load(p, weights_only=True)
     got = opt.state_dict()
     assert got["param_groups"] == want["param_groups"]
-    fg, fw = flat(got["state"]), flat(want["state"])
+    fg, fw = tensors_by_name(got["state"]), tensors_by_name(want["state"])
     assert sorted(fg) == sorted(fw)
     for k in fw:
         assert fg[k].dtype == fw[k].dtype and torch.equal(fg[k], fw[k])
@@ -154,11 +143,9 @@ def _get_all(p: Path) -> None:
 @pytest.mark.parametrize("call", ["open.get_many", "load_state_dict"])
 def test_a_flipped_byte_in_the_second_arena_is_refused(files: dict[str, Path], tmp_path: Path, call: str) -> None:
     p = tmp_path / "c.pt"
-    data = bytearray(files["torch"].read_bytes())
-    p.write_bytes(data)
+    p.write_bytes(files["torch"].read_bytes())
     name, offset, size = _second_arena_record(p)
-    data[offset + size // 2] ^= 0x10
-    p.write_bytes(data)
+    flip_byte(p, offset + size // 2, 0x10)
     with pytest.raises(ChecksumError, match=str(p)) as e:
         if call == "open.get_many":
             _get_all(p)
